@@ -1,0 +1,138 @@
+"""What two peers must agree on before any request crosses between them.
+
+Pure functions over :class:`~p2p_kv.protocol.Hello`. A mismatch is refused
+with a reason that names the field, because the alternative -- peers that
+hash or lay out blocks differently -- does not fail: it silently misses (or,
+worse, loads wrong bytes into the right-looking slot).
+
+The hash seed itself never leaves the process: peers compare a salted digest
+of it, plus the hashes of a canonical token sequence, which also catches a
+different hash *function* configured under the same name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from dataclasses import dataclass, field
+
+from p2p_kv.protocol import PROTOCOL_VERSION, Hello
+
+_SEED_SALT = b"p2p_kv/hash-seed/v1"
+_MAC_SALT = b"p2p_kv/handshake-mac/v1"
+
+
+class HandshakeRefused(Exception):
+    """The peer does not match us; ``reason`` is a metric label, ``detail``
+    the sentence for the log."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Everything this engine states about itself in its Hello."""
+
+    engine_id: str
+    hash_algo: str
+    hash_seed: str
+    canonical_hashes: tuple[bytes, ...]
+    layout: str
+    block_bytes: int
+    num_blocks: int
+    region: bytes = b""
+    secret: bytes | None = field(default=None, repr=False)
+
+
+def seed_digest(seed: str) -> bytes:
+    return hashlib.sha256(_SEED_SALT + seed.encode()).digest()
+
+
+def make_hello(me: Identity, nonce: bytes) -> Hello:
+    return Hello(
+        version=PROTOCOL_VERSION,
+        engine_id=me.engine_id,
+        hash_algo=me.hash_algo,
+        seed_digest=seed_digest(me.hash_seed),
+        canonical_hashes=list(me.canonical_hashes),
+        layout=me.layout,
+        block_bytes=me.block_bytes,
+        num_blocks=me.num_blocks,
+        authenticated=me.secret is not None,
+        nonce=nonce,
+        region=me.region,
+    )
+
+
+def check_hello(mine: Hello, theirs: Hello) -> None:
+    """Raise :class:`HandshakeRefused` naming the first field that differs."""
+    if theirs.version != mine.version:
+        raise HandshakeRefused(
+            "version",
+            f"peer speaks protocol v{theirs.version}, we speak v{mine.version}",
+        )
+    if theirs.engine_id == mine.engine_id:
+        raise HandshakeRefused("self", "peer has our own engine id")
+    if theirs.hash_algo != mine.hash_algo:
+        raise HandshakeRefused(
+            "hash_algo",
+            f"peer hashes blocks with {theirs.hash_algo!r}, we use "
+            f"{mine.hash_algo!r} (set the same prefix_caching_hash_algo)",
+        )
+    if theirs.seed_digest != mine.seed_digest:
+        raise HandshakeRefused(
+            "hash_seed",
+            "peer's hash seed differs from ours (set the same PYTHONHASHSEED "
+            "on every engine)",
+        )
+    if theirs.canonical_hashes != mine.canonical_hashes:
+        raise HandshakeRefused(
+            "canonical_hashes",
+            "peer hashes the canonical token sequence differently "
+            "(block size or hash function differs)",
+        )
+    if theirs.layout != mine.layout:
+        raise HandshakeRefused(
+            "layout",
+            f"peer's KV layout {theirs.layout!r} differs from ours {mine.layout!r}",
+        )
+    if theirs.block_bytes != mine.block_bytes:
+        raise HandshakeRefused(
+            "layout",
+            f"peer's block is {theirs.block_bytes} bytes, ours {mine.block_bytes}",
+        )
+    if theirs.authenticated != mine.authenticated:
+        who = "we require" if mine.authenticated else "the peer requires"
+        raise HandshakeRefused(
+            "auth", f"{who} a shared secret and the other side has none"
+        )
+    if theirs.nonce == mine.nonce:
+        raise HandshakeRefused("replay", "peer echoed our own nonce")
+
+
+def handshake_mac(secret: bytes | None, sender: Hello, receiver: Hello) -> bytes:
+    """MAC that ``sender`` sends ``receiver``: binds both hellos (and so both
+    fresh nonces), so it can be neither replayed nor reflected."""
+    if secret is None:
+        return b""
+    body = _MAC_SALT + _hello_digest(sender) + _hello_digest(receiver)
+    return hmac.new(secret, body, hashlib.sha256).digest()
+
+
+def verify_mac(
+    secret: bytes | None, sender: Hello, receiver: Hello, mac: bytes
+) -> None:
+    expected = handshake_mac(secret, sender, receiver)
+    if not hmac.compare_digest(expected, mac):
+        raise HandshakeRefused(
+            "auth", "peer's handshake proof does not match our shared secret"
+        )
+
+
+def _hello_digest(hello: Hello) -> bytes:
+    from p2p_kv.protocol import encode
+
+    return hashlib.sha256(encode(hello)).digest()

@@ -1,0 +1,245 @@
+"""Every per-request state machine of p2p_kv, in one place.
+
+Rules of this file (after h11's ``_state.py``):
+
+* Everything that changes a request's state is a row of :data:`TABLE`.
+  Code elsewhere never assigns a state; it calls :func:`step`.
+* An event that has no row for the current state is illegal. Whether that
+  is *our* bug or the *peer's* fault depends on where the event came from,
+  so :func:`step` raises :class:`IllegalTransition` and the caller decides:
+  local callers let it propagate (a bug, loud), the session turns an
+  illegal *remote* event into an ``Error`` reply and a metric and leaves the
+  request untouched.
+* Terminal states have no rows: nothing moves a finished machine again,
+  which is what makes late messages harmless.
+
+The four machines
+-----------------
+``PROBE``  (consumer, one per Lookup batch) -- asks a peer which blocks it has.
+``LOAD``   (consumer, one per load job)     -- a Fetch and the fence behind it:
+           the job's destination slots go back to the engine only from DONE or
+           FAILED, and FAILED is reached only once no remote write can land
+           (TransferDone, AbortAck, or the peer's agent invalidated).
+``SERVE``  (producer, one per peer x (req, gen)) -- pins blocks for a peer's
+           lookup or binds parked stores to its fetch, writes them, releases.
+``PARKED`` (producer, one per store job of a ``remote_decoder`` request) --
+           blocks kept for a decoder that has not fetched yet.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Final
+
+
+class Machine(Enum):
+    PROBE = "probe"
+    LOAD = "load"
+    SERVE = "serve"
+    PARKED = "parked"
+
+
+class State(Enum):
+    # PROBE
+    PROBING = "probing"
+    ANSWERED = "answered"
+    EXPIRED = "expired"
+    # LOAD
+    QUEUED = "queued"  # session not ready yet: the Fetch waits in our outbox
+    FETCH_POSTED = "fetch_posted"
+    ABORTING = "aborting"  # Abort sent; slots quarantined until fenced
+    DONE = "done"
+    FAILED = "failed"
+    # SERVE
+    LOOKUP_QUEUED = "lookup_queued"  # waiting for the engine's serve window
+    PINNED = "pinned"
+    FETCH_WAITING = "fetch_waiting"  # fetch arrived before its parked stores
+    WRITING = "writing"
+    ABORT_WRITING = "abort_writing"  # abort arrived mid-write: ack when fenced
+    RELEASED = "released"
+    # PARKED
+    STORED = "stored"
+    BOUND = "bound"
+    # (PARKED also ends in RELEASED or EXPIRED)
+
+
+class Event(Enum):
+    LOOKUP = "lookup"
+    LOOKUP_RESP = "lookup_resp"
+    SERVED = "served"
+    SESSION_READY = "session_ready"
+    FETCH = "fetch"
+    STORES_READY = "stores_ready"
+    WRITES_DONE = "writes_done"
+    WRITES_FAILED = "writes_failed"
+    TRANSFER_OK = "transfer_ok"
+    TRANSFER_FAILED = "transfer_failed"
+    ABORT = "abort"
+    ABORT_ACK = "abort_ack"
+    TIMEOUT = "timeout"
+    PEER_LOST = "peer_lost"
+    FINISH = "finish"
+    RESET = "reset"
+
+
+S, E = State, Event
+
+TABLE: Final[dict[Machine, dict[State, dict[Event, State]]]] = {
+    Machine.PROBE: {
+        S.PROBING: {
+            E.LOOKUP_RESP: S.ANSWERED,
+            E.TIMEOUT: S.EXPIRED,
+            E.PEER_LOST: S.EXPIRED,
+            E.FINISH: S.EXPIRED,
+        },
+    },
+    Machine.LOAD: {
+        S.QUEUED: {
+            E.SESSION_READY: S.FETCH_POSTED,
+            # Never sent: no write can exist, so failing at once is fenced.
+            E.ABORT: S.FAILED,
+            E.TIMEOUT: S.FAILED,
+            E.PEER_LOST: S.FAILED,
+        },
+        S.FETCH_POSTED: {
+            E.TRANSFER_OK: S.DONE,
+            E.TRANSFER_FAILED: S.FAILED,
+            # The producer may be mid-write: quarantine, do not fail yet.
+            E.ABORT: S.ABORTING,
+            E.TIMEOUT: S.ABORTING,
+            # The session invalidates the peer's agent before results leave.
+            E.PEER_LOST: S.FAILED,
+        },
+        S.ABORTING: {
+            # The writes finished before the producer saw our Abort: the
+            # bytes are whole, so the job may as well succeed.
+            E.TRANSFER_OK: S.DONE,
+            E.TRANSFER_FAILED: S.FAILED,
+            E.ABORT_ACK: S.FAILED,
+            # No ack in time: the session closes the peer (agent
+            # invalidated) and only then lets the failure out.
+            E.TIMEOUT: S.FAILED,
+            E.PEER_LOST: S.FAILED,
+        },
+    },
+    Machine.SERVE: {
+        S.LOOKUP_QUEUED: {
+            E.SERVED: S.PINNED,
+            E.ABORT: S.RELEASED,
+            E.TIMEOUT: S.RELEASED,
+            E.PEER_LOST: S.RELEASED,
+            E.RESET: S.RELEASED,
+        },
+        S.PINNED: {
+            E.LOOKUP: S.LOOKUP_QUEUED,
+            E.FETCH: S.WRITING,
+            E.ABORT: S.RELEASED,
+            E.TIMEOUT: S.RELEASED,
+            E.PEER_LOST: S.RELEASED,
+            E.RESET: S.RELEASED,
+        },
+        S.FETCH_WAITING: {
+            E.STORES_READY: S.WRITING,
+            E.ABORT: S.RELEASED,
+            E.TIMEOUT: S.RELEASED,
+            E.PEER_LOST: S.RELEASED,
+            E.RESET: S.RELEASED,
+        },
+        S.WRITING: {
+            E.WRITES_DONE: S.RELEASED,
+            E.WRITES_FAILED: S.RELEASED,
+            E.ABORT: S.ABORT_WRITING,
+            # Deadline: writes are cancelled, then TransferDone(ok=False).
+            E.TIMEOUT: S.RELEASED,
+            E.PEER_LOST: S.RELEASED,
+        },
+        S.ABORT_WRITING: {
+            E.WRITES_DONE: S.RELEASED,
+            E.WRITES_FAILED: S.RELEASED,
+            E.TIMEOUT: S.RELEASED,
+            E.PEER_LOST: S.RELEASED,
+        },
+    },
+    Machine.PARKED: {
+        S.STORED: {
+            E.FETCH: S.BOUND,
+            E.TIMEOUT: S.EXPIRED,
+            E.RESET: S.EXPIRED,
+        },
+        S.BOUND: {
+            E.WRITES_DONE: S.RELEASED,
+            E.WRITES_FAILED: S.RELEASED,
+            E.PEER_LOST: S.RELEASED,
+            E.RESET: S.RELEASED,
+        },
+    },
+}
+
+#: A SERVE may start in LOOKUP_QUEUED (a Lookup arrived) or FETCH_WAITING
+#: (a Fetch for parked stores arrived with no lookup before it).
+INITIAL: Final[dict[Machine, frozenset[State]]] = {
+    Machine.PROBE: frozenset({S.PROBING}),
+    Machine.LOAD: frozenset({S.QUEUED, S.FETCH_POSTED}),
+    Machine.SERVE: frozenset({S.LOOKUP_QUEUED, S.FETCH_WAITING}),
+    Machine.PARKED: frozenset({S.STORED}),
+}
+
+
+class IllegalTransition(Exception):
+    """``event`` has no row for ``state`` in ``machine``'s table."""
+
+    def __init__(self, machine: Machine, state: State, event: Event) -> None:
+        super().__init__(
+            f"{machine.value}: event {event.value!r} is illegal in state "
+            f"{state.value!r}"
+        )
+        self.machine = machine
+        self.state = state
+        self.event = event
+
+
+def allowed(machine: Machine, state: State, event: Event) -> bool:
+    return event in TABLE[machine].get(state, {})
+
+
+def step(machine: Machine, state: State, event: Event) -> State:
+    """The one function that computes a next state."""
+    try:
+        return TABLE[machine][state][event]
+    except KeyError:
+        raise IllegalTransition(machine, state, event) from None
+
+
+def is_terminal(machine: Machine, state: State) -> bool:
+    return state not in TABLE[machine]
+
+
+class Tracked:
+    """Base of every object that carries a lifecycle state.
+
+    Holding the state behind :meth:`fire` keeps the rule "only this file
+    moves states" checkable: grep for ``.state =`` outside this module.
+    """
+
+    machine: Machine
+    __slots__ = ("_state",)
+
+    def __init__(self, initial: State) -> None:
+        if initial not in INITIAL[self.machine]:
+            raise IllegalTransition(self.machine, initial, Event.RESET)
+        self._state = initial
+
+    @property
+    def state(self) -> State:
+        return self._state
+
+    @property
+    def terminal(self) -> bool:
+        return is_terminal(self.machine, self._state)
+
+    def can(self, event: Event) -> bool:
+        return allowed(self.machine, self._state, event)
+
+    def fire(self, event: Event) -> State:
+        self._state = step(self.machine, self._state, event)
+        return self._state

@@ -1,0 +1,685 @@
+"""The P2P load manager: one per engine, no I/O.
+
+It is what vLLM's tier calls reach (through the adapter) and what the
+transports feed (through :mod:`p2p_kv.runtime`). It composes one
+:class:`~p2p_kv.session.Session` per peer connection with the engine-level
+state no single peer owns:
+
+* consumer requests (one per live engine request with a ``remote_kv_source``
+  or ``remote_prefiller`` leg), each stamped with a fresh *generation*;
+* the failed-ID set: engine request ids whose *live, unfinished* request must
+  recompute, so :meth:`lookup` answers MISS;
+* the parked-store registry for ``remote_decoder`` requests;
+* job bookkeeping, so every submitted job yields exactly one result.
+
+Finished means finished: :meth:`on_request_finished` drops the request's
+failed-ID entry and marks its in-flight loads and already-buffered results
+``request_finished``; a failure that arrives later still returns its job for
+cleanup but can never put the id back. A reused ``kv_request_id`` is a new
+request with a new generation, so nothing addressed to the old one touches it.
+
+Failed-ID entries are keyed by engine request id, not by ``kv_request_id``:
+two live engine requests may share one orchestrator id, and one failing must
+not make the other recompute.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from p2p_kv.handshake import Identity
+from p2p_kv.lifecycle import Event, State
+from p2p_kv.protocol import Message
+from p2p_kv.session import (
+    Limits,
+    LoadResult,
+    ParkedStore,
+    Pinner,
+    Session,
+    StoreResult,
+    Timeouts,
+    WriteOrder,
+)
+
+
+class Answer(Enum):
+    HIT = "hit"
+    MISS = "miss"
+    RETRY = "retry"
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """Consumer leg of a request: where its KV may be loaded from."""
+
+    kv_id: str
+    peer: str
+    #: ``remote_kv_source``: ask first. ``remote_prefiller``: the prefiller
+    #: computed every block for us, so skip the probe.
+    probe: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Roles:
+    """A request's p2p legs, parsed once from ``kv_transfer_params``."""
+
+    source: Source | None = None
+    #: ``remote_decoder`` present: our stores are parked for a decoder.
+    #: An empty id marks a malformed block: its stores fail, not park.
+    dest_kv_id: str | None = None
+
+    @staticmethod
+    def parse(params: Mapping[str, Any] | None) -> Roles:
+        """Parse vLLM's per-request ``kv_transfer_params``. Malformed legs
+        raise ValueError naming the field, so the adapter can refuse them."""
+        if not params:
+            return Roles()
+        source = None
+        for name, probe in (("remote_prefiller", False), ("remote_kv_source", True)):
+            leg = params.get(name)
+            if leg is None:
+                continue
+            if not isinstance(leg, Mapping):
+                raise ValueError(f"kv_transfer_params.{name} must be a mapping")
+            kv_id, host, port = (
+                leg.get("kv_request_id"),
+                leg.get("remote_host"),
+                leg.get("remote_port"),
+            )
+            if not kv_id or not host or not port:
+                raise ValueError(
+                    f"kv_transfer_params.{name} needs kv_request_id, remote_host "
+                    f"and remote_port (got {sorted(leg)})"
+                )
+            source = Source(str(kv_id), format_peer(str(host), int(port)), probe)
+            break
+        dest = params.get("remote_decoder")
+        dest_kv_id = None
+        if dest is not None:
+            dest_kv_id = (
+                str(dest.get("kv_request_id") or "")
+                if isinstance(dest, Mapping)
+                else ""
+            )
+        return Roles(source, dest_kv_id)
+
+
+def format_peer(host: str, port: int) -> str:
+    """``host:port``; IPv6 literals get brackets so the port stays parseable."""
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{port}"
+
+
+@dataclass(slots=True)
+class JobResult:
+    """Engine-neutral twin of vLLM's JobResult."""
+
+    job_id: int
+    success: bool
+    transfer_time: float | None = None
+    transfer_bytes: int | None = None
+
+
+@dataclass(slots=True)
+class Consumer:
+    req_id: str
+    source: Source
+    gen: int
+    #: key -> True (hit) / False (miss) / None (asked, no answer yet)
+    keys: dict[bytes, bool | None] = field(default_factory=dict)
+    unsent: list[bytes] = field(default_factory=list)
+    fetched: bool = False
+
+
+@dataclass(slots=True)
+class ParkedEntry:
+    """Parked stores of one ``kv_request_id`` and the fetches waiting on them."""
+
+    stores: list[ParkedStore] = field(default_factory=list)
+    waiting: list[tuple[str, Any]] = field(default_factory=list)  # (peer, Serve)
+    live_producers: int = 0
+
+
+@dataclass(slots=True)
+class _Job:
+    kind: str  # "load" | "store" | "pin"
+    req_id: str
+
+
+class LoadManager:
+    """See the module docstring. Every method takes ``now``; none blocks."""
+
+    def __init__(
+        self,
+        me: Identity,
+        *,
+        timeouts: Timeouts | None = None,
+        limits: Limits | None = None,
+        parked_ttl_s: float = 60.0,
+        reconnect_backoff_s: float = 1.0,
+    ) -> None:
+        self.me = me
+        self.timeouts = timeouts or Timeouts()
+        self.limits = limits or Limits()
+        self.parked_ttl_s = parked_ttl_s
+        self.reconnect_backoff_s = reconnect_backoff_s
+        self._gens = itertools.count(1)
+        self._inbound_ids = itertools.count(1)
+        self._sessions: dict[str, Session] = {}
+        self._consumers: dict[str, Consumer] = {}
+        self._by_gen: dict[int, Consumer] = {}
+        self._unsent: set[str] = set()  # req ids with lookups to flush
+        self._failed: set[str] = set()
+        self._producers: dict[str, str] = {}  # req_id -> remote_decoder kv id
+        self._parked: dict[str, ParkedEntry] = {}
+        self._parked_heap: list[tuple[float, int, ParkedStore]] = []
+        self._jobs: dict[int, _Job] = {}
+        self._results: list[LoadResult | StoreResult] = []
+        self._finished: list[JobResult] = []
+        self._dirty: set[str] = set()
+        self._to_serve: set[str] = set()
+        self._deadlines: list[tuple[float, str]] = []
+        self._to_connect: list[str] = []
+        self._closing: set[str] = set()
+        self._retry_at: dict[str, float] = {}
+        self.refusals: dict[tuple[str, str], int] = {}
+        self.protocol_errors: dict[str, int] = {}
+        self.fallbacks: dict[str, int] = {}
+        self.double_results = 0
+
+    # ------------------------------------------------------------------
+    # vLLM-facing: consumer leg
+    # ------------------------------------------------------------------
+
+    def on_new_request(self, req_id: str, roles: Roles, now: float) -> None:
+        if req_id in self._consumers or req_id in self._producers:
+            raise ValueError(f"request {req_id!r} is already live")
+        if roles.source is not None:
+            consumer = Consumer(req_id, roles.source, next(self._gens))
+            self._consumers[req_id] = consumer
+            self._by_gen[consumer.gen] = consumer
+            self._session_for(roles.source.peer, now)
+        if roles.dest_kv_id:
+            self._producers[req_id] = roles.dest_kv_id
+            self._parked.setdefault(roles.dest_kv_id, ParkedEntry()).live_producers += 1
+
+    def lookup(self, req_id: str, key: bytes, now: float) -> Answer:
+        consumer = self._consumers.get(req_id)
+        if consumer is None or req_id in self._failed:
+            return Answer.MISS
+        session = self._sessions.get(consumer.source.peer)
+        if session is None or session.closed:
+            return Answer.MISS
+        if not consumer.source.probe:
+            return Answer.MISS if consumer.fetched else Answer.HIT
+        if consumer.fetched:
+            # One fetch per generation: the peer released its pins with it.
+            return Answer.MISS
+        if key not in consumer.keys:
+            consumer.keys[key] = None
+            consumer.unsent.append(key)
+            self._unsent.add(req_id)
+            return Answer.RETRY
+        known = consumer.keys[key]
+        if known is None:
+            return Answer.RETRY
+        return Answer.HIT if known else Answer.MISS
+
+    def flush(self, now: float) -> None:
+        """Send the lookups gathered this step, one message per request."""
+        for req_id in self._unsent:
+            consumer = self._consumers.get(req_id)
+            if consumer is None or not consumer.unsent:
+                continue
+            keys, consumer.unsent = consumer.unsent, []
+            session = self._session_for(consumer.source.peer, now)
+            if session is None:
+                for key in keys:
+                    consumer.keys[key] = False
+                continue
+            session.send_lookup(consumer.source.kv_id, consumer.gen, keys, now)
+            self._touch(session)
+        self._unsent.clear()
+
+    def submit_load(
+        self,
+        job_id: int,
+        req_id: str,
+        keys: Sequence[bytes],
+        slots: Sequence[int],
+        now: float,
+    ) -> None:
+        self._register_job(job_id, "load", req_id)
+        consumer = self._consumers.get(req_id)
+        if not keys:
+            self._results.append(LoadResult(job_id, -1, True))
+            return
+        if consumer is None:
+            self._results.append(
+                LoadResult(job_id, -1, False, "unknown_request", request_finished=True)
+            )
+            return
+        session = self._sessions.get(consumer.source.peer)
+        if session is None or session.closed:
+            self._results.append(LoadResult(job_id, consumer.gen, False, "peer_down"))
+            return
+        consumer.fetched = True
+        session.send_fetch(
+            job_id,
+            consumer.source.kv_id,
+            consumer.gen,
+            list(keys),
+            list(slots),
+            self.me.block_bytes,
+            now,
+        )
+        self._touch(session)
+
+    # ------------------------------------------------------------------
+    # vLLM-facing: producer leg
+    # ------------------------------------------------------------------
+
+    def submit_store(
+        self,
+        job_id: int,
+        req_id: str,
+        keys: Sequence[bytes],
+        slots: Sequence[int],
+        now: float,
+    ) -> None:
+        """Park a ``remote_decoder`` request's blocks for its decoder; any
+        other store has nothing to do in a peer tier and succeeds at once."""
+        self._register_job(job_id, "store", req_id)
+        kv_id = self._producers.get(req_id)
+        if kv_id is None:
+            self._results.append(StoreResult(job_id, True))
+            return
+        store = ParkedStore(job_id, kv_id, keys, slots, now + self.parked_ttl_s)
+        entry = self._parked.setdefault(kv_id, ParkedEntry())
+        entry.stores.append(store)
+        heapq.heappush(self._parked_heap, (store.deadline, job_id, store))
+        self._feed_waiting(kv_id, now)
+
+    def on_request_finished(self, req_id: str, now: float) -> None:
+        """Finish both legs of a request. Idempotent for unknown ids."""
+        self._failed.discard(req_id)
+        consumer = self._consumers.pop(req_id, None)
+        if consumer is not None:
+            self._unsent.discard(req_id)
+            del self._by_gen[consumer.gen]
+            for result in self._results:
+                if isinstance(result, LoadResult) and result.gen == consumer.gen:
+                    result.request_finished = True
+            session = self._sessions.get(consumer.source.peer)
+            if session is not None:
+                session.finish_gen(consumer.gen, consumer.source.kv_id, now)
+                self._touch(session)
+        kv_id = self._producers.pop(req_id, None)
+        if kv_id is not None:
+            entry = self._parked[kv_id]
+            entry.live_producers -= 1
+            self._feed_waiting(kv_id, now)
+            self._gc_parked(kv_id)
+
+    # ------------------------------------------------------------------
+    # vLLM-facing: results
+    # ------------------------------------------------------------------
+
+    def get_finished_jobs(self, now: float) -> list[JobResult]:
+        """Every job that ended since the last call, each exactly once."""
+        self._collect(now)
+        out, self._finished = self._finished, []
+        for result in self._results:
+            job = self._jobs.pop(result.job_id, None)
+            if job is None:
+                self.double_results += 1
+                continue
+            if isinstance(result, LoadResult):
+                if not result.success:
+                    self.fallbacks[result.reason] = (
+                        self.fallbacks.get(result.reason, 0) + 1
+                    )
+                    consumer = self._by_gen.get(result.gen)
+                    if (
+                        not result.request_finished
+                        and consumer is not None
+                        and job.req_id == consumer.req_id
+                    ):
+                        self._failed.add(consumer.req_id)
+                out.append(
+                    JobResult(
+                        result.job_id,
+                        result.success,
+                        result.elapsed_s if result.success else None,
+                        result.nbytes if result.success else None,
+                    )
+                )
+            else:
+                out.append(JobResult(result.job_id, result.success))
+        self._results.clear()
+        return out
+
+    def _collect(self, now: float) -> None:
+        for peer in list(self._dirty):
+            session = self._sessions.get(peer)
+            if session is None:
+                continue
+            self._apply_answers(session)
+            self._results.extend(session.take_load_results())
+            self._results.extend(session.take_store_results())
+
+    def _register_job(self, job_id: int, kind: str, req_id: str) -> None:
+        if job_id in self._jobs:
+            raise ValueError(f"job {job_id} submitted twice")
+        self._jobs[job_id] = _Job(kind, req_id)
+
+    # ------------------------------------------------------------------
+    # serve window (producer answers lookups against the engine)
+    # ------------------------------------------------------------------
+
+    def serve(self, pinner: Pinner, now: float) -> None:
+        to_serve, self._to_serve = self._to_serve, set()
+        for peer in to_serve:
+            session = self._sessions.get(peer)
+            if session is not None and session.has_lookups_to_serve:
+                session.serve_lookups(pinner, now)
+                for job_id in session.new_pin_jobs:
+                    self._register_job(job_id, "pin", "")
+                session.new_pin_jobs.clear()
+                self._touch(session)
+
+    # ------------------------------------------------------------------
+    # transport-facing
+    # ------------------------------------------------------------------
+
+    def _session_for(self, peer: str, now: float) -> Session | None:
+        session = self._sessions.get(peer)
+        if session is not None and not session.closed:
+            return session
+        if session is not None:
+            return None  # closed, awaiting invalidation
+        if now < self._retry_at.get(peer, 0.0):
+            return None
+        session = Session(
+            peer, self.me, now, timeouts=self.timeouts, limits=self.limits
+        )
+        self._sessions[peer] = session
+        self._to_connect.append(peer)
+        self._touch(session)
+        return session
+
+    def on_inbound(self, now: float) -> str:
+        """A new peer connected to us; returns the key to feed its frames."""
+        peer = f"in:{next(self._inbound_ids)}"
+        session = Session(
+            peer, self.me, now, timeouts=self.timeouts, limits=self.limits
+        )
+        self._sessions[peer] = session
+        self._touch(session)
+        return peer
+
+    def on_message(self, peer: str, msg: Message, now: float) -> None:
+        session = self._sessions.get(peer)
+        if session is None:
+            return
+        session.receive(msg, now)
+        if session.refusal is not None:
+            key = (peer, session.refusal.reason)
+            self.refusals[key] = self.refusals.get(key, 0) + 1
+        self._touch(session)
+        if session.has_lookups_to_serve:
+            self._to_serve.add(peer)
+        self._bind_parked(session, now)
+
+    def on_bad_frame(self, peer: str, reason: str) -> None:
+        """A frame that did not decode: counted, the session goes on."""
+        self.protocol_errors[reason] = self.protocol_errors.get(reason, 0) + 1
+
+    def on_disconnected(self, peer: str, reason: str, now: float) -> None:
+        session = self._sessions.get(peer)
+        if session is not None:
+            session.peer_lost(reason)
+            self._touch(session)
+
+    def on_write_done(self, peer: str, write_id: int, ok: bool, now: float) -> None:
+        session = self._sessions.get(peer)
+        if session is not None:
+            session.on_write_done(write_id, ok, now)
+            self._touch(session)
+
+    def take_connects(self) -> list[str]:
+        out, self._to_connect = self._to_connect, []
+        return out
+
+    def take_outgoing(self, now: float) -> list[tuple[str, list[Message]]]:
+        out = []
+        for peer in list(self._dirty):
+            session = self._sessions.get(peer)
+            if session is None:
+                continue
+            msgs = session.take_outbox(now)
+            if msgs:
+                out.append((peer, msgs))
+        return out
+
+    def take_writes(self) -> list[tuple[str, WriteOrder]]:
+        return [
+            (peer, order)
+            for peer in list(self._dirty)
+            if (s := self._sessions.get(peer)) is not None
+            for order in s.take_writes()
+        ]
+
+    def take_cancels(self) -> list[tuple[str, int]]:
+        out: list[tuple[str, int]] = []
+        for peer in list(self._dirty):
+            session = self._sessions.get(peer)
+            if session is not None and session.cancelled_writes:
+                out.extend((peer, w) for w in session.cancelled_writes)
+                session.cancelled_writes.clear()
+        return out
+
+    def take_closed(self) -> list[str]:
+        """Closed sessions whose peer agent the data plane must invalidate;
+        answer with :meth:`on_invalidated`."""
+        out = []
+        for peer in self._dirty:
+            session = self._sessions.get(peer)
+            if session is not None and session.closed and peer not in self._closing:
+                self._closing.add(peer)
+                out.append(peer)
+        return out
+
+    def on_invalidated(self, peer: str, now: float) -> None:
+        """The data plane dropped the peer's agent: fenced loads may fail now,
+        and the session's last results are collected before it goes."""
+        session = self._sessions.get(peer)
+        if session is None:
+            return
+        self._closing.discard(peer)
+        session.confirm_invalidated()
+        self._touch(session)
+        self._collect(now)
+        del self._sessions[peer]
+        self._dirty.discard(peer)
+        if not peer.startswith("in:"):
+            self._retry_at[peer] = now + self.reconnect_backoff_s
+
+    def tick(self, now: float) -> None:
+        """Fire deadlines that have passed; O(due work), not O(peers)."""
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, peer = heapq.heappop(self._deadlines)
+            session = self._sessions.get(peer)
+            if session is not None:
+                session.tick(now)
+                self._touch(session)
+        while self._parked_heap and self._parked_heap[0][0] <= now:
+            _, _, store = heapq.heappop(self._parked_heap)
+            if store.state is State.STORED:
+                store.fire(Event.TIMEOUT)
+                entry = self._parked.get(store.kv_id)
+                if entry is not None:
+                    entry.stores.remove(store)
+                    self._gc_parked(store.kv_id)
+                self._results.append(StoreResult(store.job_id, False, "parked_expired"))
+        if len(self._retry_at) > 1024:
+            self._retry_at = {p: t for p, t in self._retry_at.items() if t > now}
+
+    def next_deadline(self) -> float:
+        best = self._deadlines[0][0] if self._deadlines else float("inf")
+        if self._parked_heap:
+            best = min(best, self._parked_heap[0][0])
+        return best
+
+    def end_step(self, now: float) -> None:
+        """Re-arm deadlines of sessions touched this step, then forget them."""
+        for peer in self._dirty:
+            session = self._sessions.get(peer)
+            if session is not None and not session.has_output:
+                deadline = session.next_deadline()
+                if deadline != float("inf"):
+                    heapq.heappush(self._deadlines, (deadline, peer))
+        self._dirty = {
+            p
+            for p in self._dirty
+            if (s := self._sessions.get(p)) is not None and (s.has_output or s.closed)
+        }
+        # Stale heap entries (a session re-armed several times) are cheap to
+        # skip but must not pile up: rebuild when they dominate.
+        if len(self._deadlines) > 4 * max(16, len(self._sessions)):
+            self._deadlines = [
+                (s.next_deadline(), p) for p, s in self._sessions.items()
+            ]
+            heapq.heapify(self._deadlines)
+
+    def _touch(self, session: Session) -> None:
+        """Note the session changed; probe answers apply at once so the next
+        lookup() sees them without waiting for a results poll."""
+        self._dirty.add(session.peer)
+        self._apply_answers(session)
+
+    def _apply_answers(self, session: Session) -> None:
+        for answer in session.take_probe_answers():
+            consumer = self._by_gen.get(answer.gen)
+            if consumer is None:
+                continue
+            hits = answer.hits or [False] * len(answer.keys)
+            for key, hit in zip(answer.keys, hits, strict=True):
+                consumer.keys[key] = hit
+
+    # ------------------------------------------------------------------
+    # parked stores
+    # ------------------------------------------------------------------
+
+    def _bind_parked(self, session: Session, now: float) -> None:
+        while session.wants_parked:
+            serve = session.wants_parked.pop()
+            entry = self._parked.setdefault(serve.req, ParkedEntry())
+            entry.waiting.append((session.peer, serve))
+            self._feed_waiting(serve.req, now)
+
+    def _feed_waiting(self, kv_id: str, now: float) -> None:
+        entry = self._parked.get(kv_id)
+        if entry is None or not entry.waiting:
+            return
+        complete = entry.live_producers == 0
+        still_waiting = []
+        for peer, serve in entry.waiting:
+            session = self._sessions.get(peer)
+            if (
+                session is None
+                or session.closed
+                or serve.state is not State.FETCH_WAITING
+            ):
+                continue
+            stores, entry.stores = entry.stores, []
+            session.attach_parked(serve, stores, complete, now)
+            self._touch(session)
+            if serve.state is State.FETCH_WAITING:
+                still_waiting.append((peer, serve))
+        entry.waiting = still_waiting
+        self._gc_parked(kv_id)
+
+    def _gc_parked(self, kv_id: str) -> None:
+        entry = self._parked.get(kv_id)
+        if (
+            entry is not None
+            and not entry.stores
+            and not entry.waiting
+            and (entry.live_producers == 0)
+        ):
+            del self._parked[kv_id]
+
+    # ------------------------------------------------------------------
+    # drain, reset, close
+    # ------------------------------------------------------------------
+
+    def release_parked(self, now: float) -> None:
+        """Cache reset: parked stores go back to the engine as failed."""
+        for entry in self._parked.values():
+            for store in entry.stores:
+                store.fire(Event.RESET)
+                self._results.append(StoreResult(store.job_id, False, "reset"))
+            entry.stores.clear()
+        for kv_id in list(self._parked):
+            self._gc_parked(kv_id)
+
+    def close_all(self, reason: str) -> None:
+        for session in self._sessions.values():
+            session.close(reason)
+            self._touch(session)
+
+    # ------------------------------------------------------------------
+    # introspection
+    # ------------------------------------------------------------------
+
+    @property
+    def has_lookups_to_serve(self) -> bool:
+        return bool(self._to_serve)
+
+    @property
+    def busy(self) -> bool:
+        """Work in flight that a poll may advance (the engine should step)."""
+        return bool(
+            self._jobs
+            or self._unsent
+            or self._results
+            or any(s.active for s in self._sessions.values() if s.peer in self._dirty)
+            or self._consumers
+        )
+
+    def failed_ids(self) -> frozenset[str]:
+        return frozenset(self._failed)
+
+    def sessions(self) -> Iterable[Session]:
+        return self._sessions.values()
+
+    def session(self, peer: str) -> Session | None:
+        return self._sessions.get(peer)
+
+    def state_report(self) -> dict[str, int]:
+        """Every per-request structure's size: all zero once work drains."""
+        report = {
+            "consumers": len(self._consumers),
+            "generations": len(self._by_gen),
+            "failed_ids": len(self._failed),
+            "producers": len(self._producers),
+            "parked_entries": len(self._parked),
+            "parked_stores": sum(len(e.stores) for e in self._parked.values()),
+            "jobs": len(self._jobs),
+            "buffered_results": len(self._results),
+            "unsent_lookups": len(self._unsent),
+            "fenced_slots": sum(s.fenced_slots for s in self._sessions.values()),
+        }
+        for session in self._sessions.values():
+            for name, size in session.sizes().items():
+                report[name] = report.get(name, 0) + size
+        for name in ("probes", "loads", "serves", "writes", "fenced_results"):
+            report.setdefault(name, 0)
+        return report

@@ -1,0 +1,198 @@
+"""Wire messages between p2p_kv peers.
+
+Every frame on the control plane is one msgpack-encoded message from the
+tagged union :data:`Message`. Decoding is the only place where bytes from a
+peer become objects, so it is also the only place that validates them: sizes,
+types and counts are checked here, and anything wrong surfaces as a single
+:class:`ProtocolError` that names what was wrong. Nothing is ever unpickled.
+
+Request-scoped messages carry ``req`` (the orchestrator's ``kv_request_id``)
+*and* ``gen``: the consumer stamps every new use of an id with a fresh
+generation, so a late reply addressed to an earlier use of the same id can
+never complete, fail or suppress a later one. ``job`` names one fetch inside a
+generation (the engine's job id), since one request may load in several jobs.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Final
+
+import msgspec
+
+PROTOCOL_VERSION: Final = 1
+
+#: Largest frame accepted from a peer. A lookup of 65,536 keys of 36 bytes
+#: is about 2.5 MiB, so 4 MiB fits the largest legal message with room.
+MAX_FRAME_BYTES: Final = 4 * 1024 * 1024
+#: Most keys / slots one message may carry (a 2M-token prompt at 32 tokens
+#: per block).
+MAX_KEYS: Final = 65_536
+MAX_KEY_BYTES: Final = 64
+MAX_REQ_ID_CHARS: Final = 256
+MAX_TEXT_CHARS: Final = 1024
+MAX_BLOB_BYTES: Final = 1024 * 1024
+
+ReqId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_REQ_ID_CHARS)]
+Gen = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+Key = Annotated[bytes, msgspec.Meta(min_length=1, max_length=MAX_KEY_BYTES)]
+Keys = Annotated[list[Key], msgspec.Meta(max_length=MAX_KEYS)]
+Slot = Annotated[int, msgspec.Meta(ge=0, lt=2**40)]
+Slots = Annotated[list[Slot], msgspec.Meta(max_length=MAX_KEYS)]
+Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT_CHARS)]
+Blob = Annotated[bytes, msgspec.Meta(max_length=MAX_BLOB_BYTES)]
+
+
+class ProtocolError(ValueError):
+    """A frame from a peer that we refuse: malformed, oversized or illegal."""
+
+
+class _Msg(msgspec.Struct, frozen=True, array_like=True, tag_field="t"):
+    pass
+
+
+class Hello(_Msg, tag="hello", frozen=True):
+    """First frame each side sends: everything that must match before any
+    request traffic. Compared by :mod:`p2p_kv.handshake`."""
+
+    version: int
+    engine_id: Text
+    hash_algo: Text
+    seed_digest: Blob
+    canonical_hashes: list[Blob]
+    layout: Text
+    block_bytes: Annotated[int, msgspec.Meta(gt=0)]
+    num_blocks: Annotated[int, msgspec.Meta(ge=0)]
+    authenticated: bool
+    nonce: Blob
+    region: Blob
+
+
+class HelloAck(_Msg, tag="hello_ack", frozen=True):
+    """Proof of the shared secret (HMAC over both hellos); empty if none."""
+
+    mac: Blob
+
+
+class Lookup(_Msg, tag="lookup", frozen=True):
+    """Consumer asks which of ``keys`` the producer holds; the producer pins
+    the hits until a Fetch or an Abort for the same (req, gen)."""
+
+    req: ReqId
+    gen: Gen
+    seq: Gen
+    keys: Keys
+
+
+class LookupResp(_Msg, tag="lookup_resp", frozen=True):
+    req: ReqId
+    gen: Gen
+    seq: Gen
+    hits: Annotated[list[bool], msgspec.Meta(max_length=MAX_KEYS)]
+
+
+class Fetch(_Msg, tag="fetch", frozen=True):
+    """Consumer asks the producer to WRITE the blocks of ``keys`` into the
+    consumer's primary-tier ``slots`` (parallel lists)."""
+
+    req: ReqId
+    gen: Gen
+    job: Gen
+    keys: Keys
+    slots: Slots
+
+
+class TransferDone(_Msg, tag="transfer_done", frozen=True):
+    """Producer: every write for this job has finished (``ok``) or none can
+    still land (not ``ok``). Either way the consumer's slots are fenced."""
+
+    req: ReqId
+    gen: Gen
+    job: Gen
+    ok: bool
+    reason: Text = ""
+
+
+class Abort(_Msg, tag="abort", frozen=True):
+    """Consumer gives up on (req, gen): release pins; fence the writes."""
+
+    req: ReqId
+    gen: Gen
+
+
+class AbortAck(_Msg, tag="abort_ack", frozen=True):
+    """Producer: nothing for (req, gen) is pinned or can still be written."""
+
+    req: ReqId
+    gen: Gen
+
+
+class Heartbeat(_Msg, tag="heartbeat", frozen=True):
+    seq: Gen
+
+
+class Goodbye(_Msg, tag="goodbye", frozen=True):
+    reason: Text = ""
+
+
+class Error(_Msg, tag="error", frozen=True):
+    """Reply to a message we refused. Informational only: it never changes a
+    request's state, so a forged or stray Error cannot tear anything down."""
+
+    code: Text
+    detail: Text = ""
+    req: Text = ""
+    gen: int = -1
+
+
+Message = (
+    Hello
+    | HelloAck
+    | Lookup
+    | LookupResp
+    | Fetch
+    | TransferDone
+    | Abort
+    | AbortAck
+    | Heartbeat
+    | Goodbye
+    | Error
+)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder: msgspec.msgpack.Decoder[Message] = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Message) -> bytes:
+    """Serialize one message. Refuses to emit a frame the peer would drop."""
+    frame = _encoder.encode(msg)
+    if len(frame) > MAX_FRAME_BYTES:
+        raise ProtocolError(
+            f"{type(msg).__name__} frame of {len(frame)} bytes exceeds "
+            f"the {MAX_FRAME_BYTES}-byte limit"
+        )
+    return frame
+
+
+def decode(frame: bytes | bytearray | memoryview) -> Message:
+    """Parse one frame from a peer; any defect raises :class:`ProtocolError`."""
+    size = len(frame)
+    if size > MAX_FRAME_BYTES:
+        raise ProtocolError(
+            f"frame of {size} bytes exceeds the {MAX_FRAME_BYTES}-byte limit"
+        )
+    if size == 0:
+        raise ProtocolError("empty frame")
+    try:
+        msg = _decoder.decode(frame)
+    except msgspec.ValidationError as exc:
+        raise ProtocolError(f"invalid message: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"undecodable frame: {exc}") from None
+    if isinstance(msg, Fetch):
+        if len(msg.keys) != len(msg.slots):
+            raise ProtocolError(
+                f"fetch {msg.req!r}: {len(msg.keys)} keys but {len(msg.slots)} slots"
+            )
+        if len(set(msg.slots)) != len(msg.slots):
+            raise ProtocolError(f"fetch {msg.req!r}: duplicate destination slots")
+    return msg

@@ -1,0 +1,1010 @@
+"""One peer, both roles, no I/O.
+
+A :class:`Session` is fed decoded messages, write completions and the
+current time, and produces messages to send, writes to post and buffered
+results. It owns no socket, thread or clock, so tests can drive two of them
+against each other in memory through every interleaving.
+
+Consumer role (we load from the peer): PROBE and LOAD machines.
+Producer role (the peer loads from us): SERVE machines, which own the pins
+they created and the parked stores bound to them until they are released.
+
+The fence rule lives here: a LOAD whose Fetch may still be written by the
+peer never yields its result until the peer said so (TransferDone or
+AbortAck) or the peer's data agent was invalidated
+(:meth:`Session.confirm_invalidated`). Until then its slots are counted as
+fenced.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Protocol
+
+from p2p_kv.handshake import (
+    HandshakeRefused,
+    Identity,
+    check_hello,
+    handshake_mac,
+    make_hello,
+    verify_mac,
+)
+from p2p_kv.lifecycle import (
+    Event,
+    IllegalTransition,
+    Machine,
+    State,
+    Tracked,
+)
+from p2p_kv.protocol import (
+    Abort,
+    AbortAck,
+    Error,
+    Fetch,
+    Goodbye,
+    Heartbeat,
+    Hello,
+    HelloAck,
+    Lookup,
+    LookupResp,
+    Message,
+    TransferDone,
+)
+
+# ---------------------------------------------------------------------------
+# configuration and results
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Every wait has a deadline. Transfers are sized to the bytes moved."""
+
+    handshake_s: float = 5.0
+    heartbeat_interval_s: float = 0.5
+    lookup_s: float = 2.0
+    fetch_floor_s: float = 2.0
+    #: Deadline bandwidth, deliberately far below what NIXL does here
+    #: (4-13 GB/s), so a slow but healthy transfer is never cut.
+    fetch_bytes_per_s: float = 500e6
+    abort_ack_s: float = 2.0
+    pin_ttl_s: float = 15.0
+    parked_wait_s: float = 30.0
+
+    @property
+    def liveness_s(self) -> float:
+        """Silence after which a peer is dead: two heartbeat intervals."""
+        return 2 * self.heartbeat_interval_s
+
+    def fetch_deadline(self, now: float, nbytes: int) -> float:
+        return now + self.fetch_floor_s + nbytes / self.fetch_bytes_per_s
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-peer bounds: a peer that exceeds them gets refusals, not memory."""
+
+    max_serves: int = 4096
+    max_pinned_blocks: int = 1 << 20
+    max_outbox: int = 65_536
+
+
+@dataclass(slots=True)
+class LoadResult:
+    """Outcome of one consumer load job. ``request_finished`` travels with it:
+    a failure of a request that vLLM already finished must never mark the
+    request id as failed (that is the leak this project exists to avoid)."""
+
+    job_id: int
+    gen: int
+    success: bool
+    reason: str = ""
+    nbytes: int = 0
+    elapsed_s: float = 0.0
+    request_finished: bool = False
+
+
+@dataclass(slots=True)
+class StoreResult:
+    """Outcome of one producer-side store job (a pin or a parked store)."""
+
+    job_id: int
+    success: bool
+    reason: str = ""
+
+
+@dataclass(slots=True)
+class ProbeAnswer:
+    """Which of a lookup batch's keys the peer holds (``hits`` None: no
+    answer -- timeout, peer lost, refused -- so treat all as misses)."""
+
+    gen: int
+    keys: list[bytes]
+    hits: list[bool] | None
+
+
+@dataclass(frozen=True, slots=True)
+class WriteOrder:
+    """Our blocks ``src`` to the peer's slots ``dst``, for the data plane."""
+
+    write_id: int
+    src: list[int]
+    dst: list[int]
+    notif: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class PinResult:
+    """What the engine's primary tier answered for one lookup batch."""
+
+    hits: list[bool]
+    #: (store job id, keys, local slots) of each pin the engine created.
+    pins: list[tuple[int, list[bytes], list[int]]]
+
+
+class Pinner(Protocol):
+    """The engine's primary tier, as the producer sees it during a serve
+    window: look keys up and pin the hits (the adapter implements this over
+    vLLM's ParentManager)."""
+
+    def pin(self, label: str, keys: Sequence[bytes]) -> PinResult: ...
+
+
+class Link(Enum):
+    HANDSHAKING = "handshaking"
+    READY = "ready"
+    CLOSED = "closed"
+
+
+# ---------------------------------------------------------------------------
+# the tracked objects
+# ---------------------------------------------------------------------------
+
+
+class Probe(Tracked):
+    machine = Machine.PROBE
+    __slots__ = ("deadline", "gen", "keys", "req", "sent", "seq")
+
+    def __init__(
+        self, req: str, gen: int, seq: int, keys: list[bytes], deadline: float
+    ) -> None:
+        super().__init__(State.PROBING)
+        self.req, self.gen, self.seq, self.keys = req, gen, seq, keys
+        self.deadline = deadline
+        self.sent = False
+
+
+class Load(Tracked):
+    machine = Machine.LOAD
+    __slots__ = (
+        "deadline",
+        "fetch",
+        "nbytes",
+        "request_finished",
+        "started",
+    )
+
+    def __init__(
+        self, fetch: Fetch, nbytes: int, now: float, deadline: float, ready: bool
+    ) -> None:
+        super().__init__(State.FETCH_POSTED if ready else State.QUEUED)
+        self.fetch, self.nbytes, self.started = fetch, nbytes, now
+        self.deadline = deadline
+        self.request_finished = False
+
+    @property
+    def fenced(self) -> bool:
+        """True while a remote write into this job's slots may still land."""
+        return self.state in (State.FETCH_POSTED, State.ABORTING)
+
+
+@dataclass(slots=True)
+class Pin:
+    """A store job the engine created for our lookup answer."""
+
+    job_id: int
+    slots: dict[bytes, int]
+
+
+class ParkedStore(Tracked):
+    """A ``remote_decoder`` store job: blocks kept for a decoder's fetch.
+
+    Owned by the manager's registry while STORED, by one SERVE once BOUND.
+    """
+
+    machine = Machine.PARKED
+    __slots__ = ("deadline", "job_id", "kv_id", "slots")
+
+    def __init__(
+        self,
+        job_id: int,
+        kv_id: str,
+        keys: Sequence[bytes],
+        slots: Sequence[int],
+        deadline: float,
+    ) -> None:
+        super().__init__(State.STORED)
+        self.job_id, self.kv_id, self.deadline = job_id, kv_id, deadline
+        self.slots = dict(zip(keys, slots, strict=True))
+
+
+class Serve(Tracked):
+    machine = Machine.SERVE
+    __slots__ = (
+        "complete",
+        "deadline",
+        "fetch",
+        "gen",
+        "parked",
+        "pending_lookups",
+        "pins",
+        "req",
+        "write_id",
+    )
+
+    def __init__(self, req: str, gen: int, initial: State, deadline: float) -> None:
+        super().__init__(initial)
+        self.req, self.gen, self.deadline = req, gen, deadline
+        self.pending_lookups: list[Lookup] = []
+        self.pins: list[Pin] = []
+        self.parked: list[ParkedStore] = []
+        self.fetch: Fetch | None = None
+        self.write_id = -1
+        #: For FETCH_WAITING: the producer request finished, no more stores.
+        self.complete = False
+
+    def slot_of(self, key: bytes) -> int | None:
+        for pin in self.pins:
+            slot = pin.slots.get(key)
+            if slot is not None:
+                return slot
+        for store in self.parked:
+            slot = store.slots.get(key)
+            if slot is not None:
+                return slot
+        return None
+
+    @property
+    def pinned_blocks(self) -> int:
+        return sum(len(p.slots) for p in self.pins)
+
+
+@dataclass(slots=True)
+class SessionCounters:
+    """Per-session tallies the manager exports as metrics."""
+
+    refused: dict[str, int] = field(default_factory=dict)
+    protocol_errors: dict[str, int] = field(default_factory=dict)
+    failures: dict[str, int] = field(default_factory=dict)
+    lookups: int = 0
+    hits: int = 0
+    misses: int = 0
+    bytes_loaded: int = 0
+    bytes_served: int = 0
+
+    def bump(self, table: dict[str, int], key: str) -> None:
+        table[key] = table.get(key, 0) + 1
+
+
+class Session:
+    """The protocol with one peer. See the module docstring."""
+
+    def __init__(
+        self,
+        peer: str,
+        me: Identity,
+        now: float,
+        *,
+        timeouts: Timeouts | None = None,
+        limits: Limits | None = None,
+        nonce: bytes | None = None,
+    ) -> None:
+        self.peer = peer
+        self.timeouts = timeouts or Timeouts()
+        self.limits = limits or Limits()
+        self._me = me
+        self._hello = make_hello(me, nonce if nonce is not None else os.urandom(16))
+        self._peer_hello: Hello | None = None
+        self._peer_acked = False
+        self.link = Link.HANDSHAKING
+        self.close_reason = ""
+        self.refusal: HandshakeRefused | None = None
+        self.counters = SessionCounters()
+        self._created = now
+        self._last_rx = now
+        self._last_tx = now
+        self._hb_seq = 0
+        self._outbox: list[Message] = [self._hello]
+        self._writes: list[WriteOrder] = []
+        # consumer role
+        self._probes: dict[tuple[int, int], Probe] = {}
+        self._probe_seq = 0
+        self._loads: dict[int, Load] = {}  # by job id
+        self._load_results: list[LoadResult] = []
+        self._probe_answers: list[ProbeAnswer] = []
+        self._fenced_results: list[tuple[LoadResult, int]] = []
+        # producer role
+        self._serves: dict[tuple[str, int], Serve] = {}
+        self._serve_queue: list[Serve] = []  # LOOKUP_QUEUED, in arrival order
+        self._writing: dict[int, Serve] = {}  # by write id
+        self._next_write = 0
+        self._store_results: list[StoreResult] = []
+        self.wants_parked: list[Serve] = []
+        self.new_pin_jobs: list[int] = []
+        self.cancelled_writes: list[int] = []
+        self._contacted: set[int] = set()  # gens the peer may hold pins for
+
+    # ------------------------------------------------------------------
+    # link state
+    # ------------------------------------------------------------------
+
+    @property
+    def peer_hello(self) -> Hello | None:
+        return self._peer_hello
+
+    @property
+    def ready(self) -> bool:
+        return self.link is Link.READY
+
+    @property
+    def closed(self) -> bool:
+        return self.link is Link.CLOSED
+
+    def _send(self, msg: Message) -> None:
+        if self.link is Link.CLOSED:
+            return
+        if len(self._outbox) >= self.limits.max_outbox:
+            self._lose("outbox_full", "peer is not draining our messages")
+            return
+        self._outbox.append(msg)
+
+    def take_outbox(self, now: float) -> list[Message]:
+        out, self._outbox = self._outbox, []
+        if out:
+            self._last_tx = now
+        return out
+
+    def take_writes(self) -> list[WriteOrder]:
+        out, self._writes = self._writes, []
+        return out
+
+    def _refuse(self, err: HandshakeRefused) -> None:
+        self.refusal = err
+        self.counters.bump(self.counters.refused, err.reason)
+        self._outbox.append(Goodbye(reason=f"refused: {err}"[:1000]))
+        self._lose("refused", str(err))
+
+    def _on_hello(self, msg: Hello, now: float) -> None:
+        if self._peer_hello is not None:
+            self._protocol_error("duplicate_hello", "second Hello on one session")
+            return
+        try:
+            check_hello(self._hello, msg)
+        except HandshakeRefused as err:
+            self._refuse(err)
+            return
+        self._peer_hello = msg
+        self._send(HelloAck(mac=handshake_mac(self._me.secret, self._hello, msg)))
+        self._maybe_ready(now)
+
+    def _on_hello_ack(self, msg: HelloAck, now: float) -> None:
+        if self._peer_hello is None or self._peer_acked:
+            self._protocol_error("unexpected_hello_ack", "HelloAck out of order")
+            return
+        try:
+            verify_mac(self._me.secret, self._peer_hello, self._hello, msg.mac)
+        except HandshakeRefused as err:
+            self._refuse(err)
+            return
+        self._peer_acked = True
+        self._maybe_ready(now)
+
+    def _maybe_ready(self, now: float) -> None:
+        if self._peer_hello is None or not self._peer_acked:
+            return
+        self.link = Link.READY
+        for probe in self._probes.values():
+            if not probe.sent:
+                self._send_probe(probe)
+        for load in self._loads.values():
+            if load.state is State.QUEUED:
+                load.fire(Event.SESSION_READY)
+                self._send(load.fetch)
+
+    def close(self, reason: str) -> None:
+        """Local decision to drop the peer (shutdown, idle, reset)."""
+        if self.link is not Link.CLOSED:
+            self._outbox.append(Goodbye(reason=reason))
+        self._lose("closed", reason)
+
+    def peer_lost(self, reason: str) -> None:
+        """The transport says the peer is gone."""
+        self._lose("peer_down", reason)
+
+    def _lose(self, kind: str, reason: str) -> None:
+        """Fail everything in flight; loads that may still be written wait
+        in ``_fenced_results`` until :meth:`confirm_invalidated`."""
+        if self.link is Link.CLOSED:
+            return
+        self.link = Link.CLOSED
+        self.close_reason = f"{kind}: {reason}"
+        for probe in self._probes.values():
+            probe.fire(Event.PEER_LOST)
+            self._probe_answers.append(ProbeAnswer(probe.gen, probe.keys, None))
+        self._probes.clear()
+        for load in self._loads.values():
+            fenced = load.fenced
+            load.fire(Event.PEER_LOST)
+            result = self._result(load, False, kind, load.started)
+            if fenced:
+                self._fenced_results.append((result, len(load.fetch.slots)))
+            else:
+                self._load_results.append(result)
+            self.counters.bump(self.counters.failures, kind)
+        self._loads.clear()
+        self._contacted.clear()
+        for serve in list(self._serves.values()):
+            self._release_serve(serve, Event.PEER_LOST, ok=False, reason=kind)
+        self._serve_queue.clear()
+
+    def confirm_invalidated(self) -> None:
+        """The peer's data agent is gone: its writes can no longer land."""
+        self._load_results.extend(r for r, _ in self._fenced_results)
+        self._fenced_results.clear()
+
+    # ------------------------------------------------------------------
+    # input
+    # ------------------------------------------------------------------
+
+    def receive(self, msg: Message, now: float) -> None:
+        """Feed one decoded message from the peer. Never raises for anything
+        the peer sent: bad input costs the peer an Error reply and a count."""
+        if self.link is Link.CLOSED:
+            return
+        self._last_rx = now
+        if isinstance(msg, Hello):
+            self._on_hello(msg, now)
+            return
+        if isinstance(msg, HelloAck):
+            self._on_hello_ack(msg, now)
+            return
+        if isinstance(msg, Goodbye):
+            self._lose("peer_down", f"peer said goodbye: {msg.reason}")
+            return
+        if isinstance(msg, Error):
+            self.counters.bump(self.counters.protocol_errors, f"peer:{msg.code}")
+            return
+        if isinstance(msg, Heartbeat):
+            return
+        if self.link is not Link.READY:
+            self._protocol_error(
+                "before_handshake", f"{type(msg).__name__} before the handshake"
+            )
+            return
+        try:
+            match msg:
+                case Lookup():
+                    self._on_lookup(msg, now)
+                case LookupResp():
+                    self._on_lookup_resp(msg)
+                case Fetch():
+                    self._on_fetch(msg, now)
+                case TransferDone():
+                    self._on_transfer_done(msg, now)
+                case Abort():
+                    self._on_abort(msg)
+                case AbortAck():
+                    self._on_abort_ack(msg, now)
+        except IllegalTransition as exc:
+            req = getattr(msg, "req", "")
+            gen = getattr(msg, "gen", -1)
+            self._protocol_error("illegal", str(exc), req, gen)
+
+    def _protocol_error(
+        self, code: str, detail: str, req: str = "", gen: int = -1
+    ) -> None:
+        self.counters.bump(self.counters.protocol_errors, code)
+        self._send(Error(code=code, detail=detail[:1000], req=req, gen=gen))
+
+    # ------------------------------------------------------------------
+    # consumer role
+    # ------------------------------------------------------------------
+
+    def send_lookup(self, req: str, gen: int, keys: list[bytes], now: float) -> None:
+        """Ask the peer about ``keys``; the answer arrives as a ProbeAnswer."""
+        if self.link is Link.CLOSED:
+            self._probe_answers.append(ProbeAnswer(gen, keys, None))
+            return
+        self._probe_seq += 1
+        probe = Probe(req, gen, self._probe_seq, keys, now + self.timeouts.lookup_s)
+        self._probes[(gen, self._probe_seq)] = probe
+        if self.ready:
+            self._send_probe(probe)
+
+    def _send_probe(self, probe: Probe) -> None:
+        probe.sent = True
+        self.counters.lookups += 1
+        self._contacted.add(probe.gen)
+        self._send(Lookup(req=probe.req, gen=probe.gen, seq=probe.seq, keys=probe.keys))
+
+    def _on_lookup_resp(self, msg: LookupResp) -> None:
+        probe = self._probes.get((msg.gen, msg.seq))
+        if probe is None or probe.req != msg.req:
+            # A reply to a probe we gave up on, or to an earlier use of the
+            # id: count it, change nothing.
+            self.counters.bump(self.counters.protocol_errors, "stale_lookup_resp")
+            return
+        if len(msg.hits) != len(probe.keys):
+            self._protocol_error(
+                "bad_lookup_resp",
+                f"{len(msg.hits)} answers for {len(probe.keys)} keys",
+                msg.req,
+                msg.gen,
+            )
+            return
+        probe.fire(Event.LOOKUP_RESP)
+        del self._probes[(msg.gen, msg.seq)]
+        nhit = sum(msg.hits)
+        self.counters.hits += nhit
+        self.counters.misses += len(msg.hits) - nhit
+        self._probe_answers.append(ProbeAnswer(msg.gen, probe.keys, list(msg.hits)))
+
+    def send_fetch(
+        self,
+        job_id: int,
+        req: str,
+        gen: int,
+        keys: list[bytes],
+        slots: list[int],
+        block_bytes: int,
+        now: float,
+    ) -> None:
+        """Ask the peer to write ``keys`` into our ``slots`` (one load job)."""
+        fetch = Fetch(req=req, gen=gen, job=job_id, keys=keys, slots=slots)
+        nbytes = len(keys) * block_bytes
+        if job_id in self._loads:
+            raise ValueError(f"load job {job_id} submitted twice")
+        if self.link is Link.CLOSED:
+            self._load_results.append(
+                LoadResult(job_id, gen, False, "peer_down", request_finished=False)
+            )
+            return
+        load = Load(
+            fetch, nbytes, now, self.timeouts.fetch_deadline(now, nbytes), self.ready
+        )
+        self._loads[job_id] = load
+        self._contacted.add(gen)
+        if self.ready:
+            self._send(fetch)
+
+    def finish_gen(self, gen: int, req: str, now: float) -> None:
+        """vLLM finished the consumer request: mark every in-flight load and
+        buffered result of ``gen``, stop its probes, and tell the peer to
+        release whatever it pinned for us (fencing any write in flight)."""
+        for load in self._loads.values():
+            if load.fetch.gen == gen:
+                load.request_finished = True
+        for result in (*self._load_results, *(r for r, _ in self._fenced_results)):
+            if result.gen == gen:
+                result.request_finished = True
+        for key in [k for k, p in self._probes.items() if p.gen == gen]:
+            self._probes.pop(key).fire(Event.FINISH)
+        for job_id, load in list(self._loads.items()):
+            if load.fetch.gen != gen or load.state is State.ABORTING:
+                continue
+            load.fire(Event.ABORT)
+            if load.state is State.FAILED:  # was only queued: nothing to fence
+                del self._loads[job_id]
+                self._load_results.append(self._result(load, False, "abort", now))
+            else:
+                load.deadline = now + self.timeouts.abort_ack_s
+        # The peer pins hits when it answers a lookup and releases them on a
+        # fetch, on our Abort or at its pin deadline. Which came first is
+        # unknowable here; an Abort is cheap and always safe.
+        if gen in self._contacted:
+            self._contacted.discard(gen)
+            if self.ready:
+                self._send(Abort(req=req, gen=gen))
+
+    def _on_transfer_done(self, msg: TransferDone, now: float) -> None:
+        load = self._loads.get(msg.job)
+        if load is None or load.fetch.gen != msg.gen or load.fetch.req != msg.req:
+            self.counters.bump(self.counters.protocol_errors, "stale_transfer_done")
+            return
+        load.fire(Event.TRANSFER_OK if msg.ok else Event.TRANSFER_FAILED)
+        del self._loads[msg.job]
+        if msg.ok:
+            self.counters.bytes_loaded += load.nbytes
+        else:
+            self.counters.bump(self.counters.failures, "transfer_failed")
+        self._load_results.append(
+            self._result(load, msg.ok, "" if msg.ok else f"peer: {msg.reason}", now)
+        )
+
+    def _on_abort_ack(self, msg: AbortAck, now: float) -> None:
+        acked = [
+            job
+            for job, load in self._loads.items()
+            if load.fetch.gen == msg.gen
+            and load.fetch.req == msg.req
+            and load.state is State.ABORTING
+        ]
+        for job in acked:
+            load = self._loads.pop(job)
+            load.fire(Event.ABORT_ACK)
+            self.counters.bump(self.counters.failures, "abort")
+            self._load_results.append(self._result(load, False, "abort", now))
+
+    def _result(self, load: Load, ok: bool, reason: str, now: float) -> LoadResult:
+        return LoadResult(
+            job_id=load.fetch.job,
+            gen=load.fetch.gen,
+            success=ok,
+            reason=reason,
+            nbytes=load.nbytes if ok else 0,
+            elapsed_s=max(0.0, now - load.started),
+            request_finished=load.request_finished,
+        )
+
+    # ------------------------------------------------------------------
+    # producer role
+    # ------------------------------------------------------------------
+
+    def _on_lookup(self, msg: Lookup, now: float) -> None:
+        serve = self._serves.get((msg.req, msg.gen))
+        if serve is None:
+            if len(self._serves) >= self.limits.max_serves:
+                self._protocol_error(
+                    "limit_serves", "too many requests in flight", msg.req, msg.gen
+                )
+                self._send(
+                    LookupResp(msg.req, msg.gen, msg.seq, [False] * len(msg.keys))
+                )
+                return
+            serve = Serve(
+                msg.req, msg.gen, State.LOOKUP_QUEUED, now + self.timeouts.pin_ttl_s
+            )
+            self._serves[(msg.req, msg.gen)] = serve
+        else:
+            serve.fire(Event.LOOKUP)
+        serve.pending_lookups.append(msg)
+        if serve not in self._serve_queue:
+            self._serve_queue.append(serve)
+
+    @property
+    def has_lookups_to_serve(self) -> bool:
+        return bool(self._serve_queue)
+
+    def serve_lookups(self, pinner: Pinner, now: float) -> None:
+        """Answer queued lookups against the engine (its serve window)."""
+        queue, self._serve_queue = self._serve_queue, []
+        for serve in queue:
+            if serve.state is not State.LOOKUP_QUEUED:
+                continue
+            for lookup in serve.pending_lookups:
+                budget = self.limits.max_pinned_blocks - self.pinned_blocks
+                keys = lookup.keys if len(lookup.keys) <= budget else []
+                if len(keys) < len(lookup.keys):
+                    self.counters.bump(self.counters.refused, "limit_pinned_blocks")
+                label = f"p2p_kv:{self.peer}:{serve.req}:{serve.gen}:{lookup.seq}"
+                result = pinner.pin(label, keys) if keys else PinResult([], [])
+                hits = result.hits or [False] * len(lookup.keys)
+                for job_id, pkeys, pslots in result.pins:
+                    self.new_pin_jobs.append(job_id)
+                    serve.pins.append(
+                        Pin(job_id, dict(zip(pkeys, pslots, strict=True)))
+                    )
+                self._send(LookupResp(serve.req, serve.gen, lookup.seq, hits))
+            serve.pending_lookups.clear()
+            serve.fire(Event.SERVED)
+            serve.deadline = now + self.timeouts.pin_ttl_s
+
+    @property
+    def pinned_blocks(self) -> int:
+        return sum(s.pinned_blocks for s in self._serves.values())
+
+    def _on_fetch(self, msg: Fetch, now: float) -> None:
+        region = self._peer_hello
+        assert region is not None
+        bad = [s for s in msg.slots if s >= region.num_blocks]
+        if bad:
+            self._protocol_error(
+                "slot_out_of_range",
+                f"slot {bad[0]} outside the peer's {region.num_blocks} blocks",
+                msg.req,
+                msg.gen,
+            )
+            self._send(
+                TransferDone(msg.req, msg.gen, msg.job, False, "slot out of range")
+            )
+            return
+        serve = self._serves.get((msg.req, msg.gen))
+        if serve is None:
+            if len(self._serves) >= self.limits.max_serves:
+                self._send(TransferDone(msg.req, msg.gen, msg.job, False, "busy"))
+                return
+            # No lookup came first: a disaggregated-prefill fetch for parked
+            # stores. The manager binds them (wants_parked).
+            serve = Serve(
+                msg.req, msg.gen, State.FETCH_WAITING, now + self.timeouts.parked_wait_s
+            )
+            serve.fetch = msg
+            self._serves[(msg.req, msg.gen)] = serve
+            self.wants_parked.append(serve)
+            return
+        if serve.state is not State.PINNED:
+            self._protocol_error(
+                "duplicate_fetch",
+                f"fetch job {msg.job} while the request is {serve.state.value}",
+                msg.req,
+                msg.gen,
+            )
+            self._send(
+                TransferDone(msg.req, msg.gen, msg.job, False, "duplicate fetch")
+            )
+            return
+        serve.fetch = msg
+        self._start_writes(serve, Event.FETCH, now)
+
+    def attach_parked(
+        self, serve: Serve, stores: list[ParkedStore], complete: bool, now: float
+    ) -> None:
+        """The manager hands over parked stores for a waiting fetch."""
+        for store in stores:
+            store.fire(Event.FETCH)
+            serve.parked.append(store)
+        serve.complete = serve.complete or complete
+        fetch = serve.fetch
+        assert fetch is not None
+        if all(serve.slot_of(k) is not None for k in fetch.keys):
+            self._start_writes(serve, Event.STORES_READY, now)
+        elif serve.complete:
+            self._send(
+                TransferDone(
+                    serve.req, serve.gen, fetch.job, False, "blocks not stored"
+                )
+            )
+            self._release_serve(serve, Event.TIMEOUT, ok=False, reason="missing")
+
+    def _start_writes(self, serve: Serve, event: Event, now: float) -> None:
+        fetch = serve.fetch
+        assert fetch is not None
+        src: list[int] = []
+        for key in fetch.keys:
+            slot = serve.slot_of(key)
+            if slot is None:
+                self._send(
+                    TransferDone(
+                        serve.req, serve.gen, fetch.job, False, "block not pinned"
+                    )
+                )
+                self._release_serve(serve, Event.ABORT, ok=False, reason="not_pinned")
+                return
+            src.append(slot)
+        serve.fire(event)
+        self._next_write += 1
+        serve.write_id = self._next_write
+        nbytes = len(src) * self._me.block_bytes
+        serve.deadline = self.timeouts.fetch_deadline(now, nbytes)
+        self._writing[serve.write_id] = serve
+        self._writes.append(
+            WriteOrder(
+                serve.write_id,
+                src,
+                list(fetch.slots),
+                f"{fetch.req}:{fetch.gen}:{fetch.job}".encode(),
+            )
+        )
+
+    def on_write_done(self, write_id: int, ok: bool, now: float) -> None:
+        """The data plane finished (or failed) a posted write."""
+        serve = self._writing.pop(write_id, None)
+        if serve is None:
+            return
+        fetch = serve.fetch
+        assert fetch is not None
+        if serve.state is State.ABORT_WRITING:
+            self._send(AbortAck(serve.req, serve.gen))
+        else:
+            self._send(
+                TransferDone(
+                    serve.req, serve.gen, fetch.job, ok, "" if ok else "write failed"
+                )
+            )
+        if ok:
+            self.counters.bytes_served += len(fetch.keys) * self._me.block_bytes
+        self._release_serve(
+            serve,
+            Event.WRITES_DONE if ok else Event.WRITES_FAILED,
+            ok=ok,
+            reason="" if ok else "write_failed",
+        )
+
+    def _on_abort(self, msg: Abort) -> None:
+        serve = self._serves.get((msg.req, msg.gen))
+        if serve is None:
+            # Nothing held for it (already released): the fence holds.
+            self._send(AbortAck(msg.req, msg.gen))
+            return
+        if serve.state is State.ABORT_WRITING:
+            return
+        serve.fire(Event.ABORT)
+        if serve.state is State.RELEASED:
+            self._send(AbortAck(msg.req, msg.gen))
+            self._release_serve(serve, None, ok=False, reason="abort")
+        # else ABORT_WRITING: AbortAck goes out once the write settles.
+
+    def _release_serve(
+        self, serve: Serve, event: Event | None, *, ok: bool, reason: str
+    ) -> None:
+        """The one release path of a SERVE: pins back to the engine, bound
+        parked stores released, bookkeeping dropped."""
+        if event is not None and serve.state is not State.RELEASED:
+            serve.fire(event)
+        self._serves.pop((serve.req, serve.gen), None)
+        if serve.write_id in self._writing:
+            del self._writing[serve.write_id]
+        for pin in serve.pins:
+            self._store_results.append(StoreResult(pin.job_id, True))
+        serve.pins.clear()
+        for store in serve.parked:
+            store.fire(
+                Event.WRITES_DONE
+                if ok
+                else (Event.PEER_LOST if reason == "peer_down" else Event.WRITES_FAILED)
+            )
+            self._store_results.append(StoreResult(store.job_id, ok, reason))
+        serve.parked.clear()
+
+    def writes_in_flight(self) -> list[int]:
+        return list(self._writing)
+
+    # ------------------------------------------------------------------
+    # time
+    # ------------------------------------------------------------------
+
+    def next_deadline(self) -> float:
+        """Earliest time :meth:`tick` has something to do."""
+        if self.link is Link.CLOSED:
+            return float("inf")
+        if self.link is Link.HANDSHAKING:
+            return self._created + self.timeouts.handshake_s
+        times = [
+            self._last_tx + self.timeouts.heartbeat_interval_s,
+            self._last_rx + self.timeouts.liveness_s,
+        ]
+        times.extend(p.deadline for p in self._probes.values())
+        times.extend(load.deadline for load in self._loads.values())
+        times.extend(s.deadline for s in self._serves.values())
+        return min(times)
+
+    def tick(self, now: float) -> None:
+        """Fire every deadline that has passed. Each failure costs one
+        request, never the session -- except silence from the peer itself."""
+        if self.link is Link.CLOSED:
+            return
+        if self.link is Link.HANDSHAKING:
+            if now >= self._created + self.timeouts.handshake_s:
+                self._lose("handshake_timeout", "no handshake in time")
+            return
+        if now >= self._last_rx + self.timeouts.liveness_s:
+            self._lose("peer_down", "heartbeat deadline passed")
+            return
+        for key in [k for k, p in self._probes.items() if now >= p.deadline]:
+            probe = self._probes.pop(key)
+            probe.fire(Event.TIMEOUT)
+            self.counters.bump(self.counters.failures, "lookup_timeout")
+            self._probe_answers.append(ProbeAnswer(probe.gen, probe.keys, None))
+        for job_id, load in list(self._loads.items()):
+            if now < load.deadline:
+                continue
+            if load.state is State.ABORTING:
+                # The peer neither finished nor acknowledged: it is not
+                # healthy, and only dropping its agent fences our slots.
+                self._lose("abort_timeout", f"no AbortAck for job {job_id}")
+                return
+            load.fire(Event.TIMEOUT)
+            self.counters.bump(self.counters.failures, "timeout")
+            if load.state is State.FAILED:
+                del self._loads[job_id]
+                self._load_results.append(self._result(load, False, "timeout", now))
+            else:
+                load.deadline = now + self.timeouts.abort_ack_s
+                self._send(Abort(load.fetch.req, load.fetch.gen))
+        for serve in [s for s in self._serves.values() if now >= s.deadline]:
+            self._expire_serve(serve)
+        if now >= self._last_tx + self.timeouts.heartbeat_interval_s:
+            self._hb_seq += 1
+            self._send(Heartbeat(seq=self._hb_seq))
+
+    def _expire_serve(self, serve: Serve) -> None:
+        fetch = serve.fetch
+        if serve.state in (State.WRITING, State.ABORT_WRITING):
+            self.counters.bump(self.counters.failures, "write_timeout")
+            # The data plane cancels the write (cancelled_writes) before the
+            # peer hears about it, so the fence holds.
+            self.cancelled_writes.append(serve.write_id)
+            if serve.state is State.ABORT_WRITING:
+                self._send(AbortAck(serve.req, serve.gen))
+            elif fetch is not None:
+                self._send(
+                    TransferDone(
+                        serve.req, serve.gen, fetch.job, False, "write deadline"
+                    )
+                )
+        elif serve.state is State.FETCH_WAITING and fetch is not None:
+            self._send(
+                TransferDone(
+                    serve.req, serve.gen, fetch.job, False, "blocks not stored in time"
+                )
+            )
+        self._release_serve(serve, Event.TIMEOUT, ok=False, reason="deadline")
+
+    # ------------------------------------------------------------------
+    # output buffers
+    # ------------------------------------------------------------------
+
+    def take_load_results(self) -> list[LoadResult]:
+        out, self._load_results = self._load_results, []
+        return out
+
+    def take_probe_answers(self) -> list[ProbeAnswer]:
+        out, self._probe_answers = self._probe_answers, []
+        return out
+
+    def take_store_results(self) -> list[StoreResult]:
+        out, self._store_results = self._store_results, []
+        return out
+
+    @property
+    def has_output(self) -> bool:
+        return bool(
+            self._outbox
+            or self._writes
+            or self._load_results
+            or self._probe_answers
+            or self._store_results
+            or self.wants_parked
+            or self.new_pin_jobs
+            or self.cancelled_writes
+        )
+
+    # ------------------------------------------------------------------
+    # introspection (state report, invariants)
+    # ------------------------------------------------------------------
+
+    def loads(self) -> Iterator[Load]:
+        return iter(self._loads.values())
+
+    def serves(self) -> Iterator[Serve]:
+        return iter(self._serves.values())
+
+    @property
+    def fenced_slots(self) -> int:
+        """Destination slots a remote write may still land in."""
+        n = sum(len(ld.fetch.slots) for ld in self._loads.values() if ld.fenced)
+        return n + sum(n_slots for _, n_slots in self._fenced_results)
+
+    @property
+    def active(self) -> bool:
+        """Anything in flight that needs the poll loop."""
+        return bool(
+            self._probes
+            or self._loads
+            or self._serves
+            or self._fenced_results
+            or self.link is Link.HANDSHAKING
+        )
+
+    def sizes(self) -> dict[str, int]:
+        return {
+            "probes": len(self._probes),
+            "loads": len(self._loads),
+            "serves": len(self._serves),
+            "writes": len(self._writing),
+            "fenced_results": len(self._fenced_results),
+            "buffered_results": len(self._load_results) + len(self._store_results),
+        }

@@ -1,0 +1,248 @@
+"""In-memory wiring of several LoadManagers, for tests of the pure core.
+
+Frames go through the real codec (encode -> bytes -> decode), writes copy
+bytes between per-engine regions, and a test controls time, delivery order,
+drops and link cuts. Nothing here sleeps or opens a socket.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from p2p_kv.handshake import Identity
+from p2p_kv.manager import JobResult, LoadManager, Roles
+from p2p_kv.protocol import Message, decode, encode
+from p2p_kv.session import Limits, PinResult, Timeouts, WriteOrder
+
+BLOCK = 16
+NBLOCKS = 64
+
+
+def identity(name: str, **over: object) -> Identity:
+    fields: dict[str, object] = dict(
+        engine_id=name,
+        hash_algo="sha256_cbor",
+        hash_seed="0",
+        canonical_hashes=(b"c1", b"c2"),
+        layout="test-layout",
+        block_bytes=BLOCK,
+        num_blocks=NBLOCKS,
+        region=name.encode(),
+    )
+    fields.update(over)
+    return Identity(**fields)  # type: ignore[arg-type]
+
+
+def key(n: int) -> bytes:
+    return hashlib.sha256(str(n).encode()).digest()[:8] + b"\0\0\0\0"
+
+
+def payload(k: bytes) -> bytes:
+    return hashlib.sha256(b"kv" + k).digest()[:BLOCK]
+
+
+class FakePinner:
+    """The producer engine's primary tier: key -> slot, with pin jobs."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def pin(self, label: str, keys: Sequence[bytes]) -> PinResult:
+        hits = [k in self.engine.primary for k in keys]
+        hit_keys = [k for k in keys if k in self.engine.primary]
+        pins = []
+        if hit_keys:
+            job = self.engine.new_job()
+            slots = [self.engine.primary[k] for k in hit_keys]
+            for s in slots:
+                self.engine.pin_count[s] = self.engine.pin_count.get(s, 0) + 1
+            self.engine.pin_jobs[job] = slots
+            pins.append((job, hit_keys, slots))
+        return PinResult(hits, pins)
+
+
+@dataclass
+class Engine:
+    name: str
+    manager: LoadManager
+    region: bytearray = field(default_factory=lambda: bytearray(BLOCK * NBLOCKS))
+    primary: dict[bytes, int] = field(default_factory=dict)
+    pin_jobs: dict[int, list[int]] = field(default_factory=dict)
+    pin_count: dict[int, int] = field(default_factory=dict)
+    results: dict[int, list[JobResult]] = field(default_factory=dict)
+    submitted: set[int] = field(default_factory=set)
+    job_counter: int = 0
+
+    def new_job(self) -> int:
+        self.job_counter += 1
+        job = self.job_counter * 100 + (ord(self.name[0]) % 100)
+        self.submitted.add(job)
+        return job
+
+    def put(self, k: bytes, slot: int) -> None:
+        self.primary[k] = slot
+        self.region[slot * BLOCK : (slot + 1) * BLOCK] = payload(k)
+
+    def block(self, slot: int) -> bytes:
+        return bytes(self.region[slot * BLOCK : (slot + 1) * BLOCK])
+
+    def collect(self, now: float) -> list[JobResult]:
+        out = self.manager.get_finished_jobs(now)
+        for r in out:
+            self.results.setdefault(r.job_id, []).append(r)
+            slots = self.pin_jobs.pop(r.job_id, None)
+            for s in slots or ():
+                self.pin_count[s] -= 1
+                if not self.pin_count[s]:
+                    del self.pin_count[s]
+        return out
+
+
+@dataclass
+class Link:
+    a: tuple[str, str]  # (engine, peer key at that engine)
+    b: tuple[str, str]
+    up: bool = True
+
+
+class Net:
+    def __init__(
+        self,
+        names: Sequence[str] = ("a", "b"),
+        timeouts: Timeouts | None = None,
+        limits: Limits | None = None,
+        identities: dict[str, Identity] | None = None,
+    ) -> None:
+        self.now = 0.0
+        self.engines: dict[str, Engine] = {}
+        for n in names:
+            me = (identities or {}).get(n) or identity(n)
+            mgr = LoadManager(me, timeouts=timeouts, limits=limits)
+            self.engines[n] = Engine(n, mgr)
+        self.links: list[Link] = []
+        self.queue: list[tuple[str, str, bytes]] = []  # (engine, peer key, frame)
+        self.writes: list[tuple[str, str, WriteOrder]] = []
+        self.hold_writes = False
+
+    def addr(self, name: str) -> str:
+        return f"{name}:1"
+
+    def roles(self, src: str, kv_id: str, probe: bool = True) -> Roles:
+        leg = "remote_kv_source" if probe else "remote_prefiller"
+        return Roles.parse(
+            {leg: {"kv_request_id": kv_id, "remote_host": src, "remote_port": 1}}
+        )
+
+    def _other(self, engine: str, peer: str) -> tuple[str, str] | None:
+        for link in self.links:
+            if link.a == (engine, peer):
+                return link.b if link.up else None
+            if link.b == (engine, peer):
+                return link.a if link.up else None
+        return None
+
+    def _link(self, engine: str, peer: str) -> Link | None:
+        for link in self.links:
+            if (engine, peer) in (link.a, link.b):
+                return link
+        return None
+
+    def step(self, deliver: bool = True) -> None:
+        """One round: every engine flushes, its output is queued, and (when
+        ``deliver``) everything queued is delivered in order."""
+        for name, eng in self.engines.items():
+            m = eng.manager
+            m.flush(self.now)
+            for peer in m.take_connects():
+                target = peer.split(":")[0]
+                if target in self.engines:
+                    inbound = self.engines[target].manager.on_inbound(self.now)
+                    self.links.append(Link((name, peer), (target, inbound)))
+                else:
+                    m.on_disconnected(peer, "unreachable", self.now)
+            for peer, wid in m.take_cancels():
+                self.writes = [
+                    w
+                    for w in self.writes
+                    if not (w[0] == name and w[2].write_id == wid)
+                ]
+            for peer, msgs in m.take_outgoing(self.now):
+                for msg in msgs:
+                    self.queue.append((name, peer, encode(msg)))
+            for peer, order in m.take_writes():
+                self.writes.append((name, peer, order))
+            for peer in m.take_closed():
+                # The data plane invalidates the peer agent: drop its writes.
+                self.writes = [
+                    w for w in self.writes if not (w[0] == name and w[1] == peer)
+                ]
+                other = self._other(name, peer)
+                self.writes = [
+                    w for w in self.writes if not (other and (w[0], w[1]) == other)
+                ]
+                link = self._link(name, peer)
+                if link is not None and link.up:
+                    link.up = False
+                    if other is not None:
+                        self.engines[other[0]].manager.on_disconnected(
+                            other[1], "closed", self.now
+                        )
+                m.on_invalidated(peer, self.now)
+        if deliver:
+            self.deliver_all()
+        if not self.hold_writes:
+            self.complete_writes()
+        for eng in self.engines.values():
+            eng.manager.tick(self.now)
+            eng.manager.end_step(self.now)
+
+    def deliver_all(self) -> None:
+        queue, self.queue = self.queue, []
+        for item in queue:
+            self.deliver(item)
+
+    def deliver(self, item: tuple[str, str, bytes]) -> None:
+        name, peer, frame = item
+        other = self._other(name, peer)
+        if other is None:
+            return
+        msg: Message = decode(frame)
+        self.engines[other[0]].manager.on_message(other[1], msg, self.now)
+
+    def complete_writes(self, ok: bool = True) -> None:
+        writes, self.writes = self.writes, []
+        for name, peer, order in writes:
+            other = self._other(name, peer)
+            if other is None:
+                continue
+            src, dst = self.engines[name], self.engines[other[0]]
+            if ok:
+                for s, d in zip(order.src, order.dst, strict=True):
+                    dst.region[d * BLOCK : (d + 1) * BLOCK] = src.block(s)
+            src.manager.on_write_done(peer, order.write_id, ok, self.now)
+
+    def serve(self) -> None:
+        for eng in self.engines.values():
+            eng.manager.serve(FakePinner(eng), self.now)
+
+    def run(self, rounds: int = 6) -> None:
+        for _ in range(rounds):
+            self.step()
+            self.serve()
+
+    def advance(self, dt: float) -> None:
+        self.now += dt
+
+    def cut(self, a: str, b: str) -> None:
+        """Kill the connection between engines a and b (both sides notice)."""
+        for link in self.links:
+            if {link.a[0], link.b[0]} == {a, b} and link.up:
+                link.up = False
+                self.engines[link.a[0]].manager.on_disconnected(
+                    link.a[1], "cut", self.now
+                )
+                self.engines[link.b[0]].manager.on_disconnected(
+                    link.b[1], "cut", self.now
+                )

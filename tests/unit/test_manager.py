@@ -1,0 +1,300 @@
+"""The manager's lifecycle rules, scenario by scenario (pure core, in memory)."""
+
+from __future__ import annotations
+
+import pytest
+
+from p2p_kv.manager import Answer, Roles
+from p2p_kv.session import Timeouts
+
+from .memnet import Net, key, payload
+
+KEYS = [key(i) for i in range(4)]
+
+
+def make_net(**kw: object) -> Net:
+    net = Net(**kw)  # type: ignore[arg-type]
+    a = net.engines["a"]
+    for i, k in enumerate(KEYS):
+        a.put(k, 10 + 3 * i)  # non-contiguous producer slots
+    return net
+
+
+def wait(net: Net, seconds: float, dt: float = 0.1) -> None:
+    for _ in range(round(seconds / dt)):
+        net.advance(dt)
+        net.run(1)
+
+
+def probe(net: Net, req: str, kv_id: str, keys: list[bytes] = KEYS) -> list[Answer]:
+    """Register a consumer request on b and run its lookup to an answer."""
+    b = net.engines["b"].manager
+    b.on_new_request(req, net.roles("a", kv_id), net.now)
+    first = [b.lookup(req, k, net.now) for k in keys]
+    assert first == [Answer.RETRY] * len(keys)
+    net.run()
+    return [b.lookup(req, k, net.now) for k in keys]
+
+
+def load(net: Net, req: str, slots: list[int], keys: list[bytes] = KEYS) -> int:
+    eng = net.engines["b"]
+    job = eng.new_job()
+    eng.manager.submit_load(job, req, keys, slots, net.now)
+    return job
+
+
+def assert_drained(net: Net) -> None:
+    for name, eng in net.engines.items():
+        report = eng.manager.state_report()
+        residue = {k: v for k, v in report.items() if v}
+        assert not residue, f"{name} left {residue}"
+        assert not eng.pin_count, f"{name} still has pinned slots {eng.pin_count}"
+        assert eng.submitted == set(eng.results), f"{name}: jobs without a result"
+        assert all(len(r) == 1 for r in eng.results.values()), "a job got two results"
+
+
+def collect_all(net: Net) -> None:
+    for eng in net.engines.values():
+        eng.collect(net.now)
+
+
+def test_remote_hit_loads_the_right_bytes_and_leaves_nothing() -> None:
+    net = make_net()
+    assert probe(net, "r1", "kv1", [*KEYS, key(99)]) == [Answer.HIT] * 4 + [Answer.MISS]
+    job = load(net, "r1", [5, 6, 7, 30])
+    net.run()
+    (result,) = net.engines["b"].collect(net.now)
+    assert result.job_id == job and result.success
+    assert result.transfer_bytes == 4 * 16
+    b = net.engines["b"]
+    assert [b.block(s) for s in (5, 6, 7, 30)] == [payload(k) for k in KEYS]
+    net.engines["b"].manager.on_request_finished("r1", net.now)
+    net.run()
+    collect_all(net)
+    assert_drained(net)
+
+
+def test_finish_while_load_in_flight_keeps_id_out_of_failed_set() -> None:
+    """The regression the project exists for: abort during an in-flight load."""
+    net = make_net()
+    probe(net, "r1", "kv1")
+    net.hold_writes = True
+    job = load(net, "r1", [1, 2, 3, 4])
+    net.run(2)  # the producer has the fetch and is writing
+    b = net.engines["b"]
+    b.manager.on_request_finished("r1", net.now)
+    net.hold_writes = False
+    net.run()
+    results = b.collect(net.now)
+    assert [r.job_id for r in results] == [job]
+    assert b.manager.failed_ids() == frozenset()
+    collect_all(net)
+    assert_drained(net)
+
+
+def test_failure_buffered_before_finish_is_not_recorded_after_finish() -> None:
+    net = make_net()
+    probe(net, "r1", "kv1")
+    job = load(net, "r1", [1, 2, 3, 4])
+    net.cut("a", "b")  # the failure is now buffered in the session
+    b = net.engines["b"]
+    net.run(1)
+    b.manager.on_request_finished("r1", net.now)  # before the engine drains
+    results = b.collect(net.now)
+    assert [(r.job_id, r.success) for r in results] == [(job, False)]
+    assert b.manager.failed_ids() == frozenset()
+
+
+def test_late_failure_after_finish_timeout_path() -> None:
+    t = Timeouts(fetch_floor_s=0.5, abort_ack_s=0.5, heartbeat_interval_s=0.2)
+    net = make_net(timeouts=t)
+    probe(net, "r1", "kv1")
+    net.hold_writes = True
+    job = load(net, "r1", [1, 2, 3, 4])
+    net.run(2)
+    b = net.engines["b"]
+    b.manager.on_request_finished("r1", net.now)
+    wait(net, 1.5)  # the producer's write never completes; deadlines fire
+    net.hold_writes = False
+    net.run()
+    collect_all(net)
+    assert [r.success for r in b.results[job]] == [False]
+    assert b.manager.failed_ids() == frozenset()
+
+
+def test_session_close_fails_loads_but_not_finished_ids() -> None:
+    net = make_net()
+    probe(net, "r1", "kv1")
+    probe(net, "r2", "kv2")
+    net.hold_writes = True
+    j1 = load(net, "r1", [1, 2, 3, 4])
+    j2 = load(net, "r2", [11, 12, 13, 14])
+    net.run(2)
+    b = net.engines["b"]
+    b.manager.on_request_finished("r1", net.now)
+    b.manager.close_all("shutdown")
+    net.run()
+    collect_all(net)
+    assert not b.results[j1][0].success and not b.results[j2][0].success
+    # r2 is live and failed: it must recompute. r1 finished: never recorded.
+    assert b.manager.failed_ids() == frozenset({"r2"})
+    assert b.manager.lookup("r2", KEYS[0], net.now) is Answer.MISS
+    b.manager.on_request_finished("r2", net.now)
+    assert b.manager.failed_ids() == frozenset()
+
+
+def test_reused_id_gets_a_real_remote_lookup() -> None:
+    net = make_net()
+    probe(net, "r1", "kv1")
+    net.hold_writes = True
+    load(net, "r1", [1, 2, 3, 4])
+    net.run(2)
+    b = net.engines["b"]
+    b.manager.on_request_finished("r1", net.now)
+    net.hold_writes = False
+    net.run()
+    collect_all(net)
+    lookups_before = sum(
+        s.counters.lookups for s in b.manager.sessions() if not s.peer.startswith("in:")
+    )
+    # Same kv_request_id, same engine request id, different prompt.
+    answers = probe(net, "r1", "kv1", [KEYS[0], key(50)])
+    assert answers == [Answer.HIT, Answer.MISS]
+    lookups_after = sum(
+        s.counters.lookups for s in b.manager.sessions() if not s.peer.startswith("in:")
+    )
+    assert lookups_after == lookups_before + 1
+    b.manager.on_request_finished("r1", net.now)
+    net.run()
+    collect_all(net)
+    assert_drained(net)
+
+
+def test_unfinished_failure_makes_lookup_miss() -> None:
+    net = make_net()
+    probe(net, "r1", "kv1")
+    job = load(net, "r1", [1, 2, 3, 4])
+    net.cut("a", "b")
+    net.run()
+    b = net.engines["b"]
+    results = b.collect(net.now)
+    assert [(r.job_id, r.success) for r in results] == [(job, False)]
+    assert b.manager.failed_ids() == frozenset({"r1"})
+    assert b.manager.lookup("r1", KEYS[0], net.now) is Answer.MISS
+    b.manager.on_request_finished("r1", net.now)
+    assert b.manager.failed_ids() == frozenset()
+
+
+def test_fenced_slots_wait_for_abort_ack() -> None:
+    net = make_net()
+    probe(net, "r1", "kv1")
+    net.hold_writes = True
+    job = load(net, "r1", [1, 2, 3, 4])
+    net.run(2)
+    b = net.engines["b"]
+    b.manager.on_request_finished("r1", net.now)
+    net.run(2)
+    # The producer is mid-write: no result, the four slots are quarantined.
+    assert b.collect(net.now) == []
+    assert b.manager.state_report()["fenced_slots"] == 4
+    net.hold_writes = False
+    net.run()
+    assert [r.job_id for r in b.collect(net.now)] == [job]
+    assert b.manager.state_report()["fenced_slots"] == 0
+
+
+def test_disaggregated_prefill_in_both_orders() -> None:
+    for producer_finishes_first in (True, False):
+        net = Net()
+        a, b = net.engines["a"], net.engines["b"]
+        a.manager.on_new_request(
+            "p1", Roles.parse({"remote_decoder": {"kv_request_id": "kv9"}}), net.now
+        )
+        store_job = a.new_job()
+        a.manager.submit_store(store_job, "p1", KEYS, [20, 21, 22, 23], net.now)
+        for k, s in zip(KEYS, [20, 21, 22, 23], strict=True):
+            a.region[s * 16 : (s + 1) * 16] = payload(k)
+        if producer_finishes_first:
+            a.manager.on_request_finished("p1", net.now)
+        b.manager.on_new_request("d1", net.roles("a", "kv9", probe=False), net.now)
+        assert b.manager.lookup("d1", KEYS[0], net.now) is Answer.HIT
+        job = load(net, "d1", [40, 41, 42, 43])
+        net.run()
+        if not producer_finishes_first:
+            a.manager.on_request_finished("p1", net.now)
+        net.run()
+        collect_all(net)
+        assert b.results[job][0].success
+        assert [b.block(s) for s in (40, 41, 42, 43)] == [payload(k) for k in KEYS]
+        assert a.results[store_job][0].success
+        b.manager.on_request_finished("d1", net.now)
+        net.run()
+        collect_all(net)
+        assert_drained(net)
+
+
+def test_parked_store_expires_when_nobody_fetches() -> None:
+    net = Net()
+    a = net.engines["a"]
+    a.manager.parked_ttl_s = 1.0
+    a.manager.on_new_request(
+        "p1", Roles.parse({"remote_decoder": {"kv_request_id": "kv9"}}), net.now
+    )
+    job = a.new_job()
+    a.manager.submit_store(job, "p1", KEYS, [1, 2, 3, 4], net.now)
+    a.manager.on_request_finished("p1", net.now)
+    wait(net, 1.2)
+    collect_all(net)
+    assert a.results[job][0].success is False
+    assert_drained(net)
+
+
+def test_request_with_both_legs_is_finished_on_both() -> None:
+    net = make_net()
+    b = net.engines["b"]
+    roles = Roles.parse(
+        {
+            "remote_kv_source": {
+                "kv_request_id": "kv1",
+                "remote_host": "a",
+                "remote_port": 1,
+            },
+            "remote_decoder": {"kv_request_id": "kv1-out"},
+        }
+    )
+    b.manager.on_new_request("r1", roles, net.now)
+    b.manager.lookup("r1", KEYS[0], net.now)
+    net.run()
+    store = b.new_job()
+    b.manager.submit_store(store, "r1", [KEYS[0]], [9], net.now)
+    b.manager.on_request_finished("r1", net.now)
+    report = b.manager.state_report()
+    assert report["consumers"] == 0 and report["producers"] == 0
+    assert report["parked_stores"] == 1  # kept for its decoder, until its TTL
+
+
+def test_job_submitted_twice_is_a_local_error() -> None:
+    net = make_net()
+    probe(net, "r1", "kv1")
+    load(net, "r1", [1, 2, 3, 4])
+    with pytest.raises(ValueError, match="submitted twice"):
+        net.engines["b"].manager.submit_load(
+            net.engines["b"].job_counter * 100 + 98, "r1", KEYS, [1, 2, 3, 4], 0
+        )
+
+
+def test_roles_parse_rejects_incomplete_legs() -> None:
+    with pytest.raises(ValueError, match="remote_kv_source needs"):
+        Roles.parse({"remote_kv_source": {"kv_request_id": "x"}})
+    roles = Roles.parse(
+        {
+            "remote_prefiller": {
+                "kv_request_id": "x",
+                "remote_host": "::1",
+                "remote_port": 7,
+            }
+        }
+    )
+    assert roles.source is not None and roles.source.peer == "[::1]:7"
+    assert not roles.source.probe
+    assert Roles.parse({"remote_decoder": {}}).dest_kv_id == ""
