@@ -414,9 +414,11 @@ class LoadManager:
         self._touch(session)
         return session
 
-    def on_inbound(self, now: float) -> str:
-        """A new peer connected to us; returns the key to feed its frames."""
-        peer = f"in:{next(self._inbound_ids)}"
+    def on_inbound(self, now: float, peer: str | None = None) -> str:
+        """A new peer connected to us; returns the key to feed its frames
+        (the transport's connection name if it has one)."""
+        if peer is None or peer in self._sessions:
+            peer = f"in:#{next(self._inbound_ids)}"
         session = Session(
             peer, self.me, now, timeouts=self.timeouts, limits=self.limits
         )
@@ -653,6 +655,28 @@ class LoadManager:
             or any(s.active for s in self._sessions.values() if s.peer in self._dirty)
             or self._consumers
         )
+
+    def waiting_requests(self) -> int:
+        """Live consumer requests blocked on us (an unanswered lookup or a
+        load in flight): when every live request is, the engine is idle."""
+        waiting = {j.req_id for j in self._jobs.values() if j.kind == "load"}
+        waiting.update(
+            c.req_id
+            for c in self._consumers.values()
+            if c.unsent or None in c.keys.values()
+        )
+        return len(waiting)
+
+    def jobs_in_flight(self) -> int:
+        return len(self._jobs) + len(self._results)
+
+    def release_for_reset(self, now: float) -> None:
+        """Cache reset: give back everything not mid-write (parked stores,
+        pins of unfetched lookups); writes in flight finish normally."""
+        self.release_parked(now)
+        for session in self._sessions.values():
+            session.release_unwritten()
+            self._touch(session)
 
     def failed_ids(self) -> frozenset[str]:
         return frozenset(self._failed)

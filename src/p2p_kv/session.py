@@ -859,8 +859,17 @@ class Session:
             self._store_results.append(StoreResult(store.job_id, ok, reason))
         serve.parked.clear()
 
-    def writes_in_flight(self) -> list[int]:
-        return list(self._writing)
+    def release_unwritten(self) -> None:
+        """Release every serve with no write in flight (cache reset). A later
+        fetch for it is answered TransferDone(ok=False): the peer recomputes."""
+        for serve in list(self._serves.values()):
+            if serve.can(Event.RESET):
+                fetch = serve.fetch
+                if fetch is not None:
+                    self._send(
+                        TransferDone(serve.req, serve.gen, fetch.job, False, "reset")
+                    )
+                self._release_serve(serve, Event.RESET, ok=False, reason="reset")
 
     # ------------------------------------------------------------------
     # time

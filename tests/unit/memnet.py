@@ -74,6 +74,8 @@ class Engine:
     results: dict[int, list[JobResult]] = field(default_factory=dict)
     submitted: set[int] = field(default_factory=set)
     job_counter: int = 0
+    #: consumer slot -> load job that owns it until the job's result
+    slot_owner: dict[int, int] = field(default_factory=dict)
 
     def new_job(self) -> int:
         self.job_counter += 1
@@ -92,6 +94,8 @@ class Engine:
         out = self.manager.get_finished_jobs(now)
         for r in out:
             self.results.setdefault(r.job_id, []).append(r)
+            for s in [s for s, j in self.slot_owner.items() if j == r.job_id]:
+                del self.slot_owner[s]
             slots = self.pin_jobs.pop(r.job_id, None)
             for s in slots or ():
                 self.pin_count[s] -= 1
@@ -125,6 +129,8 @@ class Net:
         self.queue: list[tuple[str, str, bytes]] = []  # (engine, peer key, frame)
         self.writes: list[tuple[str, str, WriteOrder]] = []
         self.hold_writes = False
+        #: writes that landed in a slot no in-flight job owned (fence broken)
+        self.violations: list[str] = []
 
     def addr(self, name: str) -> str:
         return f"{name}:1"
@@ -218,6 +224,13 @@ class Net:
             if other is None:
                 continue
             src, dst = self.engines[name], self.engines[other[0]]
+            job = int(order.notif.rsplit(b":", 1)[1])
+            for d in order.dst:
+                if dst.slot_owner.get(d) != job:
+                    self.violations.append(
+                        f"{name}->{other[0]} write into slot {d} owned by "
+                        f"{dst.slot_owner.get(d)}, not job {job}"
+                    )
             if ok:
                 for s, d in zip(order.src, order.dst, strict=True):
                     dst.region[d * BLOCK : (d + 1) * BLOCK] = src.block(s)

@@ -39,6 +39,8 @@ def probe(net: Net, req: str, kv_id: str, keys: list[bytes] = KEYS) -> list[Answ
 def load(net: Net, req: str, slots: list[int], keys: list[bytes] = KEYS) -> int:
     eng = net.engines["b"]
     job = eng.new_job()
+    for s in slots:
+        eng.slot_owner[s] = job
     eng.manager.submit_load(job, req, keys, slots, net.now)
     return job
 
