@@ -124,6 +124,9 @@ TABLE: Final[dict[Machine, dict[State, dict[Event, State]]]] = {
     },
     Machine.SERVE: {
         S.LOOKUP_QUEUED: {
+            # Another batch for the same request before the serve window:
+            # it joins the queue and is answered in the same window.
+            E.LOOKUP: S.LOOKUP_QUEUED,
             E.SERVED: S.PINNED,
             E.ABORT: S.RELEASED,
             E.TIMEOUT: S.RELEASED,

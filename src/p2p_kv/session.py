@@ -18,6 +18,8 @@ fenced.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -318,6 +320,8 @@ class Session:
         self._last_tx = now
         self._hb_seq = 0
         self._outbox: list[Message] = [self._hello]
+        self._timers: list[tuple[float, int, Probe | Load | Serve]] = []
+        self._timer_ids = itertools.count()
         self._writes: list[WriteOrder] = []
         # consumer role
         self._probes: dict[tuple[int, int], Probe] = {}
@@ -520,6 +524,7 @@ class Session:
             return
         self._probe_seq += 1
         probe = Probe(req, gen, self._probe_seq, keys, now + self.timeouts.lookup_s)
+        self._arm(probe, probe.deadline)
         self._probes[(gen, self._probe_seq)] = probe
         if self.ready:
             self._send_probe(probe)
@@ -576,6 +581,7 @@ class Session:
             fetch, nbytes, now, self.timeouts.fetch_deadline(now, nbytes), self.ready
         )
         self._loads[job_id] = load
+        self._arm(load, load.deadline)
         self._contacted.add(gen)
         if self.ready:
             self._send(fetch)
@@ -600,7 +606,7 @@ class Session:
                 del self._loads[job_id]
                 self._load_results.append(self._result(load, False, "abort", now))
             else:
-                load.deadline = now + self.timeouts.abort_ack_s
+                self._arm(load, now + self.timeouts.abort_ack_s)
         # The peer pins hits when it answers a lookup and releases them on a
         # fetch, on our Abort or at its pin deadline. Which came first is
         # unknowable here; an Abort is cheap and always safe.
@@ -667,6 +673,7 @@ class Session:
             serve = Serve(
                 msg.req, msg.gen, State.LOOKUP_QUEUED, now + self.timeouts.pin_ttl_s
             )
+            self._arm(serve, serve.deadline)
             self._serves[(msg.req, msg.gen)] = serve
         else:
             serve.fire(Event.LOOKUP)
@@ -700,7 +707,7 @@ class Session:
                 self._send(LookupResp(serve.req, serve.gen, lookup.seq, hits))
             serve.pending_lookups.clear()
             serve.fire(Event.SERVED)
-            serve.deadline = now + self.timeouts.pin_ttl_s
+            self._arm(serve, now + self.timeouts.pin_ttl_s)
 
     @property
     def pinned_blocks(self) -> int:
@@ -732,6 +739,7 @@ class Session:
                 msg.req, msg.gen, State.FETCH_WAITING, now + self.timeouts.parked_wait_s
             )
             serve.fetch = msg
+            self._arm(serve, serve.deadline)
             self._serves[(msg.req, msg.gen)] = serve
             self.wants_parked.append(serve)
             return
@@ -742,9 +750,13 @@ class Session:
                 msg.req,
                 msg.gen,
             )
-            self._send(
-                TransferDone(msg.req, msg.gen, msg.job, False, "duplicate fetch")
-            )
+            # A replay of the job being written must not fail it early (its
+            # slots would be released while our write can still land); a
+            # different job has nothing in flight and can be refused.
+            if serve.fetch is None or msg.job != serve.fetch.job:
+                self._send(
+                    TransferDone(msg.req, msg.gen, msg.job, False, "duplicate fetch")
+                )
             return
         serve.fetch = msg
         self._start_writes(serve, Event.FETCH, now)
@@ -788,7 +800,7 @@ class Session:
         self._next_write += 1
         serve.write_id = self._next_write
         nbytes = len(src) * self._me.block_bytes
-        serve.deadline = self.timeouts.fetch_deadline(now, nbytes)
+        self._arm(serve, self.timeouts.fetch_deadline(now, nbytes))
         self._writing[serve.write_id] = serve
         self._writes.append(
             WriteOrder(
@@ -885,10 +897,19 @@ class Session:
             self._last_tx + self.timeouts.heartbeat_interval_s,
             self._last_rx + self.timeouts.liveness_s,
         ]
-        times.extend(p.deadline for p in self._probes.values())
-        times.extend(load.deadline for load in self._loads.values())
-        times.extend(s.deadline for s in self._serves.values())
+        timers = self._timers
+        while timers and (
+            timers[0][2].terminal or timers[0][2].deadline != timers[0][0]
+        ):
+            heapq.heappop(timers)
+        if timers:
+            times.append(timers[0][0])
         return min(times)
+
+    def _arm(self, item: Probe | Load | Serve, deadline: float) -> None:
+        """Set ``item``'s deadline; the old timer entry goes stale."""
+        item.deadline = deadline
+        heapq.heappush(self._timers, (deadline, next(self._timer_ids), item))
 
     def tick(self, now: float) -> None:
         """Fire every deadline that has passed. Each failure costs one
@@ -902,29 +923,31 @@ class Session:
         if now >= self._last_rx + self.timeouts.liveness_s:
             self._lose("peer_down", "heartbeat deadline passed")
             return
-        for key in [k for k, p in self._probes.items() if now >= p.deadline]:
-            probe = self._probes.pop(key)
-            probe.fire(Event.TIMEOUT)
-            self.counters.bump(self.counters.failures, "lookup_timeout")
-            self._probe_answers.append(ProbeAnswer(probe.gen, probe.keys, None))
-        for job_id, load in list(self._loads.items()):
-            if now < load.deadline:
-                continue
-            if load.state is State.ABORTING:
-                # The peer neither finished nor acknowledged: it is not
-                # healthy, and only dropping its agent fences our slots.
-                self._lose("abort_timeout", f"no AbortAck for job {job_id}")
-                return
-            load.fire(Event.TIMEOUT)
-            self.counters.bump(self.counters.failures, "timeout")
-            if load.state is State.FAILED:
-                del self._loads[job_id]
-                self._load_results.append(self._result(load, False, "timeout", now))
-            else:
-                load.deadline = now + self.timeouts.abort_ack_s
-                self._send(Abort(load.fetch.req, load.fetch.gen))
-        for serve in [s for s in self._serves.values() if now >= s.deadline]:
-            self._expire_serve(serve)
+        while self._timers and self._timers[0][0] <= now:
+            deadline, _, item = heapq.heappop(self._timers)
+            if item.terminal or item.deadline != deadline:
+                continue  # settled or re-armed since: a stale timer
+            if isinstance(item, Probe):
+                del self._probes[(item.gen, item.seq)]
+                item.fire(Event.TIMEOUT)
+                self.counters.bump(self.counters.failures, "lookup_timeout")
+                self._probe_answers.append(ProbeAnswer(item.gen, item.keys, None))
+            elif isinstance(item, Load):
+                if item.state is State.ABORTING:
+                    # The peer neither finished nor acknowledged: it is not
+                    # healthy, and only dropping its agent fences our slots.
+                    self._lose("abort_timeout", f"no AbortAck for job {item.fetch.job}")
+                    return
+                item.fire(Event.TIMEOUT)
+                self.counters.bump(self.counters.failures, "timeout")
+                if item.state is State.FAILED:
+                    del self._loads[item.fetch.job]
+                    self._load_results.append(self._result(item, False, "timeout", now))
+                else:
+                    self._arm(item, now + self.timeouts.abort_ack_s)
+                    self._send(Abort(item.fetch.req, item.fetch.gen))
+            elif isinstance(item, Serve):
+                self._expire_serve(item)
         if now >= self._last_tx + self.timeouts.heartbeat_interval_s:
             self._hb_seq += 1
             self._send(Heartbeat(seq=self._hb_seq))

@@ -168,7 +168,7 @@ class Net:
                     self.links.append(Link((name, peer), (target, inbound)))
                 else:
                     m.on_disconnected(peer, "unreachable", self.now)
-            for peer, wid in m.take_cancels():
+            for _peer, wid in m.take_cancels():
                 self.writes = [
                     w
                     for w in self.writes

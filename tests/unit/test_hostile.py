@@ -1,0 +1,524 @@
+"""A peer that sends what it should not: every bad message is refused or
+counted for that message only, and the session goes on serving good ones.
+
+Engines ``a`` (producer, holds KEYS) and ``b`` (consumer) from memnet. Bad
+frames are built by hand and put through the real codec, then either
+*injected* into a manager (replies flow through the net as usual) or
+*poked* into a session (replies are taken and inspected, never delivered).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from p2p_kv.handshake import make_hello
+from p2p_kv.lifecycle import State
+from p2p_kv.manager import Answer
+from p2p_kv.protocol import (
+    Abort,
+    AbortAck,
+    Error,
+    Fetch,
+    Lookup,
+    LookupResp,
+    Message,
+    TransferDone,
+    decode,
+    encode,
+)
+from p2p_kv.session import Limits, Session, Timeouts
+
+from .memnet import NBLOCKS, Net, identity, key, payload
+
+KEYS = [key(i) for i in range(4)]
+SRC_SLOTS = [10, 13, 16, 19]
+
+
+def make_net(**kw: object) -> Net:
+    net = Net(**kw)  # type: ignore[arg-type]
+    for k, s in zip(KEYS, SRC_SLOTS, strict=True):
+        net.engines["a"].put(k, s)
+    return net
+
+
+def peer_key(net: Net, engine: str) -> str:
+    """The key under which ``engine`` knows the other engine (live link)."""
+    for link in net.links:
+        if link.up:
+            for end in (link.a, link.b):
+                if end[0] == engine:
+                    return end[1]
+    raise AssertionError(f"{engine} has no live link")
+
+
+def session(net: Net, engine: str) -> Session:
+    s = net.engines[engine].manager.session(peer_key(net, engine))
+    assert s is not None
+    return s
+
+
+def wire(msg: Message) -> Message:
+    return decode(encode(msg))
+
+
+def inject(net: Net, to: str, msg: Message) -> None:
+    """A frame from the other engine arrives at ``to``'s manager."""
+    net.engines[to].manager.on_message(peer_key(net, to), wire(msg), net.now)
+
+
+def poke(net: Net, to: str, msg: Message) -> list[Message]:
+    """Feed ``to``'s session directly; return (and swallow) its replies."""
+    s = session(net, to)
+    s.receive(wire(msg), net.now)
+    return s.take_outbox(net.now)
+
+
+def errors(net: Net, engine: str) -> dict[str, int]:
+    return dict(session(net, engine).counters.protocol_errors)
+
+
+def serve_of(net: Net, kv_id: str) -> tuple[int, State]:
+    """(gen, state) of the producer's SERVE for ``kv_id``."""
+    (serve,) = [s for s in session(net, "a").serves() if s.req == kv_id]
+    return serve.gen, serve.state
+
+
+def probe(net: Net, req: str, kv_id: str) -> None:
+    b = net.engines["b"].manager
+    b.on_new_request(req, net.roles("a", kv_id), net.now)
+    assert [b.lookup(req, k, net.now) for k in KEYS] == [Answer.RETRY] * 4
+    net.run()
+    assert [b.lookup(req, k, net.now) for k in KEYS] == [Answer.HIT] * 4
+
+
+def load(net: Net, req: str, slots: list[int]) -> int:
+    eng = net.engines["b"]
+    job = eng.new_job()
+    owner = getattr(eng, "slot_owner", None)  # memnet's fence check, if present
+    if owner is not None:
+        owner.update(dict.fromkeys(slots, job))
+    eng.manager.submit_load(job, req, KEYS, slots, net.now)
+    return job
+
+
+def expect_loaded(net: Net, job: int, slots: list[int]) -> None:
+    b = net.engines["b"]
+    b.collect(net.now)
+    assert [r.success for r in b.results[job]] == [True]
+    assert [b.block(s) for s in slots] == [payload(k) for k in KEYS]
+
+
+def finish(net: Net, req: str) -> None:
+    net.engines["b"].manager.on_request_finished(req, net.now)
+    net.run()
+    for eng in net.engines.values():
+        eng.collect(net.now)
+
+
+def healthy_request(net: Net, req: str, kv_id: str, slots: list[int]) -> None:
+    """A whole good request on the same session: probe, load, bytes, finish."""
+    probe(net, req, kv_id)
+    job = load(net, req, slots)
+    net.run()
+    expect_loaded(net, job, slots)
+    finish(net, req)
+
+
+def assert_drained(net: Net) -> None:
+    assert getattr(net, "violations", []) == [], "a write landed unfenced"
+    for name, eng in net.engines.items():
+        residue = {k: v for k, v in eng.manager.state_report().items() if v}
+        assert not residue, f"{name} left {residue}"
+        assert not eng.pin_count, f"{name} still pins {eng.pin_count}"
+        assert eng.submitted == set(eng.results), f"{name}: jobs without result"
+        assert all(len(r) == 1 for r in eng.results.values())
+
+
+# ---------------------------------------------------------------------------
+# Fetch
+# ---------------------------------------------------------------------------
+
+
+def test_fetch_with_out_of_range_slots_is_refused_without_writes() -> None:
+    net = make_net()
+    probe(net, "r1", "kv1")
+    gen, _ = serve_of(net, "kv1")
+    for bad in ([1, 2, NBLOCKS, 3], [2**40 - 1, 1, 2, 3]):
+        replies = poke(net, "a", Fetch("kv1", gen, 900, KEYS, bad))
+        err, done = replies
+        assert isinstance(err, Error) and err.code == "slot_out_of_range"
+        assert (err.req, err.gen) == ("kv1", gen)
+        assert done == TransferDone("kv1", gen, 900, False, "slot out of range")
+        assert session(net, "a").take_writes() == []
+    assert errors(net, "a") == {"slot_out_of_range": 2}
+    assert serve_of(net, "kv1") == (gen, State.PINNED)  # that message only
+    job = load(net, "r1", [5, 6, 7, 8])
+    net.run()
+    expect_loaded(net, job, [5, 6, 7, 8])
+    finish(net, "r1")
+    healthy_request(net, "r2", "kv2", [30, 31, 32, 33])
+    assert_drained(net)
+
+
+def test_consumer_load_into_out_of_range_slot_fails_cleanly() -> None:
+    net = make_net()
+    probe(net, "r1", "kv1")
+    net.hold_writes = True
+    job = load(net, "r1", [1, 2, NBLOCKS + 5, 3])
+    net.run()
+    assert net.writes == []  # no write order was ever produced
+    b = net.engines["b"]
+    b.collect(net.now)
+    assert [r.success for r in b.results[job]] == [False]
+    assert errors(net, "a") == {"slot_out_of_range": 1}
+    assert errors(net, "b") == {"peer:slot_out_of_range": 1}
+    assert b.region == bytearray(len(b.region))  # nothing landed anywhere
+    net.hold_writes = False
+    finish(net, "r1")
+    healthy_request(net, "r2", "kv2", [30, 31, 32, 33])
+    assert_drained(net)
+
+
+@pytest.mark.parametrize("which", ["wrong_gen", "unknown_req"])
+def test_fetch_for_a_request_the_producer_does_not_hold(which: str) -> None:
+    net = make_net()
+    probe(net, "r1", "kv1")
+    gen, _ = serve_of(net, "kv1")
+    net.hold_writes = True
+    req, g = ("kv1", gen + 7) if which == "wrong_gen" else ("ghost", gen)
+    inject(net, "a", Fetch(req, g, 901, KEYS, [40, 41, 42, 43]))
+    net.run()
+    # Treated as a fetch of parked stores; none exist, so it is refused and
+    # the refusal reaches b, which holds no such job and counts it.
+    assert net.writes == []
+    assert errors(net, "b") == {"stale_transfer_done": 1}
+    assert serve_of(net, "kv1") == (gen, State.PINNED)
+    assert session(net, "a").sizes()["serves"] == 1
+    net.hold_writes = False
+    job = load(net, "r1", [5, 6, 7, 8])
+    net.run()
+    expect_loaded(net, job, [5, 6, 7, 8])
+    assert net.engines["b"].block(40) == bytes(16)
+    finish(net, "r1")
+    healthy_request(net, "r2", "kv2", [30, 31, 32, 33])
+    assert_drained(net)
+
+
+def test_duplicate_fetch_is_refused_and_the_first_one_completes() -> None:
+    net = make_net()
+    probe(net, "r1", "kv1")
+    gen, _ = serve_of(net, "kv1")
+    net.hold_writes = True
+    job = load(net, "r1", [5, 6, 7, 8])
+    net.run(2)
+    assert serve_of(net, "kv1") == (gen, State.WRITING)
+    assert len(net.writes) == 1
+    inject(net, "a", Fetch("kv1", gen, 902, KEYS, [20, 21, 22, 23]))
+    net.run(2)
+    assert errors(net, "a") == {"duplicate_fetch": 1}
+    assert errors(net, "b") == {"peer:duplicate_fetch": 1, "stale_transfer_done": 1}
+    assert len(net.writes) == 1  # still only the first
+    assert net.engines["b"].manager.state_report()["fenced_slots"] == 4
+    net.hold_writes = False
+    net.run()
+    expect_loaded(net, job, [5, 6, 7, 8])
+    assert net.engines["b"].block(20) == bytes(16)
+    finish(net, "r1")
+    healthy_request(net, "r2", "kv2", [30, 31, 32, 33])
+    assert_drained(net)
+
+
+def test_duplicate_fetch_with_the_same_job_keeps_the_fence() -> None:
+    net = make_net()
+    probe(net, "r1", "kv1")
+    gen, _ = serve_of(net, "kv1")
+    net.hold_writes = True
+    job = load(net, "r1", [5, 6, 7, 8])
+    net.run(2)
+    assert len(net.writes) == 1
+    inject(net, "a", Fetch("kv1", gen, job, KEYS, [5, 6, 7, 8]))  # a replay
+    net.run(2)
+    b = net.engines["b"]
+    # The write is still pending, so the job must not have a result yet.
+    assert len(net.writes) == 1
+    assert b.collect(net.now) == []
+    assert b.manager.state_report()["fenced_slots"] == 4
+
+
+# ---------------------------------------------------------------------------
+# replies addressed to something else
+# ---------------------------------------------------------------------------
+
+
+def test_lookup_resp_for_unknown_seq_gen_or_req_is_counted() -> None:
+    net = make_net()
+    b = net.engines["b"].manager
+    b.on_new_request("r1", net.roles("a", "kv1"), net.now)
+    assert [b.lookup("r1", k, net.now) for k in KEYS] == [Answer.RETRY] * 4
+    for _ in range(4):  # connect, handshake, lookup delivered -- no serve yet
+        net.step()
+    gen, state = serve_of(net, "kv1")
+    assert state is State.LOOKUP_QUEUED
+    for msg in (
+        LookupResp("kv1", gen, 999, [True] * 4),  # unknown seq
+        LookupResp("kv1", gen + 1, 1, [True] * 4),  # unknown gen
+        LookupResp("other", gen, 1, [True] * 4),  # another request's id
+    ):
+        assert poke(net, "b", msg) == []  # counted, no reply
+    assert errors(net, "b") == {"stale_lookup_resp": 3}
+    (err,) = poke(net, "b", LookupResp("kv1", gen, 1, [True]))  # wrong length
+    assert isinstance(err, Error) and err.code == "bad_lookup_resp"
+    assert errors(net, "b") == {"stale_lookup_resp": 3, "bad_lookup_resp": 1}
+    assert [b.lookup("r1", k, net.now) for k in KEYS] == [Answer.RETRY] * 4
+    net.run()  # the real answer still applies
+    assert [b.lookup("r1", k, net.now) for k in KEYS] == [Answer.HIT] * 4
+    job = load(net, "r1", [5, 6, 7, 8])
+    net.run()
+    expect_loaded(net, job, [5, 6, 7, 8])
+    finish(net, "r1")
+    healthy_request(net, "r2", "kv2", [30, 31, 32, 33])
+    assert_drained(net)
+
+
+def test_transfer_done_for_another_gen_or_job_is_counted() -> None:
+    net = make_net()
+    probe(net, "r1", "kv1")
+    gen, _ = serve_of(net, "kv1")
+    net.hold_writes = True
+    job = load(net, "r1", [5, 6, 7, 8])
+    net.run(2)
+    for msg in (
+        TransferDone("kv1", gen + 1, job, True),  # another generation
+        TransferDone("kv1", gen, job + 1000, True),  # another job
+        TransferDone("other", gen, job, False, "x"),  # another request
+        TransferDone("kv1", gen - 1, job, False, "x"),
+    ):
+        inject(net, "b", msg)
+    b = net.engines["b"]
+    assert errors(net, "b") == {"stale_transfer_done": 4}
+    assert b.collect(net.now) == []
+    assert b.manager.state_report()["fenced_slots"] == 4
+    net.hold_writes = False
+    net.run()
+    expect_loaded(net, job, [5, 6, 7, 8])
+    finish(net, "r1")
+    healthy_request(net, "r2", "kv2", [30, 31, 32, 33])
+    assert_drained(net)
+
+
+def test_stray_abort_acks_change_nothing() -> None:
+    net = make_net()
+    probe(net, "r1", "kv1")
+    gen, _ = serve_of(net, "kv1")
+    net.hold_writes = True
+    job = load(net, "r1", [5, 6, 7, 8])
+    net.run(2)
+    b = net.engines["b"]
+    # Not aborting: even an ack for our own (req, gen) must not fail the load.
+    for msg in (AbortAck("kv1", gen), AbortAck("kv1", gen + 1), AbortAck("x", gen)):
+        inject(net, "b", msg)
+    assert b.collect(net.now) == []
+    assert b.manager.state_report()["fenced_slots"] == 4
+    # A stray AbortAck is indistinguishable from the ack of an Abort sent
+    # after a probe-only request, so it is not a protocol error: no counter.
+    assert errors(net, "b") == {}
+    net.hold_writes = False
+    net.run()
+    expect_loaded(net, job, [5, 6, 7, 8])
+    finish(net, "r1")
+    healthy_request(net, "r2", "kv2", [30, 31, 32, 33])
+    assert_drained(net)
+
+
+def test_abort_ack_for_another_gen_does_not_release_an_aborting_load() -> None:
+    net = make_net()
+    probe(net, "r1", "kv1")
+    gen, _ = serve_of(net, "kv1")
+    net.hold_writes = True
+    job = load(net, "r1", [5, 6, 7, 8])
+    net.run(2)
+    b = net.engines["b"]
+    b.manager.on_request_finished("r1", net.now)  # load -> ABORTING
+    net.run(2)
+    assert serve_of(net, "kv1") == (gen, State.ABORT_WRITING)
+    (ld,) = session(net, "b").loads()
+    assert ld.state is State.ABORTING
+    for msg in (AbortAck("kv1", gen + 1), AbortAck("other", gen)):
+        inject(net, "b", msg)
+    assert b.collect(net.now) == []
+    assert b.manager.state_report()["fenced_slots"] == 4
+    net.hold_writes = False
+    net.run()  # the write settles; the real AbortAck fences the job
+    b.collect(net.now)
+    assert [r.job_id for r in b.results[job]] == [job]
+    assert b.manager.state_report()["fenced_slots"] == 0
+    assert b.manager.failed_ids() == frozenset()
+    for eng in net.engines.values():
+        eng.collect(net.now)
+    healthy_request(net, "r2", "kv2", [30, 31, 32, 33])
+    assert_drained(net)
+
+
+def test_abort_for_unknown_request_is_acked_and_harmless() -> None:
+    net = make_net()
+    probe(net, "r1", "kv1")
+    gen, _ = serve_of(net, "kv1")
+    assert poke(net, "a", Abort("ghost", gen)) == [AbortAck("ghost", gen)]
+    assert poke(net, "a", Abort("kv1", gen + 1)) == [AbortAck("kv1", gen + 1)]
+    assert serve_of(net, "kv1") == (gen, State.PINNED)
+    job = load(net, "r1", [5, 6, 7, 8])
+    net.run()
+    expect_loaded(net, job, [5, 6, 7, 8])
+    finish(net, "r1")
+    assert_drained(net)
+
+
+# ---------------------------------------------------------------------------
+# Error, second Hello
+# ---------------------------------------------------------------------------
+
+
+def test_error_from_peer_is_counted_and_changes_nothing() -> None:
+    net = make_net()
+    probe(net, "r1", "kv1")
+    gen, _ = serve_of(net, "kv1")
+    net.hold_writes = True
+    job = load(net, "r1", [5, 6, 7, 8])
+    net.run(2)
+    inject(net, "b", Error(code="forged", detail="fail it", req="kv1", gen=gen))
+    inject(net, "a", Error(code="forged", req="kv1", gen=gen))
+    assert errors(net, "b") == {"peer:forged": 1}
+    assert errors(net, "a") == {"peer:forged": 1}
+    assert net.engines["b"].collect(net.now) == []
+    assert serve_of(net, "kv1") == (gen, State.WRITING)
+    net.hold_writes = False
+    net.run()
+    expect_loaded(net, job, [5, 6, 7, 8])
+    finish(net, "r1")
+    healthy_request(net, "r2", "kv2", [30, 31, 32, 33])
+    assert_drained(net)
+
+
+def test_second_hello_is_refused_and_the_session_goes_on() -> None:
+    net = make_net()
+    probe(net, "r1", "kv1")
+    sb = session(net, "b")
+    first = sb.peer_hello
+    (err,) = poke(net, "b", make_hello(identity("a", layout="other"), b"n" * 16))
+    assert isinstance(err, Error) and err.code == "duplicate_hello"
+    inject(net, "a", make_hello(identity("b"), b"m" * 16))
+    net.run()
+    assert errors(net, "b") == {"duplicate_hello": 1, "peer:duplicate_hello": 1}
+    assert errors(net, "a") == {"duplicate_hello": 1}
+    assert sb.ready and sb.peer_hello is first and sb.refusal is None
+    job = load(net, "r1", [5, 6, 7, 8])
+    net.run()
+    expect_loaded(net, job, [5, 6, 7, 8])
+    finish(net, "r1")
+    healthy_request(net, "r2", "kv2", [30, 31, 32, 33])
+    assert_drained(net)
+
+
+# ---------------------------------------------------------------------------
+# resource limits
+# ---------------------------------------------------------------------------
+
+
+def test_peer_over_max_serves_gets_refusals_and_state_stays_bounded() -> None:
+    limits = Limits(max_serves=4)
+    net = make_net(limits=limits, timeouts=Timeouts(pin_ttl_s=1.0))
+    probe(net, "r1", "kv1")
+    _gen, _ = serve_of(net, "kv1")
+    sa = session(net, "a")
+    flood = 200
+    for i in range(flood):
+        inject(net, "a", Lookup(f"flood-{i}", 1, i + 1, KEYS))
+        assert sa.sizes()["serves"] <= limits.max_serves
+    refused_lookups = flood - (limits.max_serves - 1)
+    assert errors(net, "a") == {"limit_serves": refused_lookups}
+    for i in range(50):
+        inject(net, "a", Fetch(f"fetch-flood-{i}", 1, 5000 + i, KEYS, [1, 2, 3, 4]))
+    assert sa.sizes()["serves"] == limits.max_serves
+    net.run()
+    assert sa.sizes()["serves"] <= limits.max_serves
+    assert net.engines["a"].manager.state_report()["serves"] <= limits.max_serves
+    # Every flooding lookup got an answer (misses) and every fetch a refusal.
+    assert errors(net, "b") == {
+        "peer:limit_serves": refused_lookups,
+        "stale_lookup_resp": flood,
+        "stale_transfer_done": 50,
+    }
+    # The request that was in before the flood still loads.
+    job = load(net, "r1", [5, 6, 7, 8])
+    net.run()
+    expect_loaded(net, job, [5, 6, 7, 8])
+    finish(net, "r1")
+    # The flood's serves expire at their pin deadline; then new work fits.
+    for _ in range(12):
+        net.advance(0.1)
+        net.run(1)
+    assert sa.sizes()["serves"] == 0 and sa.ready
+    healthy_request(net, "r2", "kv2", [30, 31, 32, 33])
+    assert_drained(net)
+
+
+def test_session_whose_outbox_is_not_drained_is_closed() -> None:
+    limits = Limits(max_outbox=16)
+    a = Session("b:1", identity("a"), 0.0, limits=limits, nonce=b"A" * 16)
+    b = Session("in:1", identity("b"), 0.0, limits=limits, nonce=b"B" * 16)
+    for _ in range(3):
+        for src, dst in ((a, b), (b, a)):
+            for msg in src.take_outbox(0.0):
+                dst.receive(wire(msg), 0.0)
+    assert a.ready and b.ready
+    # The peer keeps sending and never reads our replies.
+    for i in range(1000):
+        b.receive(wire(Abort(f"r{i}", 1)), 0.0)
+        assert len(b._outbox) <= limits.max_outbox
+    assert b.closed and b.close_reason.startswith("outbox_full")
+    assert len(b.take_outbox(0.0)) <= limits.max_outbox
+    assert b.sizes() == dict.fromkeys(b.sizes(), 0)
+
+
+def test_manager_closes_a_peer_that_does_not_drain() -> None:
+    net = make_net(limits=Limits(max_outbox=16))
+    probe(net, "r1", "kv1")
+    finish(net, "r1")
+    a = net.engines["a"].manager
+    peer = peer_key(net, "a")
+    for i in range(100):  # nobody takes a's outgoing frames meanwhile
+        a.on_message(peer, wire(Abort(f"r{i}", 1)), net.now)
+    sa = a.session(peer)
+    assert sa is not None and sa.closed
+    assert sa.close_reason.startswith("outbox_full")
+    net.run()
+    assert a.session(peer) is None  # invalidated and dropped
+    assert not any(link.up for link in net.links)
+    # b reconnects after its backoff and works again. (memnet routes by the
+    # first link naming a peer key, so forget the dead one before "a:1" is
+    # reused.)
+    net.links = [link for link in net.links if link.up]
+    for _ in range(12):
+        net.advance(0.1)
+        net.run(1)
+    healthy_request(net, "r2", "kv2", [30, 31, 32, 33])
+    assert_drained(net)
+
+
+# ---------------------------------------------------------------------------
+# a benign race: two lookup batches before one serve window
+# ---------------------------------------------------------------------------
+
+
+def test_second_lookup_before_the_serve_window_is_answered() -> None:
+    net = make_net()
+    b = net.engines["b"].manager
+    b.on_new_request("r1", net.roles("a", "kv1"), net.now)
+    assert b.lookup("r1", KEYS[0], net.now) is Answer.RETRY
+    for _ in range(4):  # handshake done; Lookup seq 1 queued at a, not served
+        net.step()
+    assert b.lookup("r1", KEYS[1], net.now) is Answer.RETRY
+    net.step()  # Lookup seq 2 reaches a before its serve window
+    net.run()
+    assert errors(net, "a") == {}
+    assert [b.lookup("r1", k, net.now) for k in KEYS[:2]] == [Answer.HIT] * 2

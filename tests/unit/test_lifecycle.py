@@ -1,0 +1,285 @@
+"""The transition tables, checked exhaustively: every (machine, state,
+event) triple, every reachable path, and the fence rule of LOAD."""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Iterable
+
+import pytest
+
+from p2p_kv.lifecycle import (
+    INITIAL,
+    TABLE,
+    Event,
+    IllegalTransition,
+    Machine,
+    State,
+    Tracked,
+    allowed,
+    is_terminal,
+    step,
+)
+
+S, E = State, Event
+
+#: What each machine is documented to end in.
+TERMINALS: dict[Machine, frozenset[State]] = {
+    Machine.PROBE: frozenset({S.ANSWERED, S.EXPIRED}),
+    Machine.LOAD: frozenset({S.DONE, S.FAILED}),
+    Machine.SERVE: frozenset({S.RELEASED}),
+    Machine.PARKED: frozenset({S.RELEASED, S.EXPIRED}),
+}
+
+Edge = tuple[State, Event, State]
+
+
+def states(machine: Machine) -> set[State]:
+    """Every state the machine can be in: rows, targets and initial states."""
+    table = TABLE[machine]
+    out = set(table) | set(INITIAL[machine])
+    for row in table.values():
+        out |= set(row.values())
+    return out
+
+
+def edges(machine: Machine) -> list[Edge]:
+    return [
+        (src, event, dst)
+        for src, row in TABLE[machine].items()
+        for event, dst in row.items()
+    ]
+
+
+def reachable(
+    machine: Machine, start: Iterable[State], skip: frozenset[Edge] = frozenset()
+) -> dict[State, list[Event]]:
+    """BFS over the table: each reachable state with one shortest path."""
+    paths: dict[State, list[Event]] = {s: [] for s in start}
+    todo = deque(paths)
+    while todo:
+        src = todo.popleft()
+        for event, dst in TABLE[machine].get(src, {}).items():
+            if (src, event, dst) in skip or dst in paths:
+                continue
+            paths[dst] = [*paths[src], event]
+            todo.append(dst)
+    return paths
+
+
+def tracked_class(machine: Machine) -> type[Tracked]:
+    return type(f"T{machine.name}", (Tracked,), {"machine": machine, "__slots__": ()})
+
+
+ALL_MACHINES = list(Machine)
+
+
+# ---------------------------------------------------------------------------
+# shape of the tables
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("machine", ALL_MACHINES, ids=lambda m: m.name)
+def test_terminal_states_have_no_rows(machine: Machine) -> None:
+    terminals = TERMINALS[machine]
+    assert terminals <= states(machine)
+    for state in terminals:
+        assert state not in TABLE[machine]
+        assert is_terminal(machine, state)
+    # ... and every other state of the machine has a row (is not terminal).
+    for state in states(machine) - terminals:
+        assert TABLE[machine][state], f"{machine.name}.{state.name} has no events"
+        assert not is_terminal(machine, state)
+
+
+@pytest.mark.parametrize("machine", ALL_MACHINES, ids=lambda m: m.name)
+def test_initial_states_are_not_terminal(machine: Machine) -> None:
+    assert INITIAL[machine]
+    for state in INITIAL[machine]:
+        assert state in TABLE[machine]
+
+
+@pytest.mark.parametrize("machine", ALL_MACHINES, ids=lambda m: m.name)
+def test_every_state_is_reachable_from_an_initial_state(machine: Machine) -> None:
+    assert set(reachable(machine, INITIAL[machine])) == states(machine)
+
+
+def test_step_is_the_table_and_everything_else_is_illegal() -> None:
+    legal = illegal = 0
+    for machine, state, event in itertools.product(Machine, State, Event):
+        row = TABLE[machine].get(state, {})
+        if event in row:
+            assert step(machine, state, event) is row[event]
+            assert allowed(machine, state, event)
+            legal += 1
+            continue
+        assert not allowed(machine, state, event)
+        with pytest.raises(IllegalTransition) as info:
+            step(machine, state, event)
+        err = info.value
+        assert (err.machine, err.state, err.event) == (machine, state, event)
+        assert event.value in str(err) and state.value in str(err)
+        illegal += 1
+    assert legal == sum(len(edges(m)) for m in Machine)
+    assert legal + illegal == len(Machine) * len(State) * len(Event)
+
+
+# ---------------------------------------------------------------------------
+# Tracked objects follow the table
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("machine", ALL_MACHINES, ids=lambda m: m.name)
+def test_tracked_fire_follows_the_table(machine: Machine) -> None:
+    cls = tracked_class(machine)
+    checked = 0
+    for initial in INITIAL[machine]:
+        for state, path in reachable(machine, [initial]).items():
+            for event in Event:
+                obj = cls(initial)
+                for ev in path:  # replay the path through fire()
+                    obj.fire(ev)
+                assert obj.state is state
+                assert obj.terminal == is_terminal(machine, state)
+                assert obj.can(event) == allowed(machine, state, event)
+                if allowed(machine, state, event):
+                    assert obj.fire(event) is TABLE[machine][state][event]
+                    assert obj.state is TABLE[machine][state][event]
+                else:
+                    with pytest.raises(IllegalTransition):
+                        obj.fire(event)
+                    assert obj.state is state  # a refused event changes nothing
+                checked += 1
+    assert checked >= len(Event) * len(INITIAL[machine])
+
+
+@pytest.mark.parametrize("machine", ALL_MACHINES, ids=lambda m: m.name)
+def test_tracked_refuses_a_non_initial_start(machine: Machine) -> None:
+    cls = tracked_class(machine)
+    for state in State:
+        if state in INITIAL[machine]:
+            assert cls(state).state is state
+        else:
+            with pytest.raises(IllegalTransition):
+                cls(state)
+
+
+def test_terminal_tracked_objects_refuse_everything() -> None:
+    for machine in Machine:
+        cls = tracked_class(machine)
+        for initial in INITIAL[machine]:
+            for state, path in reachable(machine, [initial]).items():
+                if state not in TERMINALS[machine]:
+                    continue
+                obj = cls(initial)
+                for ev in path:
+                    obj.fire(ev)
+                assert obj.terminal
+                for event in Event:
+                    assert not obj.can(event)
+                    with pytest.raises(IllegalTransition):
+                        obj.fire(event)
+
+
+# ---------------------------------------------------------------------------
+# liveness: everything can end, and losing the peer ends it
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "machine", [Machine.PROBE, Machine.LOAD, Machine.SERVE, Machine.PARKED]
+)
+def test_every_non_terminal_state_can_reach_a_terminal(machine: Machine) -> None:
+    for state in states(machine) - TERMINALS[machine]:
+        ends = set(reachable(machine, [state])) & TERMINALS[machine]
+        assert ends, f"{machine.name}.{state.name} can never finish"
+
+
+@pytest.mark.parametrize(
+    "machine", [m for m in Machine if any(E.PEER_LOST in r for r in TABLE[m].values())]
+)
+def test_peer_lost_ends_every_peer_owned_state(machine: Machine) -> None:
+    # A PARKED store in STORED belongs to the manager's registry, not to any
+    # peer, so no peer can be lost under it (it ends by TIMEOUT or RESET).
+    not_peer_owned = {Machine.PARKED: {S.STORED}}.get(machine, set())
+    for state in states(machine) - TERMINALS[machine]:
+        if state in not_peer_owned:
+            assert E.PEER_LOST not in TABLE[machine][state]
+            assert {E.TIMEOUT, E.RESET} <= set(TABLE[machine][state])
+            continue
+        assert E.PEER_LOST in TABLE[machine][state], f"{state.name}: no PEER_LOST"
+        assert step(machine, state, E.PEER_LOST) in TERMINALS[machine]
+
+
+def test_every_machine_has_peer_lost() -> None:
+    for machine in Machine:
+        assert any(E.PEER_LOST in row for row in TABLE[machine].values())
+
+
+# ---------------------------------------------------------------------------
+# the fence rule of LOAD
+# ---------------------------------------------------------------------------
+
+#: Events that prove no remote write can still land in the job's slots.
+FENCES: frozenset[tuple[State | None, Event]] = frozenset(
+    {
+        (None, E.TRANSFER_FAILED),
+        (None, E.ABORT_ACK),
+        (None, E.PEER_LOST),  # the session invalidates the peer's agent first
+        (S.ABORTING, E.TIMEOUT),  # likewise: the session closes the peer
+    }
+)
+
+
+def fences(src: State, event: Event) -> bool:
+    return (None, event) in FENCES or (src, event) in FENCES
+
+
+def unfenced_paths_to_failed(table: dict[State, dict[Event, State]]) -> list[str]:
+    """Every path from FETCH_POSTED that enters FAILED over a non-fencing
+    event, found by exploring the table (each state visited once)."""
+    bad = []
+    seen = {S.FETCH_POSTED}
+    todo: deque[tuple[State, list[str]]] = deque([(S.FETCH_POSTED, [])])
+    while todo:
+        src, path = todo.popleft()
+        for event, dst in table.get(src, {}).items():
+            here = [*path, f"{src.name} -{event.name}->"]
+            if dst is S.FAILED and not fences(src, event):
+                bad.append(" ".join([*here, dst.name]))
+            if dst not in seen and dst is not S.FAILED:
+                seen.add(dst)
+                todo.append((dst, here))
+    return bad
+
+
+def test_load_never_fails_from_fetch_posted_without_a_fence() -> None:
+    assert unfenced_paths_to_failed(TABLE[Machine.LOAD]) == []
+    # ... and FAILED is reachable from FETCH_POSTED at all (else the check is
+    # vacuous), but not once every fencing edge is removed.
+    assert S.FAILED in reachable(Machine.LOAD, [S.FETCH_POSTED])
+    fencing = frozenset(e for e in edges(Machine.LOAD) if fences(e[0], e[1]))
+    assert S.FAILED not in reachable(Machine.LOAD, [S.FETCH_POSTED], skip=fencing)
+
+
+def test_fence_checker_catches_an_unfenced_edge() -> None:
+    for src, event in [
+        (S.FETCH_POSTED, E.TIMEOUT),
+        (S.FETCH_POSTED, E.ABORT),
+        (S.ABORTING, E.ABORT),
+    ]:
+        table = {s: dict(row) for s, row in TABLE[Machine.LOAD].items()}
+        table[src][event] = S.FAILED
+        assert unfenced_paths_to_failed(table), (src, event)
+
+
+def test_load_slots_leave_only_from_done_or_failed() -> None:
+    # Fenced states (a write may land) never lead to DONE except on
+    # TRANSFER_OK, the producer's word that every write finished.
+    for src, event, dst in edges(Machine.LOAD):
+        if dst is S.DONE:
+            assert event is E.TRANSFER_OK and src in (S.FETCH_POSTED, S.ABORTING)
+    # A queued load never had its Fetch sent, so failing it at once is safe.
+    assert step(Machine.LOAD, S.QUEUED, E.ABORT) is S.FAILED
+    assert S.QUEUED not in reachable(Machine.LOAD, [S.FETCH_POSTED])
