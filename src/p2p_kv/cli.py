@@ -1,0 +1,54 @@
+"""``p2p-kv``: the operator's entry point.
+
+``p2p-kv bench step|transfer [args]`` runs a benchmark from the source
+tree's ``benchmarks/`` (they are not shipped in the wheel: they measure the
+machine and need the tree's baselines); ``p2p-kv model`` builds the local
+test model. ``demo`` and ``doctor`` arrive with their issues.
+"""
+
+from __future__ import annotations
+
+import argparse
+import runpy
+import sys
+from pathlib import Path
+
+BENCHES = ("step", "transfer", "raw_nixl")
+
+
+def _bench(name: str, rest: list[str]) -> int:
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / f"{name}.py"
+    if not path.exists():
+        print(f"p2p-kv: {path} not found: run from a source checkout", file=sys.stderr)
+        return 2
+    sys.argv = [str(path), *rest]
+    module = runpy.run_path(str(path), run_name="p2p_kv_bench")
+    main = module.get("main")
+    if main is None:
+        print(f"p2p-kv: {path} has no main()", file=sys.stderr)
+        return 2
+    return int(main(rest) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="p2p-kv", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    bench = sub.add_parser("bench", help="run a benchmark (table, or --json)")
+    bench.add_argument("name", choices=BENCHES)
+    model = sub.add_parser(
+        "model", help="build the local test model and print its path"
+    )
+    model.add_argument("--preset", choices=("tiny", "bench"), default="tiny")
+    args, rest = parser.parse_known_args(argv)
+    if args.cmd == "bench":
+        return _bench(args.name, rest)
+    if args.cmd == "model":
+        from p2p_kv.tiny_model import BENCH, TINY, ensure_model
+
+        print(ensure_model(TINY if args.preset == "tiny" else BENCH))
+        return 0
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
