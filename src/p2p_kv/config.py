@@ -1,0 +1,140 @@
+"""The tier's configuration: the keys of its ``secondary_tiers`` entry.
+
+Validated once, at engine start, so that a typo or a bad value stops the
+engine with one sentence naming the key and the fix, instead of a tier that
+silently never hits. Every key has an environment variable (read when the
+key is absent), named like vLLM's own: ``VLLM_P2P_KV_<KEY>``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from p2p_kv.session import Timeouts
+
+ENV_PREFIX = "VLLM_P2P_KV_"
+
+
+class ConfigError(ValueError):
+    """A bad tier configuration; the message names the key and the fix."""
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    #: Address this engine's control socket binds to and that peers dial.
+    host: str = "127.0.0.1"
+    #: Control port (0: pick a free one; peers must then learn it).
+    port: int = 5800
+    #: Shared secret; when set, peers must prove they know it (HMAC).
+    secret: str | None = None
+    #: Longest wait on the control sockets inside an idle engine step.
+    idle_wait_ms: float = 50.0
+    heartbeat_ms: float = 500.0
+    handshake_timeout_s: float = 5.0
+    lookup_timeout_s: float = 2.0
+    fetch_timeout_floor_s: float = 2.0
+    abort_ack_timeout_s: float = 2.0
+    pin_ttl_s: float = 15.0
+    #: How long a remote_decoder request's blocks wait for their decoder.
+    parked_ttl_s: float = 60.0
+    #: Require PYTHONHASHSEED (peers must derive the same block hashes).
+    require_hash_seed: bool = True
+
+    @classmethod
+    def from_dict(
+        cls, raw: Mapping[str, Any], env: Mapping[str, str] | None = None
+    ) -> TierConfig:
+        env = os.environ if env is None else env
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(raw) - set(known))
+        if unknown:
+            raise ConfigError(
+                f"p2p_kv: unknown tier config key(s) {unknown}; known keys: "
+                f"{sorted(known)}"
+            )
+        values: dict[str, Any] = {}
+        for name, f in known.items():
+            source = f"secondary_tiers[].{name}"
+            if name in raw:
+                value: Any = raw[name]
+            elif ENV_PREFIX + name.upper() in env:
+                source = ENV_PREFIX + name.upper()
+                value = env[source]
+            else:
+                continue
+            values[name] = _coerce(name, f.type, value, source)
+        cfg = cls(**values)
+        cfg._check()
+        return cfg
+
+    def _check(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"p2p_kv: port {self.port} is not in 0..65535")
+        for name in (
+            "idle_wait_ms",
+            "heartbeat_ms",
+            "handshake_timeout_s",
+            "lookup_timeout_s",
+            "fetch_timeout_floor_s",
+            "abort_ack_timeout_s",
+            "pin_ttl_s",
+            "parked_ttl_s",
+        ):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"p2p_kv: {name} must be > 0")
+        if not self.host:
+            raise ConfigError("p2p_kv: host is empty; set the address peers dial")
+
+    def timeouts(self) -> Timeouts:
+        return Timeouts(
+            handshake_s=self.handshake_timeout_s,
+            heartbeat_interval_s=self.heartbeat_ms / 1000,
+            lookup_s=self.lookup_timeout_s,
+            fetch_floor_s=self.fetch_timeout_floor_s,
+            abort_ack_s=self.abort_ack_timeout_s,
+            pin_ttl_s=self.pin_ttl_s,
+            parked_wait_s=self.parked_ttl_s,
+        )
+
+
+def check_hash_seed(env: Mapping[str, str] | None = None) -> str:
+    """PYTHONHASHSEED, or a ConfigError saying why it must be set."""
+    env = os.environ if env is None else env
+    seed = env.get("PYTHONHASHSEED")
+    if seed is None:
+        raise ConfigError(
+            "p2p_kv: PYTHONHASHSEED is not set. Peers must derive identical "
+            "block hashes: export the same PYTHONHASHSEED (e.g. 0) for every "
+            "engine, or set require_hash_seed: false if all engines use "
+            "vLLM's fixed default seed with a cryptographic hash."
+        )
+    return seed
+
+
+def _coerce(name: str, kind: Any, value: Any, source: str) -> Any:
+    kind = str(kind)
+    try:
+        if kind in ("int",):
+            if isinstance(value, bool):
+                raise ValueError
+            return int(value)
+        if kind in ("float",):
+            return float(value)
+        if kind in ("bool",):
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in ("1", "true", "yes"):
+                return True
+            if str(value).lower() in ("0", "false", "no"):
+                return False
+            raise ValueError
+        if kind.startswith("str"):
+            return None if value is None else str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(
+            f"p2p_kv: {source}={value!r} is not a valid {kind} for {name!r}"
+        ) from None
+    return value

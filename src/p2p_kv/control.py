@@ -1,0 +1,209 @@
+"""ZeroMQ control plane: bytes in, bytes out, nothing else.
+
+One ROUTER socket bound per engine receives every inbound peer; one DEALER
+per outbound peer carries our requests to it. A connection is therefore one
+direction of use (we consume over our DEALERs, we produce over our ROUTER),
+which keeps each session's identity unambiguous without a second handshake
+to merge two connections.
+
+What pyzmq needs from us (and vLLM's in-tree tier got wrong): ``LINGER`` 0
+so closing never blocks the engine; a bounded high-water mark and
+non-blocking sends, so a stuck peer costs that peer its session, not our
+memory; ``MAXMSGSIZE`` so an oversized frame is dropped by libzmq before it
+is ever buffered; waiting with a Poller and a timeout instead of spinning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import socket
+from dataclasses import dataclass
+from typing import Final
+
+import zmq
+
+from p2p_kv.protocol import MAX_FRAME_BYTES
+
+HWM: Final = 10_000
+
+
+def parse_peer(peer: str) -> tuple[str, int]:
+    """Split ``host:port`` / ``[v6]:port`` into host and port."""
+    host, sep, port = peer.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"peer address {peer!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+def zmq_endpoint(host: str, port: int) -> str:
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return f"tcp://{host}:{port}"
+    return f"tcp://[{ip}]:{port}" if ip.version == 6 else f"tcp://{ip}:{port}"
+
+
+def resolve_bind_host(host: str) -> str:
+    """libzmq binds interfaces or literal addresses, not names: resolve."""
+    try:
+        ipaddress.ip_address(host)
+        return host
+    except ValueError:
+        pass
+    if host == "*":
+        return host
+    infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    if not infos:
+        raise ValueError(f"cannot resolve bind host {host!r}")
+    return str(infos[0][4][0])
+
+
+@dataclass(frozen=True, slots=True)
+class Inbound:
+    """A frame from a peer: ``conn`` is ``in:<identity hex>`` for inbound
+    connections or the ``host:port`` we dialled for outbound ones."""
+
+    conn: str
+    frame: bytes
+    new: bool
+
+
+class ControlTransport:
+    """Non-blocking ZeroMQ sockets with a bounded wait."""
+
+    def __init__(
+        self, host: str, port: int, *, ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+    ) -> None:
+        self._ctx = ctx or zmq.Context.instance()
+        self._router = self._socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        bind_host = resolve_bind_host(host)
+        try:
+            if port == 0:
+                port = self._router.bind_to_random_port(zmq_endpoint(bind_host, 0)[:-2])
+            else:
+                self._router.bind(zmq_endpoint(bind_host, port))
+        except zmq.ZMQError as exc:
+            self._router.close(linger=0)
+            raise OSError(
+                f"p2p_kv cannot bind its control socket on {host}:{port}: {exc} "
+                "(pick a free port with the tier's 'port' key)"
+            ) from exc
+        self.host, self.port = host, port
+        self._dealers: dict[str, zmq.Socket[bytes]] = {}
+        self._by_socket: dict[zmq.Socket[bytes], str] = {}
+        self._known_inbound: set[bytes] = set()
+        self._poller = zmq.Poller()
+        self._poller.register(self._router, zmq.POLLIN)
+        # A self-pipe lets another thread (an engine driver with new work)
+        # cut an idle wait short.
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._poller.register(self._wake_r, zmq.POLLIN)
+        self.dropped_sends = 0
+
+    def _socket(self, kind: int) -> zmq.Socket[bytes]:
+        sock: zmq.Socket[bytes] = self._ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IPV6, 1)
+        sock.setsockopt(zmq.SNDHWM, HWM)
+        sock.setsockopt(zmq.RCVHWM, HWM)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 64)
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        return sock
+
+    @property
+    def address(self) -> str:
+        host = self.host if ":" not in self.host else f"[{self.host}]"
+        return f"{host}:{self.port}"
+
+    def connect(self, peer: str) -> None:
+        """Dial ``host:port``; frames to it may be sent at once (queued)."""
+        if peer in self._dealers:
+            return
+        host, port = parse_peer(peer)
+        sock = self._socket(zmq.DEALER)
+        sock.connect(zmq_endpoint(host, port))
+        self._dealers[peer] = sock
+        self._by_socket[sock] = peer
+        self._poller.register(sock, zmq.POLLIN)
+
+    def send(self, conn: str, frames: list[bytes]) -> bool:
+        """Queue frames without blocking; False means the connection is
+        unusable (queue full or peer unknown) and its session must close."""
+        try:
+            if conn.startswith("in:"):
+                ident = bytes.fromhex(conn[3:])
+                for frame in frames:
+                    self._router.send_multipart([ident, frame], flags=zmq.NOBLOCK)
+            else:
+                sock = self._dealers.get(conn)
+                if sock is None:
+                    return False
+                for frame in frames:
+                    sock.send(frame, flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            self.dropped_sends += 1
+            return False
+        return True
+
+    def poll(self, timeout_s: float) -> list[Inbound]:
+        """Drain everything readable; wait up to ``timeout_s`` if nothing is."""
+        out: list[Inbound] = []
+        events = dict(self._poller.poll(max(0, int(timeout_s * 1000))))
+        if not events:
+            return out
+        if self._wake_r in events:
+            with contextlib.suppress(BlockingIOError):
+                os.read(self._wake_r, 4096)
+        if self._router in events:
+            while True:
+                try:
+                    parts = self._router.recv_multipart(flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if len(parts) != 2:
+                    continue
+                ident, frame = parts
+                new = ident not in self._known_inbound
+                if new:
+                    self._known_inbound.add(ident)
+                out.append(Inbound(f"in:{ident.hex()}", frame, new))
+        for sock, peer in list(self._by_socket.items()):
+            if sock not in events:
+                continue
+            while True:
+                try:
+                    frame = sock.recv(flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                out.append(Inbound(peer, frame, False))
+        return out
+
+    def wake(self) -> None:
+        """End a wait in :meth:`poll` now; safe from any thread."""
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.write(self._wake_w, b"!")
+
+    def close_conn(self, conn: str) -> None:
+        if conn.startswith("in:"):
+            self._known_inbound.discard(bytes.fromhex(conn[3:]))
+            return
+        sock = self._dealers.pop(conn, None)
+        if sock is not None:
+            self._poller.unregister(sock)
+            del self._by_socket[sock]
+            sock.close(linger=0)
+
+    def close(self) -> None:
+        for conn in list(self._dealers):
+            self.close_conn(conn)
+        self._poller.unregister(self._router)
+        self._router.close(linger=0)
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)

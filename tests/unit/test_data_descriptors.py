@@ -1,0 +1,443 @@
+"""Pure parts of the NIXL data transport: no NIXL, no CUDA, no processes.
+
+The address arithmetic tested here decides which bytes of which peer get
+overwritten, so it is tested on its own, exhaustively where that is cheap.
+"""
+
+from __future__ import annotations
+
+import mmap
+import random
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+from p2p_kv import data
+from p2p_kv.data import (
+    MEM_DRAM,
+    MEM_VRAM,
+    RegionInfo,
+    RegionSpan,
+    build_descs,
+    check_ucx_error_handling_mode,
+    coalesce,
+    describe_region,
+    plan_write,
+    ucx_tls_allows_peer_mode,
+)
+
+# -- coalescing ---------------------------------------------------------------
+
+
+def test_adjacent_pairs_become_one_run() -> None:
+    assert coalesce([4, 5, 6, 7], [10, 11, 12, 13]) == [(4, 10, 4)]
+
+
+def test_single_block() -> None:
+    assert coalesce([3], [9]) == [(3, 9, 1)]
+
+
+def test_non_adjacent_pairs_stay_separate() -> None:
+    assert coalesce([0, 2, 4], [1, 3, 5]) == [(0, 1, 1), (2, 3, 1), (4, 5, 1)]
+
+
+def test_run_breaks_when_only_one_side_is_consecutive() -> None:
+    # src consecutive, dst not
+    assert coalesce([0, 1, 2], [5, 6, 9]) == [(0, 5, 2), (2, 9, 1)]
+    # dst consecutive, src not
+    assert coalesce([0, 1, 3], [5, 6, 7]) == [(0, 5, 2), (3, 7, 1)]
+
+
+def test_mixed_runs_and_gaps() -> None:
+    src = [0, 1, 2, 10, 11, 20]
+    dst = [7, 8, 9, 3, 4, 50]
+    assert coalesce(src, dst) == [(0, 7, 3), (10, 3, 2), (20, 50, 1)]
+
+
+def test_reversed_mapping_still_coalesces() -> None:
+    # Pairs given back to front: ordering by source recovers the run.
+    assert coalesce([3, 2, 1], [7, 6, 5]) == [(1, 5, 3)]
+
+
+def test_opposite_directions_do_not_coalesce() -> None:
+    assert coalesce([1, 2, 3], [7, 6, 5]) == [(1, 7, 1), (2, 6, 1), (3, 5, 1)]
+
+
+def test_shuffled_input_gives_same_runs_as_sorted() -> None:
+    rng = random.Random(1)
+    pairs = [(i, 100 + i) for i in range(10)] + [(20 + i, 3 + i) for i in range(5)]
+    rng.shuffle(pairs)
+    src, dst = zip(*pairs, strict=True)
+    assert coalesce(list(src), list(dst)) == [(0, 100, 10), (20, 3, 5)]
+
+
+@pytest.mark.parametrize(
+    ("src", "dst", "bad"),
+    [
+        ([1, 1], [2, 3], "src block index 1 appears more than once"),
+        ([1, 2], [3, 3], "dst block index 3 appears more than once"),
+        ([5, 6, 5], [0, 1, 2], "src block index 5"),
+    ],
+)
+def test_duplicates_rejected(src: list[int], dst: list[int], bad: str) -> None:
+    with pytest.raises(ValueError, match=bad):
+        coalesce(src, dst)
+
+
+def test_length_mismatch_rejected() -> None:
+    with pytest.raises(ValueError, match="2 entries but dst_blocks has 1"):
+        coalesce([1, 2], [3])
+
+
+def test_empty_rejected() -> None:
+    with pytest.raises(ValueError, match="empty"):
+        coalesce([], [])
+
+
+def test_negative_index_rejected() -> None:
+    with pytest.raises(ValueError, match="src block index -1"):
+        coalesce([-1], [0])
+
+
+def test_non_integer_indices_rejected() -> None:
+    with pytest.raises(ValueError, match="integers"):
+        coalesce([1.5], [0])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="integers"):
+        coalesce([True], [0])
+
+
+def test_numpy_indices_accepted() -> None:
+    src = np.array([0, 1], dtype=np.int32)
+    dst = np.array([4, 5], dtype=np.uint16)
+    assert coalesce(src, dst) == [(0, 4, 2)]
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_runs_cover_mapping_exactly(seed: int) -> None:
+    """Expanding the runs gives back exactly the input pairs, and runs are maximal."""
+    rng = random.Random(seed)
+    n = rng.randint(1, 60)
+    src = rng.sample(range(200), n)
+    dst = rng.sample(range(200), n)
+    if seed % 3 == 0:  # make long runs likely
+        src.sort()
+        dst.sort()
+    runs = coalesce(src, dst)
+    expanded = {(s + k, d + k) for s, d, c in runs for k in range(c)}
+    assert expanded == set(zip(src, dst, strict=True))
+    assert sum(c for _, _, c in runs) == n
+    ends = {(s + c, d + c) for s, d, c in runs}
+    starts = {(s, d) for s, d, _ in runs}
+    assert not (ends & starts), "two runs could have been merged"
+
+
+# -- range checks -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [2, 200], ids=["python", "numpy"])
+def test_range_check_names_bad_dst_index(n: int) -> None:
+    src = list(range(n))
+    dst = list(range(n))
+    dst[1] = 8 * n
+    with pytest.raises(
+        ValueError,
+        match=rf"dst block index {8 * n} \(position 1\).*remote region of {8 * n}",
+    ):
+        plan_write(src, dst, local_blocks=n, remote_blocks=8 * n)
+
+
+@pytest.mark.parametrize("n", [1, 200], ids=["python", "numpy"])
+def test_range_check_names_bad_src_index(n: int) -> None:
+    src = list(range(n))
+    src[-1] = n
+    with pytest.raises(ValueError, match=rf"src block index {n} .*local region of {n}"):
+        plan_write(src, list(range(n)), local_blocks=n, remote_blocks=8 * n)
+
+
+def test_range_check_accepts_edges() -> None:
+    plan = plan_write([0, 3], [7, 0], local_blocks=4, remote_blocks=8)
+    assert plan.runs() == [(0, 7, 1), (3, 0, 1)]
+
+
+def _random_case(rng: random.Random) -> tuple[list[int], list[int], int, int]:
+    n = rng.choice([1, 2, 5, 127, 128, 129, 300])
+    nl = n + rng.randint(0, 50)
+    nr = n + rng.randint(0, 50)
+    src = rng.sample(range(nl), n)
+    dst = rng.sample(range(nr), n)
+    if rng.random() < 0.5:  # long runs
+        src.sort()
+        dst.sort()
+    fault = rng.randint(0, 5)
+    if fault == 1:
+        src[rng.randrange(n)] = nl + rng.randint(0, 3)
+    elif fault == 2:
+        dst[rng.randrange(n)] = -1 - rng.randint(0, 3)
+    elif fault == 3 and n > 1:
+        dst[-1] = dst[0]
+    elif fault == 4 and n > 1:
+        src[-1] = src[0]
+    return src, dst, nl, nr
+
+
+def _outcome(f: Any, *args: Any) -> Any:
+    try:
+        return f(*args).runs()
+    except ValueError as exc:
+        return ("ValueError", str(exc))
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_python_and_numpy_planners_agree(seed: int) -> None:
+    """Two implementations (each the fast one at its size) must be indistinguishable."""
+    rng = random.Random(seed)
+    src, dst, nl, nr = _random_case(rng)
+    py = _outcome(data._plan_py, src, dst, nl, nr)
+    vec = _outcome(data._plan_np, src, dst, nl, nr)
+    assert py == vec
+
+
+# -- descriptors ------------------------------------------------------------------
+
+
+def test_build_descs_from_lists() -> None:
+    descs = build_descs(0x1000, 4096, 3, [0, 5], [2, 1])
+    assert descs == [(0x1000, 8192, 3), (0x1000 + 5 * 4096, 4096, 3)]
+
+
+def test_build_descs_from_arrays() -> None:
+    starts = np.array([0, 5], dtype=np.int64)
+    counts = np.array([2, 1], dtype=np.int64)
+    descs = build_descs(0x1000, 4096, 3, starts, counts)
+    assert isinstance(descs, np.ndarray) and descs.dtype == np.uint64
+    assert descs.tolist() == [[0x1000, 8192, 3], [0x1000 + 5 * 4096, 4096, 3]]
+
+
+def test_build_descs_large_addresses_do_not_overflow() -> None:
+    base = 0x7F00_0000_0000
+    cases: list[tuple[Any, Any]] = [([1000], [64]), (np.array([1000]), np.array([64]))]
+    for starts, counts in cases:
+        descs = build_descs(base, 2 << 20, 0, starts, counts)
+        assert int(descs[0][0]) == base + 1000 * (2 << 20)
+        assert int(descs[0][1]) == 64 * (2 << 20)
+
+
+@pytest.mark.parametrize("n", [3, 300])
+def test_plan_and_descs_cover_exactly_the_mapped_bytes(n: int) -> None:
+    """Expanding descriptors byte range by byte range gives back the mapping."""
+    rng = random.Random(n)
+    src = rng.sample(range(2 * n), n)
+    dst = rng.sample(range(3 * n), n)
+    bb = 4096
+    plan = plan_write(src, dst, 2 * n, 3 * n)
+    local = build_descs(0x10000, bb, 0, plan.src_starts, plan.counts)
+    remote = build_descs(0x90000000, bb, 0, plan.dst_starts, plan.counts)
+    pairs = set()
+    for (la, ln, _), (ra, rn, _) in zip(local, remote, strict=True):
+        assert ln == rn and ln % bb == 0
+        for k in range(int(ln) // bb):
+            pairs.add(((int(la) - 0x10000) // bb + k, (int(ra) - 0x90000000) // bb + k))
+    assert pairs == set(zip(src, dst, strict=True))
+
+
+# -- region description ---------------------------------------------------------
+
+
+def _addr_of(arr: np.ndarray[Any, Any]) -> int:
+    return int(arr.ctypes.data)
+
+
+def test_describe_memoryview() -> None:
+    buf = bytearray(8192)
+    span = describe_region(memoryview(buf))
+    assert span == RegionSpan(_addr_of(np.frombuffer(buf, np.uint8)), 8192, MEM_DRAM, 0)
+
+
+def test_describe_2d_memoryview_like_vllm_hands_a_tier() -> None:
+    buf = bytearray(4 * 1024)
+    view = memoryview(buf).cast("B", (4, 1024))
+    span = describe_region(view)
+    assert span.addr == _addr_of(np.frombuffer(buf, np.uint8))
+    assert span.nbytes == 4096
+    assert span.mem_kind == MEM_DRAM
+
+
+def test_describe_readonly_buffer() -> None:
+    data = bytes(100)
+    span = describe_region(memoryview(data))
+    assert span.nbytes == 100
+
+
+def test_describe_numpy_any_dtype() -> None:
+    arr = np.zeros((3, 5), dtype=np.float16)
+    assert describe_region(arr) == RegionSpan(_addr_of(arr), 30, MEM_DRAM, 0)
+
+
+def test_describe_mmap() -> None:
+    m = mmap.mmap(-1, 4096)
+    try:
+        span = describe_region(m)
+        assert span.nbytes == 4096 and span.addr > 0
+    finally:
+        m.close()
+
+
+def test_describe_non_contiguous_rejected() -> None:
+    arr = np.zeros((4, 4), dtype=np.uint8)[:, ::2]
+    with pytest.raises(ValueError, match="contiguous"):
+        describe_region(arr)
+
+
+def test_describe_empty_rejected() -> None:
+    with pytest.raises(ValueError, match="empty"):
+        describe_region(bytearray())
+
+
+def test_describe_unsupported_type() -> None:
+    with pytest.raises(TypeError, match="cannot register"):
+        describe_region(object())  # type: ignore[arg-type]
+
+
+def test_describe_cpu_tensor() -> None:
+    t = torch.zeros(16, 8, dtype=torch.bfloat16)
+    assert describe_region(t) == RegionSpan(t.data_ptr(), 256, MEM_DRAM, 0)
+
+
+def test_describe_non_contiguous_tensor_rejected() -> None:
+    t = torch.zeros(8, 8).t()
+    with pytest.raises(ValueError, match="contiguous"):
+        describe_region(t)
+
+
+@dataclass
+class _FakeDevice:
+    type: str
+    index: int | None
+
+
+class _FakeCudaTensor:
+    """Just enough of torch.Tensor on cuda:N for registration logic."""
+
+    def __init__(self, ptr: int, numel: int, elem: int, index: int | None) -> None:
+        self._ptr = ptr
+        self._numel = numel
+        self._elem = elem
+        self.device = _FakeDevice("cuda", index)
+
+    def data_ptr(self) -> int:
+        return self._ptr
+
+    def is_contiguous(self) -> bool:
+        return True
+
+    def numel(self) -> int:
+        return self._numel
+
+    def element_size(self) -> int:
+        return self._elem
+
+
+def test_describe_cuda_tensor_like_is_vram_on_its_device() -> None:
+    fake = _FakeCudaTensor(0x7F00_DEAD_0000, 1 << 20, 2, index=1)
+    assert describe_region(fake) == RegionSpan(0x7F00_DEAD_0000, 2 << 20, MEM_VRAM, 1)
+
+
+def test_describe_cuda_tensor_without_index_rejected() -> None:
+    with pytest.raises(ValueError, match="device index"):
+        describe_region(_FakeCudaTensor(0x1000, 10, 4, index=None))
+
+
+def test_describe_unknown_device_rejected() -> None:
+    fake = _FakeCudaTensor(0x1000, 10, 4, index=0)
+    fake.device = _FakeDevice("xpu", 0)
+    with pytest.raises(ValueError, match="xpu"):
+        describe_region(fake)
+
+
+def test_vram_descs_carry_device_id() -> None:
+    fake = _FakeCudaTensor(0x10_0000, 64 * 1024, 1, index=3)
+    span = describe_region(fake)
+    descs = build_descs(span.addr, 4096, span.device_id, [2], [3])
+    assert descs == [(0x10_0000 + 2 * 4096, 3 * 4096, 3)]
+
+
+# -- RegionInfo on the wire --------------------------------------------------------
+
+
+def test_region_info_roundtrips_msgpack() -> None:
+    info = RegionInfo(
+        agent_name="a-1",
+        agent_metadata=b"\x00\x01meta",
+        base_addr=0x7F00_0000_1000,
+        num_blocks=128,
+        block_bytes=65536,
+        mem_kind=MEM_VRAM,
+        device_id=1,
+    )
+    wire = msgspec.msgpack.encode(info)
+    assert msgspec.msgpack.decode(wire, type=RegionInfo) == info
+    assert info.region_bytes == 128 * 65536
+
+
+def test_region_info_rejects_wrong_types() -> None:
+    wire = msgspec.msgpack.encode(
+        {
+            "agent_name": "a",
+            "agent_metadata": b"",
+            "base_addr": "not-an-int",
+            "num_blocks": 1,
+            "block_bytes": 1,
+            "mem_kind": "DRAM",
+            "device_id": 0,
+        }
+    )
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.msgpack.decode(wire, type=RegionInfo)
+
+
+# -- UCX error-handling mode -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("tls", "allowed"),
+    [
+        (None, True),
+        ("", True),
+        ("sm,self", False),
+        ("self,cma,posix", False),
+        ("shm,self", False),
+        ("tcp,self", True),
+        ("sm,tcp", True),
+        ("rc_x,sm", True),
+        ("all", True),
+        ("^ib", True),
+    ],
+)
+def test_peer_mode_needs_a_network_transport(tls: str | None, allowed: bool) -> None:
+    assert ucx_tls_allows_peer_mode(tls) is allowed
+
+
+def test_error_handling_mode_checks() -> None:
+    assert check_ucx_error_handling_mode("none", "sm,self") == "none"
+    assert check_ucx_error_handling_mode("peer", None) == "peer"
+    with pytest.raises(ValueError, match="shared-memory"):
+        check_ucx_error_handling_mode("peer", "sm,self")
+    with pytest.raises(ValueError, match="must be one of"):
+        check_ucx_error_handling_mode("thread", None)
+
+
+def test_module_imports_without_nixl(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pure helpers must not pull NIXL in (it is imported lazily)."""
+    import importlib
+
+    for name in [m for m in sys.modules if m == "nixl" or m.startswith("nixl.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "nixl", None)  # makes `import nixl` fail
+    monkeypatch.delitem(sys.modules, "p2p_kv.data")
+    fresh = importlib.import_module("p2p_kv.data")
+    assert fresh.coalesce([0, 1], [2, 3]) == [(0, 2, 2)]
