@@ -30,8 +30,10 @@ class TierConfig:
     port: int = 5800
     #: Shared secret; when set, peers must prove they know it (HMAC).
     secret: str | None = None
-    #: Longest wait on the control sockets inside an idle engine step.
-    idle_wait_ms: float = 50.0
+    #: Longest wait on the control sockets inside an idle engine step: the
+    #: idle engine's CPU (lower with longer waits) against the time it may
+    #: take a fully idle vLLM 0.32 engine to start a new request.
+    idle_wait_ms: float = 200.0
     heartbeat_ms: float = 500.0
     handshake_timeout_s: float = 5.0
     lookup_timeout_s: float = 2.0

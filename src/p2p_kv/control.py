@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import math
 import os
 import socket
 from dataclasses import dataclass
 from typing import Final
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from p2p_kv.protocol import MAX_FRAME_BYTES
 
@@ -63,20 +65,28 @@ def resolve_bind_host(host: str) -> str:
 @dataclass(frozen=True, slots=True)
 class Inbound:
     """A frame from a peer: ``conn`` is ``in:<identity hex>`` for inbound
-    connections or the ``host:port`` we dialled for outbound ones."""
+    connections or the ``host:port`` we dialled for outbound ones. ``lost``:
+    no frame, the connection itself went down."""
 
     conn: str
     frame: bytes
     new: bool
+    lost: bool = False
 
 
 class ControlTransport:
     """Non-blocking ZeroMQ sockets with a bounded wait."""
 
     def __init__(
-        self, host: str, port: int, *, ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        self,
+        host: str,
+        port: int,
+        *,
+        heartbeat_s: float = 0.5,
+        ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
     ) -> None:
         self._ctx = ctx or zmq.Context.instance()
+        self._heartbeat_ms = max(1, int(heartbeat_s * 1000))
         self._router = self._socket(zmq.ROUTER)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         bind_host = resolve_bind_host(host)
@@ -93,6 +103,7 @@ class ControlTransport:
             ) from exc
         self.host, self.port = host, port
         self._dealers: dict[str, zmq.Socket[bytes]] = {}
+        self._monitors: dict[zmq.Socket[bytes], str] = {}
         self._by_socket: dict[zmq.Socket[bytes], str] = {}
         self._known_inbound: set[bytes] = set()
         self._poller = zmq.Poller()
@@ -104,6 +115,7 @@ class ControlTransport:
         os.set_blocking(self._wake_w, False)
         self._poller.register(self._wake_r, zmq.POLLIN)
         self.dropped_sends = 0
+        self._woken = False
 
     def _socket(self, kind: int) -> zmq.Socket[bytes]:
         sock: zmq.Socket[bytes] = self._ctx.socket(kind)
@@ -114,6 +126,11 @@ class ControlTransport:
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 64)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        # ZMTP heartbeats run on libzmq's I/O thread: a dead or hung peer is
+        # found within two intervals even while our engine step is blocked.
+        sock.setsockopt(zmq.HEARTBEAT_IVL, self._heartbeat_ms)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 2 * self._heartbeat_ms)
+        sock.setsockopt(zmq.HEARTBEAT_TTL, 2 * self._heartbeat_ms)
         return sock
 
     @property
@@ -131,6 +148,9 @@ class ControlTransport:
         self._dealers[peer] = sock
         self._by_socket[sock] = peer
         self._poller.register(sock, zmq.POLLIN)
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitors[monitor] = peer
+        self._poller.register(monitor, zmq.POLLIN)
 
     def send(self, conn: str, frames: list[bytes]) -> bool:
         """Queue frames without blocking; False means the connection is
@@ -154,10 +174,11 @@ class ControlTransport:
     def poll(self, timeout_s: float) -> list[Inbound]:
         """Drain everything readable; wait up to ``timeout_s`` if nothing is."""
         out: list[Inbound] = []
-        events = dict(self._poller.poll(max(0, int(timeout_s * 1000))))
+        events = dict(self._poller.poll(max(0, math.ceil(timeout_s * 1000))))
         if not events:
             return out
         if self._wake_r in events:
+            self._woken = True
             with contextlib.suppress(BlockingIOError):
                 os.read(self._wake_r, 4096)
         if self._router in events:
@@ -173,6 +194,18 @@ class ControlTransport:
                 if new:
                     self._known_inbound.add(ident)
                 out.append(Inbound(f"in:{ident.hex()}", frame, new))
+        for monitor, peer in list(self._monitors.items()):
+            if monitor not in events:
+                continue
+            lost = False
+            while True:
+                try:
+                    event = recv_monitor_message(monitor, flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                lost = lost or event["event"] == zmq.EVENT_DISCONNECTED
+            if lost:
+                out.append(Inbound(peer, b"", False, lost=True))
         for sock, peer in list(self._by_socket.items()):
             if sock not in events:
                 continue
@@ -183,6 +216,11 @@ class ControlTransport:
                     break
                 out.append(Inbound(peer, frame, False))
         return out
+
+    def take_woken(self) -> bool:
+        """Whether :meth:`wake` was called since the last check."""
+        woken, self._woken = self._woken, False
+        return woken
 
     def wake(self) -> None:
         """End a wait in :meth:`poll` now; safe from any thread."""
@@ -195,6 +233,12 @@ class ControlTransport:
             return
         sock = self._dealers.pop(conn, None)
         if sock is not None:
+            for monitor in [m for m, p in self._monitors.items() if p == conn]:
+                self._poller.unregister(monitor)
+                del self._monitors[monitor]
+                with contextlib.suppress(zmq.ZMQError):
+                    sock.disable_monitor()
+                monitor.close(linger=0)
             self._poller.unregister(sock)
             del self._by_socket[sock]
             sock.close(linger=0)

@@ -257,6 +257,10 @@ class _Child:
                 "waits": getattr(rt, "waits", 0),
                 "counters": _counters(tier),
             }
+        if cmd == "sleep":  # no engine steps: the process's floor
+            t0 = time.process_time()
+            time.sleep(float(msg["seconds"]))
+            return {"cpu_s": time.process_time() - t0, "seconds": float(msg["seconds"])}
         if cmd == "idle":
             end = time.monotonic() + float(msg["seconds"])
             t0 = time.process_time()

@@ -144,6 +144,9 @@ class ParkedEntry:
     stores: list[ParkedStore] = field(default_factory=list)
     waiting: list[tuple[str, Any]] = field(default_factory=list)  # (peer, Serve)
     live_producers: int = 0
+    #: A producer request for this id was seen: once none is live, no more
+    #: stores can come and a waiting fetch may be refused at once.
+    producer_seen: bool = False
 
 
 @dataclass(slots=True)
@@ -215,7 +218,9 @@ class LoadManager:
             self._session_for(roles.source.peer, now)
         if roles.dest_kv_id:
             self._producers[req_id] = roles.dest_kv_id
-            self._parked.setdefault(roles.dest_kv_id, ParkedEntry()).live_producers += 1
+            entry = self._parked.setdefault(roles.dest_kv_id, ParkedEntry())
+            entry.live_producers += 1
+            entry.producer_seen = True
 
     def lookup(self, req_id: str, key: bytes, now: float) -> Answer:
         consumer = self._consumers.get(req_id)
@@ -598,7 +603,7 @@ class LoadManager:
         entry = self._parked.get(kv_id)
         if entry is None or not entry.waiting:
             return
-        complete = entry.live_producers == 0
+        complete = entry.producer_seen and entry.live_producers == 0
         still_waiting = []
         for peer, serve in entry.waiting:
             session = self._sessions.get(peer)
@@ -674,6 +679,14 @@ class LoadManager:
             if c.unsent or None in c.keys.values()
         )
         return len(waiting)
+
+    def results_ready(self) -> bool:
+        """Something for the engine: a job result or a lookup answer."""
+        return bool(self._results) or any(
+            s.has_results
+            for s in (self._sessions.get(p) for p in self._dirty)
+            if s is not None
+        )
 
     def jobs_in_flight(self) -> int:
         return len(self._jobs) + len(self._results)

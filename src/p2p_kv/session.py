@@ -75,11 +75,15 @@ class Timeouts:
     abort_ack_s: float = 2.0
     pin_ttl_s: float = 15.0
     parked_wait_s: float = 30.0
+    #: Application-level silence that kills a session. Dead *connections*
+    #: are found faster, by the transport's own heartbeats (libzmq answers
+    #: them on its I/O thread even while a long prefill blocks the engine's
+    #: step): this is the backstop for a peer that is connected but hung.
+    silence_s: float = 10.0
 
     @property
     def liveness_s(self) -> float:
-        """Silence after which a peer is dead: two heartbeat intervals."""
-        return 2 * self.heartbeat_interval_s
+        return max(2 * self.heartbeat_interval_s, self.silence_s)
 
     def fetch_deadline(self, now: float, nbytes: int) -> float:
         return now + self.fetch_floor_s + nbytes / self.fetch_bytes_per_s
@@ -318,6 +322,7 @@ class Session:
         self._created = now
         self._last_rx = now
         self._last_tx = now
+        self._last_tick = now
         self._hb_seq = 0
         self._outbox: list[Message] = [self._hello]
         self._timers: list[tuple[float, int, Probe | Load | Serve]] = []
@@ -623,6 +628,11 @@ class Session:
         load.fire(Event.TRANSFER_OK if msg.ok else Event.TRANSFER_FAILED)
         del self._loads[msg.job]
         if msg.ok:
+            # A producer releases everything for (req, gen) once its writes
+            # are done, so finishing the request needs no Abort round trip.
+            # (A refusal may leave pins behind: the Abort still goes.)
+            self._contacted.discard(msg.gen)
+        if msg.ok:
             self.counters.bytes_loaded += load.nbytes
         else:
             self.counters.bump(self.counters.failures, "transfer_failed")
@@ -920,7 +930,15 @@ class Session:
             if now >= self._created + self.timeouts.handshake_s:
                 self._lose("handshake_timeout", "no handshake in time")
             return
+        if now - self._last_tick > self.timeouts.liveness_s:
+            # It is we who were silent (a long engine step): do not blame the
+            # peer for frames we did not read.
+            self._last_rx = max(self._last_rx, now - self.timeouts.heartbeat_interval_s)
+        self._last_tick = now
         if now >= self._last_rx + self.timeouts.liveness_s:
+            # Say so: a peer that is alive but was slow must not keep using
+            # a session we dropped.
+            self._outbox.append(Goodbye(reason="no heartbeat from you in time"))
             self._lose("peer_down", "heartbeat deadline passed")
             return
         while self._timers and self._timers[0][0] <= now:
@@ -990,6 +1008,10 @@ class Session:
     def take_store_results(self) -> list[StoreResult]:
         out, self._store_results = self._store_results, []
         return out
+
+    @property
+    def has_results(self) -> bool:
+        return bool(self._load_results or self._store_results or self._probe_answers)
 
     @property
     def has_output(self) -> bool:

@@ -87,7 +87,9 @@ class StandalonePeer:
         )
         self.block_bytes = block_bytes
         data = NixlDataTransport(self.region, block_bytes, name=engine_id)  # type: ignore[arg-type]
-        control = ControlTransport(host, port)
+        control = ControlTransport(
+            host, port, heartbeat_s=(timeouts or Timeouts()).heartbeat_interval_s
+        )
         me = Identity(
             engine_id=engine_id,
             hash_algo="sha256",

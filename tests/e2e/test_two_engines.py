@@ -149,6 +149,7 @@ def test_disaggregated_prefill_parks_then_serves(
     pair: tuple[EngineProcess, EngineProcess, int], producer_first: bool
 ) -> None:
     import threading
+    import time
 
     a, b, pa = pair
     ids = prompt(10 + producer_first)
@@ -172,7 +173,7 @@ def test_disaggregated_prefill_parks_then_serves(
             target=lambda: box.update(b=b.generate(ids, params=prefiller))
         )
         t.start()
-        settle(b, 0.5)
+        time.sleep(0.3)  # B's fetch reaches A before A has stored anything
         out_a = a.generate(ids, params=decoder, max_tokens=1)
         settle(a)
         t.join(60)
@@ -187,7 +188,44 @@ def test_idle_engine_with_tier_stays_idle(
     pair: tuple[EngineProcess, EngineProcess, int],
 ) -> None:
     a, _, _ = pair
+    floor = a.call({"cmd": "sleep", "seconds": 2.0})
+    before = a.state()
     res = a.call({"cmd": "idle", "seconds": 3.0})
+    after = a.state()
     share = res["cpu_s"] / res["seconds"]
-    print(f"idle engine CPU: {share:.1%} of a core")
+    steps = after["steps"] - before["steps"]
+    print(
+        f"idle engine CPU: {share:.1%} of a core over {steps} steps "
+        f"(process floor without steps: {floor['cpu_s'] / floor['seconds']:.1%})"
+    )
     assert share < 0.05, res
+
+
+def test_producer_killed_while_consumer_loads(
+    pair: tuple[EngineProcess, EngineProcess, int],
+) -> None:
+    """Last in the module: A dies. B completes by recomputation, same tokens."""
+    import threading
+    import time
+
+    a, b, pa = pair
+    ids = prompt(20, 1500)
+    out_a = a.generate(ids)
+    settle(a)
+    box: dict[str, Any] = {}
+
+    def consume() -> None:
+        t0 = time.monotonic()
+        box["out"] = b.generate(ids, params=source("kv-kill", pa))
+        box["elapsed"] = time.monotonic() - t0
+
+    t = threading.Thread(target=consume)
+    t.start()
+    time.sleep(0.05)
+    a.kill()
+    t.join(120)
+    assert box["out"]["tokens"] == out_a["tokens"]
+    print(f"B finished {box['elapsed']:.2f} s after starting; A was killed at 0.05 s")
+    assert box["elapsed"] < 10, box
+    settle(b, 1.0)
+    assert residue(b) == {}

@@ -122,7 +122,9 @@ class P2PKVTier(SecondaryTierManager):
         if port:
             port += offloading_spec.config.parallel.data_parallel_index
         data = NixlDataTransport(region, block_bytes, name="p2p_kv")
-        control = ControlTransport(self.cfg.host, port)
+        control = ControlTransport(
+            self.cfg.host, port, heartbeat_s=self.cfg.heartbeat_ms / 1000
+        )
         self.address = control.address
         spec = offloading_spec
 
