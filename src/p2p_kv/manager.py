@@ -189,6 +189,7 @@ class LoadManager:
         self._finished: list[JobResult] = []
         self._dirty: set[str] = set()
         self._to_serve: set[str] = set()
+        self._waiting_kv: set[str] = set()  # kv ids with fetches waiting
         self._deadlines: list[tuple[float, str]] = []
         self._to_connect: list[str] = []
         self._closing: set[str] = set()
@@ -554,6 +555,18 @@ class LoadManager:
 
     def end_step(self, now: float) -> None:
         """Re-arm deadlines of sessions touched this step, then forget them."""
+        for kv_id in list(self._waiting_kv):
+            entry = self._parked.get(kv_id)
+            if entry is not None:
+                entry.waiting = [
+                    (p, sv)
+                    for p, sv in entry.waiting
+                    if sv.state is State.FETCH_WAITING
+                ]
+                if entry.waiting:
+                    continue
+                self._gc_parked(kv_id)
+            self._waiting_kv.discard(kv_id)
         for peer in self._dirty:
             session = self._sessions.get(peer)
             if session is not None and not session.has_output:
@@ -597,6 +610,7 @@ class LoadManager:
             serve = session.wants_parked.pop()
             entry = self._parked.setdefault(serve.req, ParkedEntry())
             entry.waiting.append((session.peer, serve))
+            self._waiting_kv.add(serve.req)
             self._feed_waiting(serve.req, now)
 
     def _feed_waiting(self, kv_id: str, now: float) -> None:
