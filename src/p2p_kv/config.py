@@ -116,6 +116,18 @@ def check_hash_seed(env: Mapping[str, str] | None = None) -> str:
     return seed
 
 
+def check_nixl() -> None:
+    """NIXL importable, or a ConfigError saying how to install it."""
+    try:
+        import nixl._api  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError(
+            f"p2p_kv: NIXL is not importable ({exc}); install the lean pair "
+            "'pip install --no-deps nixl==1.5.1 nixl-cu13==1.5.1' (make install "
+            "does), not the 'nixl' meta package, which pulls CUDA torch"
+        ) from None
+
+
 def _coerce(name: str, kind: Any, value: Any, source: str) -> Any:
     kind = str(kind)
     try:

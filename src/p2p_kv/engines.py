@@ -223,6 +223,8 @@ class _Child:
         client: Any = self.llm.llm_engine.engine_core
         engine = client.engine_core
         connector = engine.scheduler.connector
+        if connector is None:
+            return None
         manager = connector.connector_scheduler.manager
         for tier in getattr(manager, "secondary_tiers", []):
             if (

@@ -672,17 +672,6 @@ class LoadManager:
     def has_lookups_to_serve(self) -> bool:
         return bool(self._to_serve)
 
-    @property
-    def busy(self) -> bool:
-        """Work in flight that a poll may advance (the engine should step)."""
-        return bool(
-            self._jobs
-            or self._unsent
-            or self._results
-            or any(s.active for s in self._sessions.values() if s.peer in self._dirty)
-            or self._consumers
-        )
-
     def waiting_requests(self) -> int:
         """Live consumer requests blocked on us (an unanswered lookup or a
         load in flight): when every live request is, the engine is idle."""
@@ -693,6 +682,12 @@ class LoadManager:
             if c.unsent or None in c.keys.values()
         )
         return len(waiting)
+
+    def has_pending_work(self) -> bool:
+        """Work of ours in flight that needs the engine to keep stepping."""
+        return bool(self._jobs or self._results or self._unsent or self._to_serve) or (
+            self.waiting_requests() > 0
+        )
 
     def results_ready(self) -> bool:
         """Something for the engine: a job result or a lookup answer."""

@@ -231,8 +231,8 @@ class TierRuntime:
         self.manager.flush(self.clock())
         self.pump()
 
-    def finished_jobs(self) -> list[JobResult]:
-        self.poll()
+    def finished_jobs(self, wait: bool | None = None) -> list[JobResult]:
+        self.poll(wait)
         return self.manager.get_finished_jobs(self.clock())
 
     def drain(self, timeout_s: float = 30.0) -> None:

@@ -54,6 +54,16 @@ def settle(engine: EngineProcess, seconds: float = 0.3) -> None:
 
 
 @pytest.fixture(scope="module")
+def plain() -> Iterator[EngineProcess]:
+    """An engine with no connector at all: the recompute reference."""
+    model = str(ensure_model(TINY, REPO / ".cache" / "models"))
+    with EngineProcess(
+        EngineSpec(model, f"p2pkv-plain-{uuid.uuid4().hex[:6]}", tier="off")
+    ) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
 def pair() -> Iterator[tuple[EngineProcess, EngineProcess, int]]:
     model = str(ensure_model(TINY, REPO / ".cache" / "models"))
     tag = uuid.uuid4().hex[:6]
@@ -75,16 +85,17 @@ def pair() -> Iterator[tuple[EngineProcess, EngineProcess, int]]:
 
 
 def test_remote_hit_loads_a_blocks_and_matches_a_tokens(
-    pair: tuple[EngineProcess, EngineProcess, int],
+    pair: tuple[EngineProcess, EngineProcess, int], plain: EngineProcess
 ) -> None:
     a, b, pa = pair
     ids = prompt(1)
+    reference = plain.generate(ids)["tokens"]
     out_a = a.generate(ids)
     settle(a)  # A stores its blocks at its next steps
     before = b.state()["counters"]
     out_b = b.generate(ids, params=source("kv-1", pa))
     after = b.state()
-    assert out_b["tokens"] == out_a["tokens"]
+    assert out_b["tokens"] == out_a["tokens"] == reference
     loaded = after["counters"]["bytes_loaded"] - before.get("bytes_loaded", 0)
     assert loaded > 0, after
     assert out_b["cached"] >= 128, out_b  # 4 of 5 blocks came from A
@@ -187,22 +198,28 @@ def test_disaggregated_prefill_parks_then_serves(
 def test_idle_engine_with_tier_stays_idle(
     pair: tuple[EngineProcess, EngineProcess, int],
 ) -> None:
+    """No busy loop: an idle engine with the tier steps a few times a second
+    and the tier adds under 5% of a core to what the same process burns
+    without stepping (vLLM's own threads: gloo, OpenMP). vLLM's in-tree tier
+    spins the engine at 100% of a core."""
     a, _, _ = pair
-    floor = a.call({"cmd": "sleep", "seconds": 2.0})
+    floor = a.call({"cmd": "sleep", "seconds": 3.0})
     before = a.state()
     res = a.call({"cmd": "idle", "seconds": 3.0})
     after = a.state()
     share = res["cpu_s"] / res["seconds"]
+    base = floor["cpu_s"] / floor["seconds"]
     steps = after["steps"] - before["steps"]
     print(
-        f"idle engine CPU: {share:.1%} of a core over {steps} steps "
-        f"(process floor without steps: {floor['cpu_s'] / floor['seconds']:.1%})"
+        f"idle engine CPU: {share:.1%} of a core over {steps} steps in 3 s "
+        f"(same process, no steps: {base:.1%})"
     )
-    assert share < 0.05, res
+    assert steps <= 40, f"{steps} steps in 3 s: the engine is being spun"
+    assert share - base < 0.05, (res, floor)
 
 
 def test_producer_killed_while_consumer_loads(
-    pair: tuple[EngineProcess, EngineProcess, int],
+    pair: tuple[EngineProcess, EngineProcess, int], plain: EngineProcess
 ) -> None:
     """Last in the module: A dies. B completes by recomputation, same tokens."""
     import threading
@@ -224,7 +241,7 @@ def test_producer_killed_while_consumer_loads(
     time.sleep(0.05)
     a.kill()
     t.join(120)
-    assert box["out"]["tokens"] == out_a["tokens"]
+    assert box["out"]["tokens"] == out_a["tokens"] == plain.generate(ids)["tokens"]
     print(f"B finished {box['elapsed']:.2f} s after starting; A was killed at 0.05 s")
     assert box["elapsed"] < 10, box
     settle(b, 1.0)

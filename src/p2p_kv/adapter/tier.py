@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgspec
 
-from p2p_kv.config import ConfigError, TierConfig, check_hash_seed
+from p2p_kv.config import ConfigError, TierConfig, check_hash_seed, check_nixl
 from p2p_kv.handshake import Identity
 from p2p_kv.manager import Answer, LoadManager, Roles
 from p2p_kv.session import PinResult
@@ -46,6 +46,10 @@ if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
 
 log = logging.getLogger("vllm.p2p_kv")
+
+#: vLLM 0.33 services tiers that opt in from a tier-poll thread between
+#: engine steps (under the manager's lock); 0.32 has no such thread.
+HAS_TIER_POLL_THREAD = hasattr(SecondaryTierManager, "tolerates_off_thread_polling")
 
 _ANSWER = {
     Answer.HIT: LookupResult.HIT,
@@ -85,6 +89,9 @@ class P2PKVTier(SecondaryTierManager):
 
     medium: ClassVar[Medium | None] = Medium.CPU
     cache_hit_source: ClassVar[CacheHitSource] = CacheHitSource.P2P
+    # vLLM 0.33: answer peers from the tier-poll thread, so an idle engine
+    # need not step at all. Every entry point is non-blocking there.
+    tolerates_off_thread_polling: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -104,16 +111,11 @@ class P2PKVTier(SecondaryTierManager):
         self.cfg = TierConfig.from_dict(config)
         if self.cfg.require_hash_seed:
             check_hash_seed()
+        check_nixl()
         from p2p_kv.control import ControlTransport
+        from p2p_kv.data import NixlDataTransport
         from p2p_kv.runtime import TierRuntime
 
-        try:
-            from p2p_kv.data import NixlDataTransport
-        except ImportError as exc:  # pragma: no cover
-            raise ConfigError(
-                "p2p_kv: NIXL is not importable; install nixl==1.5.1 and "
-                "nixl-cu13==1.5.1 (make install does)"
-            ) from exc
         region = (
             primary_kv_view.cast("B") if primary_kv_view.ndim != 1 else primary_kv_view
         )
@@ -193,6 +195,9 @@ class P2PKVTier(SecondaryTierManager):
     # -- the engine's step ----------------------------------------------------
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
+        # With vLLM 0.33's tier-poll thread we are called every millisecond
+        # under the manager's lock: never wait there.
+        wait = False if HAS_TIER_POLL_THREAD else None
         return [
             JobResult(
                 job_id=r.job_id,
@@ -200,14 +205,28 @@ class P2PKVTier(SecondaryTierManager):
                 transfer_time=r.transfer_time,
                 transfer_bytes=r.transfer_bytes,
             )
-            for r in self.runtime.finished_jobs()
+            for r in self.runtime.finished_jobs(wait)
         ]
 
     def has_pending_work(self) -> bool:
-        # Peers must be answered while this engine is idle, and vLLM 0.32
-        # steps an engine only while something reports pending work. The
-        # cost is bounded by the runtime's idle wait on its sockets.
+        if HAS_TIER_POLL_THREAD:
+            # 0.33's tier-poll thread answers peers between steps: the
+            # engine needs stepping only for our own work in flight.
+            return self.runtime.manager.has_pending_work()
+        # 0.32 steps an engine only while something reports pending work,
+        # and peers must be answered while this engine is idle. The cost is
+        # bounded by the runtime's idle wait on its sockets.
         return True
+
+    @classmethod
+    def config_info_keys(cls, tier_config: dict[str, Any]) -> tuple[str, ...]:
+        return ("p2p_kv_address", "p2p_kv_authenticated")
+
+    def config_info(self) -> dict[str, str]:
+        return {
+            "p2p_kv_address": self.address,
+            "p2p_kv_authenticated": str(self.cfg.secret is not None).lower(),
+        }
 
     def serve_external_requests(self, parent: ParentManager) -> None:
         self.runtime.serve(_ParentPinner(parent))

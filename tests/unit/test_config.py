@@ -1,0 +1,56 @@
+"""Tier configuration: every mistake stops the engine with one sentence that
+names the key and the fix."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from p2p_kv.config import ConfigError, TierConfig, check_hash_seed, check_nixl
+
+
+def test_defaults_and_env_fallback() -> None:
+    cfg = TierConfig.from_dict({}, env={})
+    assert cfg.port == 5800 and cfg.secret is None
+    cfg = TierConfig.from_dict({}, env={"VLLM_P2P_KV_PORT": "6001"})
+    assert cfg.port == 6001
+    # The key wins over the variable.
+    cfg = TierConfig.from_dict({"port": 7000}, env={"VLLM_P2P_KV_PORT": "6001"})
+    assert cfg.port == 7000
+    assert cfg.timeouts().heartbeat_interval_s == 0.5
+
+
+def test_unknown_key_is_named_with_the_known_ones() -> None:
+    with pytest.raises(ConfigError, match=r"unknown tier config key\(s\) \['prot'\]"):
+        TierConfig.from_dict({"prot": 1}, env={})
+
+
+@pytest.mark.parametrize("port", [-1, 70000])
+def test_bad_port(port: int) -> None:
+    with pytest.raises(ConfigError, match=f"port {port} is not in 0..65535"):
+        TierConfig.from_dict({"port": port}, env={})
+
+
+def test_bad_type_names_the_source() -> None:
+    with pytest.raises(ConfigError, match="VLLM_P2P_KV_PORT='x'"):
+        TierConfig.from_dict({}, env={"VLLM_P2P_KV_PORT": "x"})
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[\]\.heartbeat_ms"):
+        TierConfig.from_dict({"heartbeat_ms": "fast"}, env={})
+    with pytest.raises(ConfigError, match="idle_wait_ms must be > 0"):
+        TierConfig.from_dict({"idle_wait_ms": 0}, env={})
+    with pytest.raises(ConfigError, match="require_hash_seed"):
+        TierConfig.from_dict({"require_hash_seed": "maybe"}, env={})
+
+
+def test_missing_hash_seed_says_how_to_fix_it() -> None:
+    with pytest.raises(ConfigError, match="export the same PYTHONHASHSEED"):
+        check_hash_seed(env={})
+    assert check_hash_seed(env={"PYTHONHASHSEED": "0"}) == "0"
+
+
+def test_missing_nixl_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    check_nixl()  # installed here: CI must fail, not skip, without it
+    monkeypatch.setitem(sys.modules, "nixl._api", None)
+    with pytest.raises(ConfigError, match=r"nixl-cu13==1\.5\.1"):
+        check_nixl()
