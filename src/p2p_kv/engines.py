@@ -257,6 +257,7 @@ class _Child:
                 "metrics": self.metrics(),
                 "steps": self.steps,
                 "waits": getattr(rt, "waits", 0),
+                "block_bytes": getattr(tier, "block_size_bytes", 0),
                 "counters": _counters(tier),
             }
         if cmd == "sleep":  # no engine steps: the process's floor

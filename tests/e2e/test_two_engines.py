@@ -56,7 +56,7 @@ def settle(engine: EngineProcess, seconds: float = 0.3) -> None:
 @pytest.fixture(scope="module")
 def plain() -> Iterator[EngineProcess]:
     """An engine with no connector at all: the recompute reference."""
-    model = str(ensure_model(TINY, REPO / ".cache" / "models"))
+    model = str(ensure_model(TINY, REPO / ".cache"))
     with EngineProcess(
         EngineSpec(model, f"p2pkv-plain-{uuid.uuid4().hex[:6]}", tier="off")
     ) as c:
@@ -65,7 +65,7 @@ def plain() -> Iterator[EngineProcess]:
 
 @pytest.fixture(scope="module")
 def pair() -> Iterator[tuple[EngineProcess, EngineProcess, int]]:
-    model = str(ensure_model(TINY, REPO / ".cache" / "models"))
+    model = str(ensure_model(TINY, REPO / ".cache"))
     tag = uuid.uuid4().hex[:6]
     pa, pb = free_port(), free_port()
     tier = {"heartbeat_ms": 200}
