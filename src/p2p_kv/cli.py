@@ -3,7 +3,8 @@
 ``p2p-kv bench step|transfer [args]`` runs a benchmark from the source
 tree's ``benchmarks/`` (they are not shipped in the wheel: they measure the
 machine and need the tree's baselines); ``p2p-kv model`` builds the local
-test model. ``demo`` and ``doctor`` arrive with their issues.
+test model; ``p2p-kv demo`` runs two local engines sharing KV; ``p2p-kv
+doctor`` checks a machine and a peer before serving.
 """
 
 from __future__ import annotations
@@ -39,7 +40,19 @@ def main(argv: list[str] | None = None) -> int:
         "model", help="build the local test model and print its path"
     )
     model.add_argument("--preset", choices=("tiny", "bench"), default="tiny")
+    from p2p_kv import doctor
+
+    doctor.add_arguments(
+        sub.add_parser("doctor", help="check this machine (and a peer) before serving")
+    )
+    sub.add_parser(
+        "demo", help="two local engines sharing KV (p2p-kv demo --help)", add_help=False
+    )
     args, rest = parser.parse_known_args(argv)
+    if args.cmd == "demo":
+        from p2p_kv import demo
+
+        return demo.main(rest)
     if args.cmd == "bench":
         return _bench(args.name, rest)
     if args.cmd == "model":
@@ -47,6 +60,10 @@ def main(argv: list[str] | None = None) -> int:
 
         print(ensure_model(TINY if args.preset == "tiny" else BENCH))
         return 0
+    if args.cmd == "doctor":
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        return doctor.run(args)
     return 2
 
 

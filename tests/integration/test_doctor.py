@@ -1,0 +1,296 @@
+"""``p2p-kv doctor`` against real NIXL agents, real ZeroMQ sockets and real
+StandalonePeers (each serving on its own thread of this process).
+
+Nothing is faked and nothing is skipped: without nixl or zmq this module
+fails at import. Covered: a good setup passes (in process and through the
+CLI); a missing PYTHONHASHSEED, a taken port and a bad config key fail with
+the tier's own message; a peer whose hash seed, layout, block size or secret
+differs is refused with a reason naming the field; a silent port times out;
+a matching peer is READY and answers a lookup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import replace
+
+import nixl._api  # noqa: F401  (fail, not skip, without NIXL)
+import pytest
+import zmq  # noqa: F401  (fail, not skip, without ZeroMQ)
+
+from p2p_kv import doctor
+from p2p_kv.config import ConfigError, check_hash_seed
+from p2p_kv.doctor import PeerSpec, check_config, check_peer, check_port
+from p2p_kv.standalone import StandalonePeer
+
+pytestmark = pytest.mark.timeout(60)
+
+LAYOUT = "doctor-test|bf16|[(16, 2)]"
+BLOCK = 4096
+SECRET = "s3cret"
+GOOD = PeerSpec(
+    layout=LAYOUT,
+    block_bytes=BLOCK,
+    hash_seed="0",
+    secret=SECRET,
+    peer_kind="standalone",
+)
+#: name -> (hash seed, layout, block bytes, secret) of a serving peer.
+PEERS = {
+    "good": ("0", LAYOUT, BLOCK, SECRET),
+    "seed": ("1", LAYOUT, BLOCK, SECRET),
+    "layout": ("0", "other", BLOCK, SECRET),
+    "bbytes": ("0", LAYOUT, 2 * BLOCK, SECRET),
+    "nosecret": ("0", LAYOUT, BLOCK, None),
+    "badsecret": ("0", LAYOUT, BLOCK, "not-it"),
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def peers() -> Iterator[dict[str, str]]:
+    """Serving StandalonePeers, by name -> address."""
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    made: dict[str, StandalonePeer] = {}
+    threads = []
+    try:
+        for name, (seed, layout, block, secret) in PEERS.items():
+            made[name] = StandalonePeer(
+                4,
+                block,
+                engine_id=f"doctor-{name}-{os.getpid()}",
+                hash_seed=seed,
+                layout=layout,
+                secret=secret.encode() if secret else None,
+            )
+
+        def serve(peer: StandalonePeer) -> None:
+            try:
+                peer.serve_until(stop, max_s=120)
+            except BaseException as exc:
+                errors.append(exc)
+
+        for peer in made.values():
+            t = threading.Thread(target=serve, args=(peer,), daemon=True)
+            t.start()
+            threads.append(t)
+        yield {name: p.address for name, p in made.items()}
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(5)
+        for peer in made.values():
+            peer.close()
+    assert not errors, errors
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    doctor.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+# ---------------------------------------------------------------------------
+# a good setup
+# ---------------------------------------------------------------------------
+
+
+def test_good_setup_passes(
+    peers: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    port = free_port()
+    config = json.dumps(
+        {"type": "P2PKVTier", "module_path": "p2p_kv.adapter.tier", "secret": SECRET}
+    )
+    args = parse(
+        *("--config", config, "--port", str(port), "--peer", peers["good"]),
+        *("--layout", LAYOUT, "--block-bytes", str(BLOCK), "--peer-kind", "standalone"),
+    )
+    results = doctor.run_checks(args)
+    by_name = {r.name: r for r in results}
+    assert list(by_name) == [
+        "nixl",
+        "loopback",
+        "zmq",
+        "port",
+        "hash-seed",
+        "config",
+        "peer",
+    ]
+    assert all(r.ok for r in results), [r for r in results if not r.ok]
+    assert "UCX" in by_name["nixl"].details["plugins"]
+    assert by_name["port"].details["bound_port"] == port
+    assert by_name["hash-seed"].summary == "PYTHONHASHSEED=0"
+    assert by_name["peer"].details["state"] == "READY"
+    assert "READY" in by_name["peer"].summary
+    assert by_name["peer"].details["lookup_ms"] > 0
+
+
+def test_cli(peers: dict[str, str]) -> None:
+    """The CLI wiring, twice at once: without PYTHONHASHSEED it fails with
+    the tier's fix text (--json); with --no-require-hash-seed it passes,
+    handshake included (text output)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    cmd = [sys.executable, "-m", "p2p_kv.cli", "doctor"]
+    common = ["--port", str(free_port())]
+    bad = subprocess.Popen(
+        [*cmd, *common, "--json"], env=env, stdout=subprocess.PIPE, text=True
+    )
+    good = subprocess.Popen(
+        [
+            *cmd,
+            *("--port", str(free_port()), "--no-require-hash-seed"),
+            *("--peer", peers["good"], "--peer-kind", "standalone"),
+            *("--layout", LAYOUT, "--hash-seed", "0", "--secret", SECRET),
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    bad_out, _ = bad.communicate(timeout=45)
+    good_out, _ = good.communicate(timeout=45)
+
+    assert bad.returncode == 1, bad_out
+    report = json.loads(bad_out)
+    assert report["ok"] is False
+    checks = {c["name"]: c for c in report["checks"]}
+    assert [n for n, c in checks.items() if not c["ok"]] == ["hash-seed"]
+    with pytest.raises(ConfigError) as err:
+        check_hash_seed({})
+    assert checks["hash-seed"]["summary"] == "PYTHONHASHSEED is not set"
+    assert checks["hash-seed"]["fix"] in str(err.value)
+    assert "export the same PYTHONHASHSEED" in checks["hash-seed"]["fix"]
+
+    assert good.returncode == 0, good_out
+    lines = good_out.splitlines()
+    assert lines[-1] == "all checks passed"
+    assert any(line.startswith("OK   peer") and "READY" in line for line in lines)
+    assert any(
+        line.startswith("OK   hash-seed  PYTHONHASHSEED not set") for line in lines
+    )
+
+
+# ---------------------------------------------------------------------------
+# broken setups
+# ---------------------------------------------------------------------------
+
+
+def test_taken_port_fails_naming_the_port() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        result = check_port("127.0.0.1", port)
+    assert not result.ok
+    assert result.summary == f"port {port} on 127.0.0.1 is taken"
+    assert "'port' key" in result.fix
+    assert f"port {port}" in result.fix
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ({"type": "P2PKVTier", "prot": 5800}, "unknown tier config key(s) ['prot']"),
+        ({"port": "fifty"}, "secondary_tiers[].port='fifty' is not a valid int"),
+        ({"port": 70000}, "port 70000 is not in 0..65535"),
+        ({"backpressure": {}}, "remove 'backpressure'"),
+    ],
+)
+def test_bad_config_fails_with_the_tier_message(
+    raw: dict[str, object], message: str
+) -> None:
+    result, cfg = check_config(raw, env={})
+    assert cfg is None
+    assert not result.ok
+    assert message in result.summary
+
+
+def test_bad_config_json_and_env() -> None:
+    results = doctor.run_checks(parse("--config", "{nope", "--port", "0"))
+    config = next(r for r in results if r.name == "config")
+    assert not config.ok
+    assert "not a JSON object" in config.summary
+    result, _ = check_config({}, env={"VLLM_P2P_KV_HEARTBEAT_MS": "-1"})
+    assert not result.ok
+    assert "heartbeat_ms must be > 0" in result.summary
+
+
+# ---------------------------------------------------------------------------
+# peers
+# ---------------------------------------------------------------------------
+
+
+def test_matching_peer_passes(peers: dict[str, str]) -> None:
+    result = check_peer(peers["good"], GOOD, timeout_s=5)
+    assert result.ok, result
+    assert result.details["state"] == "READY"
+    assert result.details["peer_engine_id"].startswith("doctor-good-")
+
+
+@pytest.mark.parametrize(
+    ("peer", "spec", "reason", "text"),
+    [
+        ("seed", GOOD, "hash_seed", "hash seed differs"),
+        ("good", replace(GOOD, hash_seed="42"), "hash_seed", "hash seed differs"),
+        ("layout", GOOD, "layout", "'other' differs from ours"),
+        ("bbytes", GOOD, "layout", f"block is {2 * BLOCK} bytes, ours {BLOCK}"),
+        ("nosecret", GOOD, "auth", "shared secret"),
+        ("good", replace(GOOD, secret=None), "auth", "shared secret"),
+        ("badsecret", GOOD, "auth", "does not match our shared secret"),
+        ("good", replace(GOOD, peer_kind="engine"), "canonical_hashes", "canonical"),
+    ],
+)
+def test_mismatched_peer_is_refused_naming_the_field(
+    peers: dict[str, str], peer: str, spec: PeerSpec, reason: str, text: str
+) -> None:
+    result = check_peer(peers[peer], spec, timeout_s=5)
+    assert not result.ok
+    assert result.details["state"] == "refused", result
+    assert result.details["reason"] == reason
+    assert text in result.summary
+    assert result.fix == doctor._REFUSAL_FIXES[reason]
+
+
+def test_silent_port_times_out() -> None:
+    port = free_port()
+    result = check_peer(f"127.0.0.1:{port}", GOOD, timeout_s=0.5)
+    assert not result.ok
+    assert result.details["state"] == "timeout"
+    assert "no handshake from 127.0.0.1:" in result.summary
+    assert "host/port" in result.fix
+
+
+def test_engine_canonical_hashes_follow_vllms_recipe() -> None:
+    """vLLM's NONE_HASH = hash_fn(seed); block i = hash_fn((parent, tokens,
+    None)) (checked against vLLM 0.32 itself when this was written)."""
+    import hashlib
+    import pickle
+
+    def h(x: object) -> bytes:
+        return hashlib.sha256(
+            pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL)
+        ).digest()
+
+    first = h((h("0"), tuple(range(16)), None))
+    hashes = doctor.engine_canonical_hashes("0", "sha256", 16)
+    assert hashes[0] == first
+    assert hashes[1] == h((first, tuple(range(16, 32)), None))
+    assert doctor.engine_canonical_hashes("1") != hashes
+    with contextlib.suppress(ImportError):  # cbor2 ships with vLLM
+        assert doctor.engine_canonical_hashes("0", "sha256_cbor") != hashes
