@@ -335,6 +335,9 @@ class _Child:
                 value = getattr(m, "value", None)
                 if isinstance(value, int | float):
                     out[f"{m.name}{{{label}}}"] = float(value)
+                elif isinstance(count := getattr(m, "count", None), int):  # histogram
+                    out[f"{m.name}_count{{{label}}}"] = float(count)
+                    out[f"{m.name}_sum{{{label}}}"] = float(getattr(m, "sum", 0.0))
         return out
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -153,6 +154,20 @@ class ParkedEntry:
 class _Job:
     kind: str  # "load" | "store" | "pin"
     req_id: str
+    peer: str = ""  # load jobs: the source peer
+    submitted: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class LoadObservation:
+    """One finished load job, for the metrics (drained by p2p_kv.metrics)."""
+
+    peer: str
+    success: bool
+    elapsed_s: float  # the session's: Fetch to result
+    nbytes: int
+    reason: str
+    waited_s: float  # submit_load to get_finished_jobs: what vLLM waited
 
 
 class LoadManager:
@@ -198,6 +213,10 @@ class LoadManager:
         self.protocol_errors: dict[str, int] = {}
         self.fallbacks: dict[str, int] = {}
         self.double_results = 0
+        # Drained by p2p_kv.metrics at every stats poll; bounded, so nothing
+        # piles up when stats are off.
+        self.load_observations: deque[LoadObservation] = deque(maxlen=4096)
+        self.retired_sessions: deque[Session] = deque(maxlen=1024)
 
     # ------------------------------------------------------------------
     # vLLM-facing: consumer leg
@@ -269,8 +288,9 @@ class LoadManager:
         slots: Sequence[int],
         now: float,
     ) -> None:
-        self._register_job(job_id, "load", req_id)
         consumer = self._consumers.get(req_id)
+        peer = consumer.source.peer if consumer is not None else ""
+        self._register_job(job_id, "load", req_id, peer, now)
         if not keys:
             self._results.append(LoadResult(job_id, -1, True))
             return
@@ -366,6 +386,16 @@ class LoadManager:
                         and job.req_id == consumer.req_id
                     ):
                         self._failed.add(consumer.req_id)
+                self.load_observations.append(
+                    LoadObservation(
+                        job.peer,
+                        result.success,
+                        result.elapsed_s,
+                        result.nbytes,
+                        result.reason,
+                        max(0.0, now - job.submitted),
+                    )
+                )
                 out.append(
                     JobResult(
                         result.job_id,
@@ -388,10 +418,12 @@ class LoadManager:
             self._results.extend(session.take_load_results())
             self._results.extend(session.take_store_results())
 
-    def _register_job(self, job_id: int, kind: str, req_id: str) -> None:
+    def _register_job(
+        self, job_id: int, kind: str, req_id: str, peer: str = "", now: float = 0.0
+    ) -> None:
         if job_id in self._jobs:
             raise ValueError(f"job {job_id} submitted twice")
-        self._jobs[job_id] = _Job(kind, req_id)
+        self._jobs[job_id] = _Job(kind, req_id, peer, now)
 
     # ------------------------------------------------------------------
     # serve window (producer answers lookups against the engine)
@@ -522,6 +554,7 @@ class LoadManager:
         session.confirm_invalidated()
         self._touch(session)
         self._collect(now)
+        self.retired_sessions.append(session)  # its last counts, for metrics
         del self._sessions[peer]
         self._dirty.discard(peer)
         if not peer.startswith("in:"):
@@ -710,6 +743,9 @@ class LoadManager:
 
     def failed_ids(self) -> frozenset[str]:
         return frozenset(self._failed)
+
+    def parked_store_count(self) -> int:
+        return sum(len(e.stores) for e in self._parked.values())
 
     def sessions(self) -> Iterable[Session]:
         return self._sessions.values()

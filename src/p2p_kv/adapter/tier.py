@@ -18,12 +18,20 @@ import msgspec
 from p2p_kv.config import ConfigError, TierConfig, check_hash_seed, check_nixl
 from p2p_kv.handshake import Identity
 from p2p_kv.manager import Answer, LoadManager, Roles
+from p2p_kv.metrics import DEFINITIONS, MetricsExporter
 from p2p_kv.session import PinResult
 
 try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+        OffloadingConnectorStats,
+    )
     from vllm.v1.kv_offload.base import (
         LookupResult,
         Medium,
+        OffloadingCounterMetadata,
+        OffloadingGaugeMetadata,
+        OffloadingHistogramMetadata,
+        OffloadingMetricMetadata,
         OffloadPolicy,
         ReqContext,
         RequestOffloadingContext,
@@ -244,6 +252,33 @@ class P2PKVTier(SecondaryTierManager):
 
     def state_report(self) -> dict[str, int]:
         return self.runtime.manager.state_report()
+
+    @classmethod
+    def build_metric_definitions(
+        cls, extra_config: dict[str, Any]
+    ) -> dict[str, OffloadingMetricMetadata]:
+        """p2p_kv.metrics.DEFINITIONS as vLLM metadata (per-peer labels)."""
+        out: dict[str, OffloadingMetricMetadata] = {}
+        for name, d in DEFINITIONS.items():
+            if d.kind == "histogram":
+                out[name] = OffloadingHistogramMetadata(
+                    d.documentation, d.labelnames, d.buckets
+                )
+            elif d.kind == "gauge":
+                out[name] = OffloadingGaugeMetadata(d.documentation, d.labelnames)
+            else:
+                out[name] = OffloadingCounterMetadata(d.documentation, d.labelnames)
+        return out
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        """What changed since the last call (vLLM polls every step)."""
+        exporter: MetricsExporter | None = getattr(self, "_metrics", None)
+        if exporter is None:
+            exporter = self._metrics = MetricsExporter()
+        rt = self.runtime
+        stats = OffloadingConnectorStats()
+        exporter.collect(rt.manager, stats, live_requests=rt.live_requests)
+        return None if stats.is_empty() else stats
 
     def touch(self, keys: Collection[Any], req_context: ReqContext) -> None:
         return

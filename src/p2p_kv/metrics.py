@@ -1,0 +1,347 @@
+"""Prometheus metrics of the p2p tier, exported the way vLLM exports its own.
+
+vLLM's tiering connector asks every secondary tier for metric definitions
+(``build_metric_definitions``, a classmethod read by the Prometheus logger
+when it starts) and, at every scheduler step, for the observations since the
+last call (``get_stats``, an ``OffloadingConnectorStats``). The adapter turns
+:data:`DEFINITIONS` into vLLM's metadata and hands a fresh stats object to
+:meth:`MetricsExporter.collect`; nothing here imports vLLM.
+
+Counters are sent as increments: the exporter remembers what it last saw of
+every session's :class:`~p2p_kv.session.SessionCounters` (and of the
+sessions the manager retired since) and sends the difference. Gauges are
+sent when they change; a label series that disappears (a peer gone) is set
+to zero once, since vLLM never removes a series. Load outcomes come from
+:attr:`~p2p_kv.manager.LoadManager.load_observations`.
+
+Label cardinality: ``peer`` is the address we dial (outbound) or, for an
+inbound session, the peer's Hello ``engine_id`` up to its first ``/`` (the
+address it is dialled at, so both directions of one peer share a label and
+a restarted peer keeps it); before a Hello it is ``unknown``. At most
+``max_peers`` distinct peers get their own label, later ones are ``other``;
+reasons are cut at their first ``": "`` (details are free text) and capped
+the same way per metric.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from p2p_kv.manager import LoadManager
+from p2p_kv.session import Session
+
+PREFIX = "vllm:kv_offload_p2p_"
+
+LOOKUPS = PREFIX + "lookups"
+LOOKUP_HITS = PREFIX + "lookup_hit_blocks"
+LOOKUP_MISSES = PREFIX + "lookup_miss_blocks"
+LOADED_BYTES = PREFIX + "loaded_bytes"
+SERVED_BYTES = PREFIX + "served_bytes"
+LOAD_TIME = PREFIX + "load_time_seconds"
+FALLBACKS = PREFIX + "fallbacks"
+FALLBACK_TIME = PREFIX + "fallback_time_seconds"
+FAILURES = PREFIX + "failures"
+REFUSALS = PREFIX + "refusals"
+PROTOCOL_ERRORS = PREFIX + "protocol_errors"
+LIVE_REQUESTS = PREFIX + "live_requests"
+FAILED_IDS = PREFIX + "failed_ids"
+FENCED_SLOTS = PREFIX + "fenced_slots"
+PARKED_STORES = PREFIX + "parked_stores"
+SESSIONS = PREFIX + "sessions"
+
+UNKNOWN = "unknown"
+OTHER = "other"
+
+TIME_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
+
+Kind = Literal["counter", "gauge", "histogram"]
+
+
+@dataclass(frozen=True, slots=True)
+class MetricDef:
+    kind: Kind
+    documentation: str
+    labelnames: tuple[str, ...] = ()
+    buckets: tuple[float, ...] | None = None
+
+
+_PEER = ("peer",)
+_PEER_REASON = ("peer", "reason")
+
+DEFINITIONS: dict[str, MetricDef] = {
+    LOOKUPS: MetricDef("counter", "Lookup batches sent to a peer.", _PEER),
+    LOOKUP_HITS: MetricDef(
+        "counter", "Blocks a peer said it holds, in lookup answers.", _PEER
+    ),
+    LOOKUP_MISSES: MetricDef(
+        "counter", "Blocks a peer said it lacks, in lookup answers.", _PEER
+    ),
+    LOADED_BYTES: MetricDef("counter", "Bytes loaded from a peer.", _PEER),
+    SERVED_BYTES: MetricDef("counter", "Bytes written to a peer (served).", _PEER),
+    LOAD_TIME: MetricDef(
+        "histogram",
+        "Time from a load's Fetch to its successful completion, in seconds.",
+        _PEER,
+        TIME_BUCKETS,
+    ),
+    FALLBACKS: MetricDef(
+        "counter",
+        "Load jobs that failed, so the request recomputes, by reason.",
+        _PEER_REASON,
+    ),
+    FALLBACK_TIME: MetricDef(
+        "histogram",
+        "Time from a load's submission to its failure reaching the engine "
+        "(time to fall back to recompute), in seconds.",
+        _PEER,
+        TIME_BUCKETS,
+    ),
+    FAILURES: MetricDef(
+        "counter",
+        "Session-level failures (timeout, abort, peer_down, lookup_timeout, "
+        "write_timeout, ...), by reason.",
+        _PEER_REASON,
+    ),
+    REFUSALS: MetricDef(
+        "counter",
+        "Refusals: handshakes refused (by field) and lookups over limits.",
+        _PEER_REASON,
+    ),
+    PROTOCOL_ERRORS: MetricDef(
+        "counter", "Protocol errors, ours and the peer's, by code.", _PEER_REASON
+    ),
+    LIVE_REQUESTS: MetricDef("gauge", "Engine requests live in the p2p tier."),
+    FAILED_IDS: MetricDef(
+        "gauge", "Live requests whose remote load failed (they recompute)."
+    ),
+    FENCED_SLOTS: MetricDef(
+        "gauge", "Destination slots a peer's write may still land in.", _PEER
+    ),
+    PARKED_STORES: MetricDef("gauge", "Store jobs parked for a remote decoder."),
+    SESSIONS: MetricDef("gauge", "Peer sessions, by link state.", ("peer", "state")),
+}
+
+
+class StatsSink(Protocol):
+    """What vLLM's ``OffloadingConnectorStats`` offers (structurally)."""
+
+    def increase_counter(
+        self,
+        counter_name: str,
+        counter_increase_value: int | float = 1,
+        labelvalues: tuple[str, ...] = (),
+    ) -> None: ...
+
+    def set_gauge(
+        self,
+        gauge_name: str,
+        gauge_value: int | float,
+        labelvalues: tuple[str, ...] = (),
+    ) -> None: ...
+
+    def observe_histogram(
+        self,
+        histogram_name: str,
+        histogram_value: int | float,
+        labelvalues: tuple[str, ...] = (),
+    ) -> None: ...
+
+
+@dataclass(slots=True)
+class _Seen:
+    """What was last exported of one session's counters."""
+
+    lookups: int = 0
+    hits: int = 0
+    misses: int = 0
+    bytes_loaded: int = 0
+    bytes_served: int = 0
+    refused: dict[str, int] | None = None
+    protocol_errors: dict[str, int] | None = None
+    failures: dict[str, int] | None = None
+
+
+_BAD_CHARS = re.compile(r"[^A-Za-z0-9_:.\-\[\]]")
+
+
+def session_peer(session: Session) -> str:
+    """The raw peer label of a session (before the cardinality cap)."""
+    if not session.peer.startswith("in:"):
+        return session.peer
+    hello = session.peer_hello
+    if hello is None:
+        return UNKNOWN
+    return hello.engine_id.split("/", 1)[0][:128] or UNKNOWN
+
+
+class MetricsExporter:
+    """Turns a manager's counters and observations into stats increments.
+    One per tier; :meth:`collect` is called once per vLLM stats poll."""
+
+    def __init__(self, *, max_peers: int = 64, max_reasons: int = 32) -> None:
+        self.max_peers = max_peers
+        self.max_reasons = max_reasons
+        self._peers: set[str] = set()
+        self._reasons: dict[str, set[str]] = {}
+        self._seen: dict[Session, _Seen] = {}
+        self._manager_errors: dict[str, int] = {}
+        self._gauges: dict[tuple[str, tuple[str, ...]], float] = {}
+
+    # -- labels -----------------------------------------------------------
+
+    def peer(self, raw: str) -> str:
+        raw = raw or UNKNOWN
+        if raw in self._peers:
+            return raw
+        if len(self._peers) >= self.max_peers:
+            return OTHER
+        self._peers.add(raw)
+        return raw
+
+    def reason(self, metric: str, raw: str) -> str:
+        label = _BAD_CHARS.sub("_", raw.split(": ", 1)[0].strip())[:64] or UNKNOWN
+        seen = self._reasons.setdefault(metric, set())
+        if label in seen:
+            return label
+        if len(seen) >= self.max_reasons:
+            return OTHER
+        seen.add(label)
+        return label
+
+    # -- collection -------------------------------------------------------
+
+    def collect(
+        self, manager: LoadManager, sink: StatsSink, *, live_requests: int = 0
+    ) -> None:
+        """Add everything new since the last call to ``sink``."""
+        while manager.retired_sessions:
+            session = manager.retired_sessions.popleft()
+            self._session_deltas(session, sink)
+            self._seen.pop(session, None)
+        live = list(manager.sessions())
+        for session in live:
+            self._session_deltas(session, sink)
+        if len(self._seen) > len(live):  # retirements lost to the bound
+            alive = set(live)
+            for session in [s for s in self._seen if s not in alive]:
+                del self._seen[session]
+        self._loads(manager, sink)
+        self._manager_errors_deltas(manager, sink)
+        self._gauges_now(manager, live, sink, live_requests)
+
+    def _session_deltas(self, session: Session, sink: StatsSink) -> None:
+        c = session.counters
+        seen = self._seen.get(session)
+        if seen is None:
+            seen = self._seen[session] = _Seen()
+        label: tuple[str, ...] | None = None
+
+        def peer() -> tuple[str, ...]:
+            nonlocal label
+            if label is None:
+                label = (self.peer(session_peer(session)),)
+            return label
+
+        for name, now, before in (
+            (LOOKUPS, c.lookups, seen.lookups),
+            (LOOKUP_HITS, c.hits, seen.hits),
+            (LOOKUP_MISSES, c.misses, seen.misses),
+            (LOADED_BYTES, c.bytes_loaded, seen.bytes_loaded),
+            (SERVED_BYTES, c.bytes_served, seen.bytes_served),
+        ):
+            if now > before:
+                sink.increase_counter(name, now - before, peer())
+        seen.lookups, seen.hits, seen.misses = c.lookups, c.hits, c.misses
+        seen.bytes_loaded, seen.bytes_served = c.bytes_loaded, c.bytes_served
+        for name, table, attr in (
+            (REFUSALS, c.refused, "refused"),
+            (PROTOCOL_ERRORS, c.protocol_errors, "protocol_errors"),
+            (FAILURES, c.failures, "failures"),
+        ):
+            if not table:
+                continue
+            before_t: dict[str, int] = getattr(seen, attr) or {}
+            if table == before_t:
+                continue
+            for raw, n in table.items():
+                d = n - before_t.get(raw, 0)
+                if d > 0:
+                    sink.increase_counter(name, d, (peer()[0], self.reason(name, raw)))
+            setattr(seen, attr, dict(table))
+
+    def _loads(self, manager: LoadManager, sink: StatsSink) -> None:
+        obs = manager.load_observations
+        while obs:
+            o = obs.popleft()
+            peer = self.peer(o.peer)
+            if o.success:
+                if o.nbytes > 0:  # an empty load moved nothing: no sample
+                    sink.observe_histogram(LOAD_TIME, o.elapsed_s, (peer,))
+            else:
+                reason = self.reason(FALLBACKS, o.reason)
+                sink.increase_counter(FALLBACKS, 1, (peer, reason))
+                sink.observe_histogram(FALLBACK_TIME, o.waited_s, (peer,))
+
+    def _manager_errors_deltas(self, manager: LoadManager, sink: StatsSink) -> None:
+        """Frames that did not decode (no session knows them) and malformed
+        request parameters: peer ``unknown``."""
+        table = manager.protocol_errors
+        if not table or table == self._manager_errors:
+            return
+        for raw, n in table.items():
+            d = n - self._manager_errors.get(raw, 0)
+            if d > 0:
+                sink.increase_counter(
+                    PROTOCOL_ERRORS,
+                    d,
+                    (self.peer(UNKNOWN), self.reason(PROTOCOL_ERRORS, raw)),
+                )
+        self._manager_errors = dict(table)
+
+    def _gauges_now(
+        self,
+        manager: LoadManager,
+        sessions: Iterable[Session],
+        sink: StatsSink,
+        live_requests: int,
+    ) -> None:
+        now: dict[tuple[str, tuple[str, ...]], float] = {
+            (LIVE_REQUESTS, ()): live_requests,
+            (FAILED_IDS, ()): len(manager.failed_ids()),
+            (PARKED_STORES, ()): manager.parked_store_count(),
+        }
+        for session in sessions:
+            peer = self.peer(session_peer(session))
+            key: tuple[str, tuple[str, ...]] = (SESSIONS, (peer, session.link.value))
+            now[key] = now.get(key, 0) + 1
+            fenced = session.fenced_slots
+            if fenced:
+                key = (FENCED_SLOTS, (peer,))
+                now[key] = now.get(key, 0) + fenced
+        for key, value in now.items():
+            if self._gauges.get(key) != value:
+                sink.set_gauge(key[0], value, key[1])
+        for key in self._gauges.keys() - now.keys():
+            if self._gauges[key] != 0:
+                sink.set_gauge(key[0], 0, key[1])
+        self._gauges = now
