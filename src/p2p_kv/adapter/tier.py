@@ -319,6 +319,12 @@ def _identity(
             cfg.parallel.pp_size,
         )
     )
+    log.info(
+        "p2p_kv identity: hash %s, layout %r (peers must match; `p2p-kv doctor "
+        "--layout` takes this string)",
+        algo,
+        layout,
+    )
     return Identity(
         engine_id=f"{address}/{data.agent_name}",
         hash_algo=algo,

@@ -8,7 +8,7 @@ must answer its peers while it has no request of its own; with p2p_kv
 loaded each idle step waits on the tier's sockets, so this costs little.
 
 The parent side is :class:`EngineProcess`; the child side is :func:`serve`
-(``python -m p2p_kv.engines``).
+(``python -m p2p_kv.adapter.engines``).
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ class EngineProcess:
             PYTHONUNBUFFERED="1",
             TOKENIZERS_PARALLELISM="false",
         )
-        src = str(Path(__file__).resolve().parents[1])
+        src = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(
             [src, *filter(None, [env.get("PYTHONPATH")])]
         )
@@ -97,7 +97,7 @@ class EngineProcess:
         env.update(spec.env)
         self._log = open(f"/tmp/p2p_kv-engine-{spec.engine_id}.log", "w")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "p2p_kv.engines"],
+            [sys.executable, "-m", "p2p_kv.adapter.engines"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,
