@@ -23,6 +23,7 @@ wake a ZeroMQ poller. :meth:`wake` ends a wait from another thread.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 
@@ -59,13 +60,23 @@ class TierRuntime:
         self.steps = 0
         self.waits = 0
         self._idle_streak = 0
+        #: Held by whoever is inside the runtime: the engine's thread or the
+        #: waker (vLLM 0.33 also calls from its tier-poll thread).
+        self.lock = threading.RLock()
+        self.has_waker = False
+        self._waker: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._engine_active = False
 
     # ------------------------------------------------------------------
 
     def may_wait(self) -> bool:
         """True when blocking on the sockets cannot delay the engine's own
-        work: nothing of its own to compute, no write in flight."""
+        work: nothing of its own to compute, no write in flight. With a
+        waker, an engine without live requests must go idle instead."""
         if self._xfers or self.manager.has_lookups_to_serve:
+            return False
+        if self.has_waker and self.live_requests == 0:
             return False
         return self.manager.waiting_requests() >= self.live_requests
 
@@ -242,8 +253,59 @@ class TierRuntime:
             self.poll(wait=not self._xfers)
             time.sleep(0 if self._xfers else 0.001)
 
+    # ------------------------------------------------------------------
+    # the waker: peers answered while the engine does not step at all
+    # ------------------------------------------------------------------
+
+    def start_waker(
+        self, wake_engine: Callable[[], None], interval_s: float = 0.01
+    ) -> None:
+        """Keep the tier alive between engine steps, so an idle engine need
+        not step (vLLM's 3-process engine spins its worker for a second
+        after every step, so idle steps cost a core there).
+
+        Every ``interval_s`` a daemon thread takes :attr:`lock` if the engine
+        is not using the tier, polls without waiting (frames, heartbeats,
+        deadlines, writes), and when something needs the engine -- a lookup
+        to serve against its primary tier, or a result for it -- calls
+        ``wake_engine``. Callers on the engine's thread hold :attr:`lock`
+        around every call into the runtime.
+        """
+        if self._waker is not None:
+            return
+        self.has_waker = True
+
+        def run() -> None:
+            while not self._stop.wait(interval_s):
+                if not self.lock.acquire(blocking=False):
+                    continue  # the engine is in the tier: it will see everything
+                try:
+                    self.poll(wait=False)
+                    wanted = self.manager.has_lookups_to_serve or (
+                        self.manager.results_ready()
+                    )
+                except Exception:  # never kill the thread: the engine polls too
+                    log.exception("p2p_kv: waker poll failed")
+                    wanted = False
+                finally:
+                    self.lock.release()
+                if wanted and not self._engine_active:
+                    self._engine_active = True
+                    wake_engine()
+
+        self._waker = threading.Thread(target=run, name="p2p_kv-waker", daemon=True)
+        self._waker.start()
+
+    def engine_stepped(self) -> None:
+        """The engine called in: a wake-up has been taken."""
+        self._engine_active = False
+
     def close(self) -> None:
-        self.manager.close_all("shutdown")
-        self.pump()
-        self.control.close()
-        self.data.close()
+        self._stop.set()
+        if self._waker is not None:
+            self._waker.join(2.0)
+        with self.lock:
+            self.manager.close_all("shutdown")
+            self.pump()
+            self.control.close()
+            self.data.close()

@@ -9,9 +9,11 @@ calls and nothing more: every decision lives below it.
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Collection, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+import sys
+from collections.abc import Callable, Collection, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import msgspec
 
@@ -64,6 +66,35 @@ _ANSWER = {
     Answer.MISS: LookupResult.MISS,
     Answer.RETRY: LookupResult.RETRY,
 }
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _locked(method: _F) -> _F:
+    """Enter the runtime under its lock: vLLM's thread, our waker and 0.33's
+    tier-poll thread never run in the tier at the same time."""
+
+    @functools.wraps(method)
+    def wrapper(self: P2PKVTier, *args: Any, **kwargs: Any) -> Any:
+        with self.runtime.lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _engine_input_queue() -> Any:
+    """vLLM 0.32's engine-core process blocks on this queue while it has no
+    work; a no-op put wakes it. Found on the constructor's call stack (the
+    queue exists before the scheduler, and so this tier, is built)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        queue = getattr(owner, "input_queue", None)
+        if queue is not None and type(owner).__name__.startswith("EngineCore"):
+            return queue
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
 
 
 class _ParentPinner:
@@ -147,6 +178,14 @@ class P2PKVTier(SecondaryTierManager):
         self.runtime = TierRuntime(
             manager, control, data, idle_wait_s=self.cfg.idle_wait_ms / 1000
         )
+        queue = None if HAS_TIER_POLL_THREAD else _engine_input_queue()
+        if queue is not None:
+            from vllm.v1.engine import EngineCoreRequestType
+
+            # An empty abort is a no-op that makes the idle engine re-check
+            # has_pending_work(), which is then True: it steps and serves.
+            wake: tuple[Any, list[str]] = (EngineCoreRequestType.ABORT, [])
+            self.runtime.start_waker(lambda: queue.put_nowait(wake))
         log.info(
             "p2p_kv tier ready on %s: %d blocks of %d bytes",
             self.address,
@@ -156,6 +195,7 @@ class P2PKVTier(SecondaryTierManager):
 
     # -- consumer leg ---------------------------------------------------------
 
+    @_locked
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         rt = self.runtime
         try:
@@ -170,10 +210,12 @@ class P2PKVTier(SecondaryTierManager):
             return RequestOffloadingContext(policy=OffloadPolicy.REQUEST_LEVEL)
         return RequestOffloadingContext()
 
+    @_locked
     def lookup(self, key: Any, req_context: ReqContext) -> LookupResult:
         rt = self.runtime
         return _ANSWER[rt.manager.lookup(req_context.req_id, key, rt.clock())]
 
+    @_locked
     def submit_load(self, job_metadata: TransferJob) -> None:
         rt = self.runtime
         rt.manager.submit_load(
@@ -185,6 +227,7 @@ class P2PKVTier(SecondaryTierManager):
         )
         rt.pump()  # the Fetch leaves now, not at the end of the step
 
+    @_locked
     def submit_store(self, job_metadata: TransferJob) -> None:
         rt = self.runtime
         rt.manager.submit_store(
@@ -195,6 +238,7 @@ class P2PKVTier(SecondaryTierManager):
             rt.clock(),
         )
 
+    @_locked
     def on_request_finished(self, req_context: ReqContext) -> None:
         rt = self.runtime
         rt.manager.on_request_finished(req_context.req_id, rt.clock())
@@ -202,10 +246,12 @@ class P2PKVTier(SecondaryTierManager):
 
     # -- the engine's step ----------------------------------------------------
 
+    @_locked
     def get_finished_jobs(self) -> Iterable[JobResult]:
         # With vLLM 0.33's tier-poll thread we are called every millisecond
         # under the manager's lock: never wait there.
         wait = False if HAS_TIER_POLL_THREAD else None
+        self.runtime.engine_stepped()
         return [
             JobResult(
                 job_id=r.job_id,
@@ -216,10 +262,12 @@ class P2PKVTier(SecondaryTierManager):
             for r in self.runtime.finished_jobs(wait)
         ]
 
+    @_locked
     def has_pending_work(self) -> bool:
-        if HAS_TIER_POLL_THREAD:
-            # 0.33's tier-poll thread answers peers between steps: the
-            # engine needs stepping only for our own work in flight.
+        if HAS_TIER_POLL_THREAD or self.runtime.has_waker:
+            # 0.33's tier-poll thread (or our waker, on 0.32's 3-process
+            # engine) answers peers between steps: the engine needs stepping
+            # only for our own work in flight.
             return self.runtime.manager.has_pending_work()
         # 0.32 steps an engine only while something reports pending work,
         # and peers must be answered while this engine is idle. The cost is
@@ -236,12 +284,15 @@ class P2PKVTier(SecondaryTierManager):
             "p2p_kv_authenticated": str(self.cfg.secret is not None).lower(),
         }
 
+    @_locked
     def serve_external_requests(self, parent: ParentManager) -> None:
         self.runtime.serve(_ParentPinner(parent))
 
+    @_locked
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self.runtime.flush()
 
+    @_locked
     def drain_jobs(self) -> None:
         rt = self.runtime
         rt.manager.release_for_reset(rt.clock())
@@ -250,6 +301,7 @@ class P2PKVTier(SecondaryTierManager):
     def shutdown(self) -> None:
         self.runtime.close()
 
+    @_locked
     def state_report(self) -> dict[str, int]:
         return self.runtime.manager.state_report()
 
@@ -270,6 +322,7 @@ class P2PKVTier(SecondaryTierManager):
                 out[name] = OffloadingCounterMetadata(d.documentation, d.labelnames)
         return out
 
+    @_locked
     def get_stats(self) -> OffloadingConnectorStats | None:
         """What changed since the last call (vLLM polls every step)."""
         exporter: MetricsExporter | None = getattr(self, "_metrics", None)
