@@ -5,24 +5,18 @@ from __future__ import annotations
 
 import random
 import re
-import socket
 import uuid
 from pathlib import Path
 
 import pytest
 
 from p2p_kv.adapter.engines import EngineProcess, EngineSpec
+from p2p_kv.demo import free_port
 from p2p_kv.tiny_model import TINY, ensure_model
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def series(metrics: dict[str, float], name: str, **labels: str) -> float:
@@ -40,7 +34,7 @@ def series(metrics: dict[str, float], name: str, **labels: str) -> float:
 
 
 def test_per_peer_series_in_vllm_metrics() -> None:
-    model = str(ensure_model(TINY, REPO / ".cache" / "models"))
+    model = str(ensure_model(TINY, REPO / ".cache"))
     tag = uuid.uuid4().hex[:6]
     pa, pb = free_port(), free_port()
     tier = {"heartbeat_ms": 200}

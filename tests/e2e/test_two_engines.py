@@ -8,7 +8,6 @@ A's blocks, produce A's tokens, and leave nothing behind.
 from __future__ import annotations
 
 import random
-import socket
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,17 +16,12 @@ from typing import Any
 import pytest
 
 from p2p_kv.adapter.engines import EngineProcess, EngineSpec
+from p2p_kv.demo import free_port
 from p2p_kv.tiny_model import TINY, ensure_model
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def prompt(seed: int, n: int = 160) -> list[int]:
