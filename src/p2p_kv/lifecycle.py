@@ -111,9 +111,10 @@ TABLE: Final[dict[Machine, dict[State, dict[Event, State]]]] = {
             E.PEER_LOST: S.FAILED,
         },
         S.ABORTING: {
-            # The writes finished before the producer saw our Abort: the
-            # bytes are whole, so the job may as well succeed.
-            E.TRANSFER_OK: S.DONE,
+            # The writes finished before the producer saw our Abort. The
+            # bytes are whole and the slots safe, but we gave the load up:
+            # it fails, so "aborted" always means "recompute".
+            E.TRANSFER_OK: S.FAILED,
             E.TRANSFER_FAILED: S.FAILED,
             E.ABORT_ACK: S.FAILED,
             # No ack in time: the session closes the peer (agent

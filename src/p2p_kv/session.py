@@ -632,13 +632,17 @@ class Session:
             # are done, so finishing the request needs no Abort round trip.
             # (A refusal may leave pins behind: the Abort still goes.)
             self._contacted.discard(msg.gen)
-        if msg.ok:
+        ok = load.state is State.DONE  # an aborted load fails even if whole
+        if ok:
             self.counters.bytes_loaded += load.nbytes
+            reason = ""
+        elif msg.ok:
+            reason = "abort"
+            self.counters.bump(self.counters.failures, "abort")
         else:
+            reason = f"peer: {msg.reason}"
             self.counters.bump(self.counters.failures, "transfer_failed")
-        self._load_results.append(
-            self._result(load, msg.ok, "" if msg.ok else f"peer: {msg.reason}", now)
-        )
+        self._load_results.append(self._result(load, ok, reason, now))
 
     def _on_abort_ack(self, msg: AbortAck, now: float) -> None:
         acked = [

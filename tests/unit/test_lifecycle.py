@@ -225,6 +225,7 @@ def test_every_machine_has_peer_lost() -> None:
 FENCES: frozenset[tuple[State | None, Event]] = frozenset(
     {
         (None, E.TRANSFER_FAILED),
+        (None, E.TRANSFER_OK),  # the producer's writes are all done
         (None, E.ABORT_ACK),
         (None, E.PEER_LOST),  # the session invalidates the peer's agent first
         (S.ABORTING, E.TIMEOUT),  # likewise: the session closes the peer
