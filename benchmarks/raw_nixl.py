@@ -295,14 +295,19 @@ def _timed_writes(
     return seconds
 
 
-class RawNixlPair:
-    """Two worker processes reused across measurements (NIXL import is slow)."""
+class WorkerPair:
+    """Two spawned worker processes driven over pipes: each message is a
+    tuple, each reply ``("ok", value)`` or ``("err", traceback)``. Reused
+    across measurements because importing NIXL is slow."""
 
-    def __init__(self) -> None:
+    name = "benchmark worker"
+
+    def __init__(self, targets: Sequence[Any], timeout_s: float) -> None:
         ctx = mp.get_context("spawn")
-        self._conns = []
-        self._procs = []
-        for target in (_producer, _consumer):
+        self._timeout_s = timeout_s
+        self._conns: list[Any] = []
+        self._procs: list[Any] = []
+        for target in targets:
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=target, args=(child,), daemon=True)
             proc.start()
@@ -312,18 +317,39 @@ class RawNixlPair:
         self._cell = 0
 
     def _call(self, which: int, *msg: Any) -> Any:
-        conn = self._conns[which]
-        conn.send(msg)
+        self._conns[which].send(msg)
         return self._reply(which)
 
     def _reply(self, which: int) -> Any:
         conn = self._conns[which]
-        if not conn.poll(_STEP_TIMEOUT_S + 60):
-            raise TimeoutError("benchmark worker did not answer")
+        if not conn.poll(self._timeout_s):
+            raise TimeoutError(f"{self.name} did not answer")
         status, value = conn.recv()
         if status != "ok":
-            raise RuntimeError(f"benchmark worker failed:\n{value}")
+            raise RuntimeError(f"{self.name} failed:\n{value}")
         return value
+
+    def close(self) -> None:
+        for i, proc in enumerate(self._procs):
+            if proc.is_alive():
+                with contextlib.suppress(Exception):
+                    self._call(i, "exit")
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class RawNixlPair(WorkerPair):
+    """Raw NIXL: a producer that WRITEs and a consumer that polls."""
+
+    def __init__(self) -> None:
+        super().__init__((_producer, _consumer), _STEP_TIMEOUT_S + 60)
 
     def measure(
         self,
@@ -367,21 +393,6 @@ class RawNixlPair:
         result = _summary(block_bytes, num_blocks, seconds, len(runs))
         result["verified"] = True
         return result
-
-    def close(self) -> None:
-        for i, proc in enumerate(self._procs):
-            if proc.is_alive():
-                with contextlib.suppress(Exception):
-                    self._call(i, "exit")
-            proc.join(5)
-            if proc.is_alive():
-                proc.kill()
-
-    def __enter__(self) -> RawNixlPair:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def measure_raw_nixl(

@@ -49,6 +49,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from raw_nixl import (
     RawNixlPair,
+    WorkerPair,
     measure_memcpy,
     scattered_mapping,
 )
@@ -288,30 +289,13 @@ def _vllm_worker(conn: Any) -> None:
         conn.send(("err", traceback.format_exc()))
 
 
-class VllmPair:
+class VllmPair(WorkerPair):
     """Writer and receiver processes, each owning a vLLM NixlTransport."""
 
-    def __init__(self) -> None:
-        ctx = mp.get_context("spawn")
-        self._conns, self._procs = [], []
-        for _ in range(2):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_vllm_worker, args=(child,), daemon=True)
-            proc.start()
-            child.close()
-            self._conns.append(parent)
-            self._procs.append(proc)
-        self._cell = 0
+    name = "vLLM worker"
 
-    def _call(self, which: int, *msg: Any) -> Any:
-        conn = self._conns[which]
-        conn.send(msg)
-        if not conn.poll(_TIMEOUT_S):
-            raise TimeoutError("vLLM worker did not answer")
-        status, value = conn.recv()
-        if status != "ok":
-            raise RuntimeError(value.strip().splitlines()[-1])
-        return value
+    def __init__(self) -> None:
+        super().__init__((_vllm_worker, _vllm_worker), _TIMEOUT_S)
 
     def measure(
         self, block_bytes: int, num_blocks: int, repeats: int
@@ -339,15 +323,6 @@ class VllmPair:
         out = _median_summary(seconds, num_blocks * block_bytes)
         out["verified"] = True
         return out
-
-    def close(self) -> None:
-        for i, proc in enumerate(self._procs):
-            if proc.is_alive():
-                with contextlib.suppress(Exception):
-                    self._call(i, "exit")
-            proc.join(5)
-            if proc.is_alive():
-                proc.kill()
 
 
 # ---------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from typing import Any
 from p2p_kv.session import Timeouts
 
 ENV_PREFIX = "VLLM_P2P_KV_"
+_CORE = Timeouts()
 
 
 class ConfigError(ValueError):
@@ -34,12 +35,13 @@ class TierConfig:
     #: idle engine's CPU (lower with longer waits) against the time it may
     #: take a fully idle vLLM 0.32 engine to start a new request.
     idle_wait_ms: float = 200.0
-    heartbeat_ms: float = 500.0
-    handshake_timeout_s: float = 5.0
-    lookup_timeout_s: float = 2.0
-    fetch_timeout_floor_s: float = 2.0
-    abort_ack_timeout_s: float = 2.0
-    pin_ttl_s: float = 15.0
+    # The protocol's deadlines default to the core's own (one source).
+    heartbeat_ms: float = _CORE.heartbeat_interval_s * 1000
+    handshake_timeout_s: float = _CORE.handshake_s
+    lookup_timeout_s: float = _CORE.lookup_s
+    fetch_timeout_floor_s: float = _CORE.fetch_floor_s
+    abort_ack_timeout_s: float = _CORE.abort_ack_s
+    pin_ttl_s: float = _CORE.pin_ttl_s
     #: How long a remote_decoder request's blocks wait for their decoder.
     parked_ttl_s: float = 60.0
     #: Require PYTHONHASHSEED (peers must derive the same block hashes).
