@@ -6,22 +6,33 @@ the prompt, then B runs it with ``remote_kv_source`` naming A (one token:
 the time is the TTFT); the baseline is B recomputing a prompt of the same
 length it has never seen, measured in the same run. Reports the median per
 length, bytes fetched, and the crossover length from which the remote hit
-wins. (The side-by-side with vLLM's in-tree tier is benchmarks/vs_intree.py,
-not written yet.)
+wins. ``--vs-intree`` runs benchmarks/vs_intree.py instead: the same kind of
+workload side by side with vLLM's in-tree ``p2p`` tier (its own options
+follow).
 
     python benchmarks/ttft.py [--lengths 32,256,1024,4096] [--repeats 3] [--json]
+    python benchmarks/ttft.py --vs-intree [vs_intree options]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import runpy
 import sys
+from pathlib import Path
 
 from p2p_kv.demo import run
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--vs-intree" in argv:
+        # Not shipped as a package (benchmarks measure the source tree), so
+        # the sibling script is loaded by path, as `p2p-kv bench` does.
+        rest = [a for a in argv if a != "--vs-intree"]
+        path = Path(__file__).resolve().with_name("vs_intree.py")
+        return int(runpy.run_path(str(path), run_name="p2p_kv_bench")["main"](rest))
     parser = argparse.ArgumentParser(prog="p2p-kv bench ttft", description=__doc__)
     parser.add_argument("--lengths", default="32,64,128,256,512,1024,2048,4096")
     parser.add_argument("--repeats", type=int, default=3)

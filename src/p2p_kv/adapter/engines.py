@@ -14,6 +14,7 @@ The parent side is :class:`EngineProcess`; the child side is :func:`serve`
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import queue
@@ -217,6 +218,69 @@ class _Child:
             ktc["kv_connector_extra_config"]["secondary_tiers"]
         )
         self.steps = 0
+        #: (event, perf_counter) while a generate runs with "trace" set
+        self.events: list[tuple[str, float]] | None = None
+        if self.has_tier:
+            self._install_trace()
+
+    def _install_trace(self) -> None:
+        """Timestamps the phases of a remote hit from the engine's side, the
+        same way for any tier (ours or vLLM's in-tree one): the benchmarks
+        compare where the time goes, not just the totals. Costs a branch per
+        call while nothing is traced."""
+        from p2p_kv.adapter.cpu_spec import HostCopyWorker
+
+        def mark(name: str) -> None:
+            if self.events is not None:
+                self.events.append((name, time.perf_counter()))
+
+        loads: set[int] = set()
+
+        def wrap(owner: Any, name: str, before: Any, after: Any = None) -> None:
+            fn = getattr(owner, name)
+
+            @functools.wraps(fn)
+            def traced(*args: Any, **kwargs: Any) -> Any:
+                before(*args)
+                out = fn(*args, **kwargs)
+                if after is not None:
+                    after(out)
+                return out
+
+            setattr(owner, name, traced)
+
+        def on_load(job: Any) -> None:
+            loads.add(job.job_id)
+            mark("submit_load")
+
+        def on_results(results: Any) -> Any:
+            results = list(results)
+            if any(r.job_id in loads for r in results):
+                loads.difference_update(r.job_id for r in results)
+                mark("load_done")
+            return results
+
+        tier = self.tier()
+        if tier is not None:
+            wrap(tier, "on_new_request", lambda *a: mark("new_request"))
+            wrap(
+                tier,
+                "lookup",
+                lambda *a: None,
+                lambda r: mark(f"lookup_{getattr(r, 'name', r)}".lower()),
+            )
+            wrap(tier, "submit_load", on_load)
+            fn = tier.get_finished_jobs
+            tier.get_finished_jobs = lambda: on_results(fn())
+        if not getattr(HostCopyWorker, "_p2p_kv_traced", False):
+            wrap(
+                HostCopyWorker,
+                "submit_load",
+                lambda *a: mark("copy_in"),
+                lambda r: mark("copy_in_end"),
+            )
+            HostCopyWorker._p2p_kv_traced = True  # type: ignore[attr-defined]
+        wrap(self.llm.llm_engine, "step", lambda *a: mark("step"))
 
     def tier(self) -> Any:
         """Our tier object inside the engine (for the state report)."""
@@ -256,6 +320,8 @@ class _Child:
                 "report": report,
                 "metrics": self.metrics(),
                 "steps": self.steps,
+                # would vLLM's own loop step this idle engine?
+                "pending": bool(tier.has_pending_work()) if tier else None,
                 "waits": getattr(rt, "waits", 0),
                 "block_bytes": getattr(tier, "block_size_bytes", 0),
                 "counters": _counters(tier),
@@ -284,15 +350,28 @@ class _Child:
         sp = SamplingParams(
             temperature=0.0, max_tokens=int(msg["max_tokens"]), extra_args=extra
         )
+        trace = bool(msg.get("trace")) and self.has_tier
+        self.events = [] if trace else None
         t0 = time.perf_counter()
         prompts: Any = [{"prompt_token_ids": msg["ids"]}]
         (out,) = self.llm.generate(prompts, sp, use_tqdm=False)
         elapsed = time.perf_counter() - t0
-        return {
+        reply: dict[str, Any] = {
             "tokens": list(out.outputs[0].token_ids),
             "cached": out.num_cached_tokens,
             "elapsed_s": elapsed,
         }
+        if self.events is not None:
+            # event -> [first, last] in ms from the call, and how many
+            phases: dict[str, list[float]] = {}
+            for name, t in self.events:
+                ms = round((t - t0) * 1000, 3)
+                first = phases.setdefault(name, [ms, ms, 0])
+                first[1] = ms
+                first[2] += 1
+            reply["phases"] = phases
+            self.events = None
+        return reply
 
     def abort_during_load(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Start a request, cancel it while its remote load is in flight,

@@ -1,0 +1,487 @@
+"""p2p_kv side by side with vLLM's in-tree ``p2p`` tier, in real engines.
+
+The question this answers: is p2p_kv worth running instead of the tier vLLM
+already ships? So both run the same workload on the same machine in the same
+run, through the same harness (p2p_kv.adapter.engines):
+
+* recompute: one engine with no connector computes every prompt (its time
+  to first token is what a hit has to beat; its tokens are the reference);
+* for each tier, engines A (pinned to cpu0) and B (cpu1): A computes each
+  prompt, then B runs it with ``remote_kv_source`` naming A. B's time is the
+  TTFT with the remote hit (``max_tokens=1``). Bytes moved and blocks hit
+  come from vLLM's own tiering metrics, identical for both tiers.
+
+Beside the totals, per tier: where a hit's time goes (the same timestamps
+taken around either tier's entry points: lookup asked and answered, fetch
+submitted and done, copy into the engine's cache), the first hit on a new
+session, a hit after both engines sat idle, and what an idle engine costs
+(CPU of each engine process, engine steps, whether the tier asks vLLM to
+keep stepping). Engines run one pair at a time, so one tier's idle cost
+never slows the other's numbers.
+
+    python benchmarks/vs_intree.py [--lengths 32,...,4096] [--repeats 3] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import threading
+import time
+import uuid
+from typing import Any
+
+from p2p_kv.adapter.engines import EngineProcess, EngineSpec
+from p2p_kv.demo import free_port
+from p2p_kv.tiny_model import BENCH, TINY, ensure_model
+
+TIERS = ("intree", "p2p_kv")
+LENGTHS = "32,64,128,256,512,1024,2048,4096"
+#: the issue's targets: p2p_kv's hit this many times faster than the in-tree
+#: tier's, up to this many tokens / at the longest prompt
+SHORT_TOKENS, SHORT_TARGET, LONG_TARGET = 256, 5.0, 3.0
+IDLE_TARGET = 0.05  # of a core
+
+
+def _say(progress: bool, text: str) -> None:
+    if progress:
+        print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+
+
+def _prompt(vocab: int, length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(4, vocab) for _ in range(length)]
+
+
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    return s[len(s) // 2] if s else 0.0
+
+
+def _cpu_s(pid: int) -> float:
+    """utime + stime of a process and its children, all threads."""
+    import psutil
+
+    total = 0.0
+    proc = psutil.Process(pid)
+    for p in [proc, *proc.children(recursive=True)]:
+        t = p.cpu_times()
+        total += t.user + t.system
+    return total
+
+
+def _tier_metric(metrics: dict[str, float], name: str) -> float:
+    """Sum of a tiering metric over the secondary tier (not the primary)."""
+    return sum(
+        v for k, v in metrics.items() if k.startswith(name + "{") and "primary" not in k
+    )
+
+
+def _source(kv_id: str, port: int) -> dict[str, Any]:
+    return {
+        "remote_kv_source": {
+            "kv_request_id": kv_id,
+            "remote_host": "127.0.0.1",
+            "remote_port": port,
+        }
+    }
+
+
+def _phases(p: dict[str, list[float]], total_ms: float) -> dict[str, float]:
+    """A hit's time by phase, in ms, from the engine-side timestamps."""
+
+    def first(name: str) -> float | None:
+        return p[name][0] if name in p else None
+
+    out: dict[str, float] = {}
+    asked, hit = first("lookup_retry"), first("lookup_hit")
+    load, done = first("submit_load"), first("load_done")
+    copy_end = p["copy_in_end"][1] if "copy_in_end" in p else None
+    if (admitted := first("new_request")) is not None:
+        out["admit"] = admitted
+    if asked is not None and hit is not None:
+        out["lookup"] = hit - asked
+    if hit is not None and load is not None:
+        out["to_fetch"] = load - hit
+    if load is not None and done is not None:
+        out["fetch"] = done - load
+    if "copy_in" in p and copy_end is not None:
+        out["copy_in"] = copy_end - p["copy_in"][0]
+    if copy_end is not None:
+        out["after_copy"] = total_ms - copy_end
+    out["steps"] = p.get("step", [0, 0, 0])[2]
+    return out
+
+
+def _idle(engines: dict[str, EngineProcess], seconds: float) -> dict[str, Any]:
+    """CPU and engine steps of engines left alone (their harness keeps
+    stepping them, as a one-process engine with a peer tier must be)."""
+    before = {n: (e.state(), _cpu_s(e.proc.pid)) for n, e in engines.items()}
+    time.sleep(seconds)
+    out: dict[str, Any] = {}
+    for n, e in engines.items():
+        cpu = _cpu_s(e.proc.pid) - before[n][1]
+        st = e.state()
+        steps = st["steps"] - before[n][0]["steps"]
+        out[n] = {
+            "cpu_core": round(cpu / seconds, 4),
+            "steps_per_s": round(steps / seconds, 1),
+            "cpu_ms_per_step": round(1000 * cpu / steps, 3) if steps else None,
+            "tier_asks_for_steps": st["pending"],
+        }
+    # No steps at all, every engine at once: what vLLM's and NIXL's own
+    # threads burn.
+    floors: dict[str, Any] = {}
+    threads = [
+        threading.Thread(
+            target=lambda n=n, e=e: floors.__setitem__(
+                n, e.call({"cmd": "sleep", "seconds": min(seconds, 2.0)})
+            )
+        )
+        for n, e in engines.items()
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for n, f in floors.items():
+        out[n]["cpu_core_without_steps"] = round(f["cpu_s"] / f["seconds"], 4)
+    return out
+
+
+def _recompute(
+    model: str,
+    common: dict[str, Any],
+    prompts: dict[int, list[list[int]]],
+    idle_s: float,
+    progress: bool,
+) -> dict[str, Any]:
+    _say(progress, "engine with no tier (cpu1): recompute")
+    with EngineProcess(
+        EngineSpec(
+            model, f"vs-plain-{uuid.uuid4().hex[:6]}", tier="off", cpus=[1], **common
+        )
+    ) as c:
+        c.generate(_prompt(1000, 64, 1), max_tokens=1)  # warm-up
+        rows: dict[int, Any] = {}
+        for length, batch in prompts.items():
+            ms, tokens = [], []
+            for ids in batch:
+                out = c.generate(ids, max_tokens=1)
+                ms.append(out["elapsed_s"] * 1000)
+                tokens.append(out["tokens"])
+            rows[length] = {"ttft_ms": _median(ms), "tokens": tokens}
+        t0, cpu0 = time.monotonic(), _cpu_s(c.proc.pid)
+        time.sleep(idle_s)
+        idle = (_cpu_s(c.proc.pid) - cpu0) / (time.monotonic() - t0)
+    return {"rows": rows, "idle_cpu_core": round(idle, 4)}
+
+
+def _tier_run(
+    tier: str,
+    model: str,
+    common: dict[str, Any],
+    prompts: dict[int, list[list[int]]],
+    reference: dict[int, Any],
+    idle_s: float,
+    vocab: int,
+    progress: bool,
+) -> dict[str, Any]:
+    tag = uuid.uuid4().hex[:6]
+    pa, pb = free_port(), free_port()
+
+    def spec(name: str, port: int, cpu: int) -> EngineSpec:
+        cfg = {"host": "127.0.0.1", "port": port}
+        if tier == "intree":
+            kw: dict[str, Any] = {"tier": None, "intree_tier": cfg}
+        else:
+            kw = {"tier": cfg}
+        return EngineSpec(model, f"vs-{tier}-{name}-{tag}", cpus=[cpu], **kw, **common)
+
+    _say(progress, f"{tier}: starting A (cpu0) and B (cpu1)")
+    engines: list[EngineProcess] = []
+    try:
+        a = EngineProcess(spec("a", pa, 0))
+        engines.append(a)
+        b = EngineProcess(spec("b", pb, 1))
+        engines.append(b)
+        n = 0
+
+        def hit(ids: list[int]) -> dict[str, Any]:
+            nonlocal n
+            n += 1
+            before = b.state()["metrics"]
+            out = b.call(
+                {
+                    "cmd": "generate",
+                    "ids": ids,
+                    "params": _source(f"vs-{tag}-{n}", pa),
+                    "max_tokens": 1,
+                    "trace": True,
+                }
+            )
+            b.call({"cmd": "idle", "seconds": 0.1})  # stats reach the metrics
+            after = b.state()["metrics"]
+            out["bytes"] = int(
+                _tier_metric(after, "vllm:kv_offload_tiering_read_bytes")
+                - _tier_metric(before, "vllm:kv_offload_tiering_read_bytes")
+            )
+            out["blocks"] = int(
+                _tier_metric(after, "vllm:kv_offload_tiering_chunk_hits")
+                - _tier_metric(before, "vllm:kv_offload_tiering_chunk_hits")
+            )
+            out["ms"] = out["elapsed_s"] * 1000
+            return out
+
+        def produce(ids: list[int]) -> list[int]:
+            tokens: list[int] = a.generate(ids, max_tokens=1)["tokens"]
+            a.call({"cmd": "idle", "seconds": 0.2})  # A stores its blocks
+            return tokens
+
+        # The first hit opens the session (handshake, NIXL metadata).
+        warm = _prompt(vocab, 256, 77)
+        produce(warm)
+        first = hit(warm)
+        rows: dict[int, Any] = {}
+        for length, batch in prompts.items():
+            _say(progress, f"{tier}: {length}-token prompts")
+            hits, identical = [], True
+            for ids, ref in zip(batch, reference[length]["tokens"], strict=True):
+                a_tokens = produce(ids)
+                h = hit(ids)
+                hits.append(h)
+                identical = identical and h["tokens"] == a_tokens == ref
+            rows[length] = {
+                "ttft_ms": _median([h["ms"] for h in hits]),
+                "bytes": int(_median([h["bytes"] for h in hits])),
+                "blocks": int(_median([h["blocks"] for h in hits])),
+                "cached_tokens": int(_median([h["cached"] for h in hits])),
+                "identical": identical,
+                "phases_ms": {
+                    k: round(
+                        _median(
+                            [_phases(h["phases"], h["ms"]).get(k, 0) for h in hits]
+                        ),
+                        2,
+                    )
+                    for k in _phases(hits[0]["phases"], hits[0]["ms"])
+                },
+            }
+        _say(progress, f"{tier}: idle engines ({idle_s:.0f} s)")
+        idle = _idle({"A": a, "B": b}, idle_s)
+        after_idle_ids = _prompt(vocab, 256, 78)
+        produce(after_idle_ids)
+        time.sleep(idle_s)
+        after_idle = hit(after_idle_ids)
+        address = a.info.get("address")
+    finally:
+        for e in reversed(engines):
+            e.close()
+
+    def brief(h: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "ttft_ms": round(h["ms"], 1),
+            "blocks": h["blocks"],
+            "phases_ms": {
+                k: round(v, 2) for k, v in _phases(h["phases"], h["ms"]).items()
+            },
+        }
+
+    return {
+        "rows": rows,
+        "first_hit_new_session": brief(first),
+        "hit_after_idle": brief(after_idle) | {"idle_s": idle_s},
+        "idle": idle,
+        "address": address,
+    }
+
+
+def run(
+    *,
+    preset: str = "bench",
+    lengths: list[int] | None = None,
+    repeats: int = 3,
+    idle_s: float = 3.0,
+    tiers: tuple[str, ...] = TIERS,
+    progress: bool = True,
+) -> dict[str, Any]:
+    spec = BENCH if preset == "bench" else TINY
+    lengths = lengths or [int(x) for x in LENGTHS.split(",")]
+    model = str(ensure_model(spec))
+    common: dict[str, Any] = dict(
+        dtype="float32" if spec is BENCH else "auto",
+        max_model_len=max(4096, max(lengths) + 64),
+        kv_cache_bytes=256 << 20,
+        cpu_bytes=512 << 20,
+    )
+    prompts = {
+        n: [_prompt(spec.vocab_size, n, 10_000 * i + r) for r in range(repeats)]
+        for i, n in enumerate(lengths)
+    }
+    plain = _recompute(model, common, prompts, idle_s, progress)
+    per_tier = {
+        t: _tier_run(
+            t,
+            model,
+            common,
+            prompts,
+            plain["rows"],
+            idle_s,
+            spec.vocab_size,
+            progress,
+        )
+        for t in tiers
+    }
+    rows = []
+    for n in lengths:
+        row: dict[str, Any] = {
+            "tokens": n,
+            "recompute_ms": round(plain["rows"][n]["ttft_ms"], 1),
+        }
+        for t in tiers:
+            r = per_tier[t]["rows"][n]
+            row[t] = {k: v for k, v in r.items()} | {
+                "ttft_ms": round(r["ttft_ms"], 1),
+                "bytes_per_block": r["bytes"] // r["blocks"] if r["blocks"] else 0,
+            }
+        if set(TIERS) <= set(tiers):
+            p2p, intree = row["p2p_kv"]["ttft_ms"], row["intree"]["ttft_ms"]
+            row["p2p_kv_speedup_vs_intree"] = round(intree / p2p, 2) if p2p else 0
+        rows.append(row)
+    result: dict[str, Any] = {
+        "model": spec.name,
+        "lengths": lengths,
+        "repeats": repeats,
+        "rows": rows,
+        "recompute_idle_cpu_core": plain["idle_cpu_core"],
+        "tiers": {
+            t: {k: v for k, v in per_tier[t].items() if k != "rows"} for t in tiers
+        },
+    }
+    for t in tiers:
+        result["tiers"][t]["crossover_tokens"] = _crossover(rows, t)
+    result["targets"] = _targets(result) if set(TIERS) <= set(tiers) else {}
+    return result
+
+
+def _crossover(rows: list[dict[str, Any]], tier: str) -> int | None:
+    """Shortest length from which the hit beats recomputing at every longer
+    length too (one lucky short row does not make a crossover)."""
+    best = None
+    for r in reversed(rows):
+        if r[tier]["ttft_ms"] < r["recompute_ms"]:
+            best = r["tokens"]
+        else:
+            break
+    return best
+
+
+def _targets(result: dict[str, Any]) -> dict[str, Any]:
+    rows = result["rows"]
+    short = [r for r in rows if r["tokens"] <= SHORT_TOKENS]
+    longest = rows[-1]
+    first_full = rows[0]
+    idle = result["tiers"]["p2p_kv"]["idle"]
+    p2p_bpb = {r["p2p_kv"]["bytes_per_block"] for r in rows}
+    intree_bpb = {r["intree"]["bytes_per_block"] for r in rows}
+    return {
+        f"speedup_vs_intree_ge_{SHORT_TARGET:g}x_up_to_{SHORT_TOKENS}": all(
+            r["p2p_kv_speedup_vs_intree"] >= SHORT_TARGET for r in short
+        ),
+        f"speedup_vs_intree_ge_{LONG_TARGET:g}x_at_{longest['tokens']}": longest[
+            "p2p_kv_speedup_vs_intree"
+        ]
+        >= LONG_TARGET,
+        f"beats_recompute_from_{first_full['tokens']}": result["tiers"]["p2p_kv"][
+            "crossover_tokens"
+        ]
+        == first_full["tokens"],
+        "idle_cpu_under_5pct": all(v["cpu_core"] < IDLE_TARGET for v in idle.values()),
+        "bytes_per_block_equal": p2p_bpb == intree_bpb,
+    }
+
+
+def print_table(result: dict[str, Any]) -> None:
+    tiers = list(result["tiers"])
+    head = f"{'tokens':>6} {'recompute':>9}"
+    for t in tiers:
+        head += f" | {t + ' ms':>11} {'blocks':>6} {'MiB':>6} {'B/block':>8}"
+    print(head + ("   p2p_kv vs in-tree" if len(tiers) == 2 else ""))
+    for r in result["rows"]:
+        line = f"{r['tokens']:>6} {r['recompute_ms']:>9.1f}"
+        for t in tiers:
+            c = r[t]
+            line += (
+                f" | {c['ttft_ms']:>11.1f} {c['blocks']:>6} "
+                f"{c['bytes'] / 2**20:>6.2f} {c['bytes_per_block']:>8}"
+            )
+            if not c["identical"]:
+                line += " TOKENS DIFFER"
+        if "p2p_kv_speedup_vs_intree" in r:
+            line += f"   {r['p2p_kv_speedup_vs_intree']:.2f}x"
+        print(line)
+    print("\nwhere a hit's time goes (ms, median; engine B's timestamps):")
+    for t in tiers:
+        for r in result["rows"]:
+            ph = " ".join(f"{k}={v:g}" for k, v in r[t]["phases_ms"].items())
+            print(f"  {t:>7} {r['tokens']:>5}: {ph}")
+    print()
+    for t in tiers:
+        info = result["tiers"][t]
+        print(
+            f"{t}: crossover from {info['crossover_tokens']} tokens; first hit on "
+            f"a new session {info['first_hit_new_session']['ttft_ms']} ms; hit "
+            f"after {info['hit_after_idle']['idle_s']:g} s idle "
+            f"{info['hit_after_idle']['ttft_ms']} ms"
+        )
+        for name, v in info["idle"].items():
+            print(
+                f"  idle engine {name}: {v['cpu_core']:.1%} of a core, "
+                f"{v['steps_per_s']} steps/s, {v['cpu_ms_per_step']} ms CPU/step, "
+                f"tier asks for steps: {v['tier_asks_for_steps']}, "
+                f"without steps: {v['cpu_core_without_steps']:.1%}"
+            )
+    print(
+        f"engine with no tier, idle: {result['recompute_idle_cpu_core']:.1%} of a core"
+    )
+    for k, v in result["targets"].items():
+        print(f"target {k}: {'met' if v else 'MISSED'}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="p2p-kv bench vs_intree", description=__doc__)
+    parser.add_argument("--lengths", default=LENGTHS)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--model", choices=("bench", "tiny"), default="bench")
+    parser.add_argument("--idle-s", type=float, default=3.0)
+    parser.add_argument("--tiers", default=",".join(TIERS))
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("PYTHONHASHSEED", "0")  # engines must agree on hashes
+    t0 = time.monotonic()
+    result = run(
+        preset=args.model,
+        lengths=[int(x) for x in args.lengths.split(",") if x],
+        repeats=args.repeats,
+        idle_s=args.idle_s,
+        tiers=tuple(t for t in args.tiers.split(",") if t),
+        progress=not args.json,
+    )
+    result["wall_s"] = round(time.monotonic() - t0, 1)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print_table(result)
+    ok = all(
+        r[t]["identical"] and r[t]["blocks"] > 0
+        for r in result["rows"]
+        for t in result["tiers"]
+    )
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
