@@ -177,8 +177,16 @@ def _consumer(conn: Any) -> None:
                 conn.send(("ok", (agent.get_agent_metadata(), int(buf.ctypes.data))))
             elif cmd == "peer":
                 assert agent is not None
-                agent.add_remote_agent(msg[1])
-                conn.send(("ok", None))
+                conn.send(("ok", agent.add_remote_agent(msg[1])))
+            elif cmd == "read":
+                # One-sided READs of the producer's blocks: the producer's
+                # process does nothing, as with p2p_kv's read path.
+                assert agent is not None
+                _, remote, remote_base, block_bytes, runs, repeats = msg
+                seconds = _timed(
+                    agent, buf, remote, remote_base, block_bytes, runs, repeats, "READ"
+                )
+                conn.send(("ok", seconds))
             elif cmd == "serve":
                 # Poll like a consumer expecting data: regularly, sleeping.
                 assert agent is not None
@@ -220,7 +228,8 @@ def _producer(conn: Any) -> None:
                 buf, reg = _region(agent, nbytes, 7)
                 rows = buf.reshape(-1, block_bytes)
                 crcs = [zlib.crc32(r.data) for r in rows]
-                conn.send(("ok", (agent.get_agent_metadata(), crcs)))
+                base = int(buf.ctypes.data)
+                conn.send(("ok", (agent.get_agent_metadata(), crcs, base)))
             elif cmd == "peer":
                 assert agent is not None
                 remote = agent.add_remote_agent(msg[1])
@@ -228,21 +237,11 @@ def _producer(conn: Any) -> None:
             elif cmd == "run":
                 assert agent is not None
                 _, remote, remote_base, block_bytes, runs, repeats, stop = msg
-                conn.send(
-                    (
-                        "ok",
-                        _timed_writes(
-                            agent,
-                            buf,
-                            remote,
-                            remote_base,
-                            block_bytes,
-                            runs,
-                            repeats,
-                            stop,
-                        ),
-                    )
+                seconds = _timed(
+                    agent, buf, remote, remote_base, block_bytes, runs, repeats, "WRITE"
                 )
+                agent.send_notif(remote, stop)
+                conn.send(("ok", seconds))
             elif cmd == "teardown":
                 if agent is not None:
                     agent.deregister_memory(reg)
@@ -255,7 +254,7 @@ def _producer(conn: Any) -> None:
         conn.send(("err", traceback.format_exc()))
 
 
-def _timed_writes(
+def _timed(
     agent: Any,
     buf: np.ndarray[Any, Any],
     remote: Any,
@@ -263,8 +262,10 @@ def _timed_writes(
     block_bytes: int,
     runs: list[tuple[int, int, int]],
     repeats: int,
-    stop: bytes,
+    op: str,
 ) -> list[float]:
+    """Post ``op`` over ``runs`` (local start, remote start, count) and time
+    each transfer from post to DONE."""
     data = _data_module()
     starts = np.array([r[0] for r in runs], dtype=np.int64)
     dsts = np.array([r[1] for r in runs], dtype=np.int64)
@@ -278,20 +279,20 @@ def _timed_writes(
     seconds: list[float] = []
     for i in range(repeats + 2):  # two warm-ups: connection wire-up, caches
         t0 = time.perf_counter()
-        handle = agent.initialize_xfer("WRITE", local, remote_descs, remote, b"x")
+        notif = b"x" if op == "WRITE" else b""
+        handle = agent.initialize_xfer(op, local, remote_descs, remote, notif)
         state = agent.transfer(handle)
         deadline = time.monotonic() + _STEP_TIMEOUT_S
         while state == "PROC":
             state = agent.check_xfer_state(handle)
             if time.monotonic() > deadline:
-                raise TimeoutError("raw NIXL write did not complete")
+                raise TimeoutError(f"raw NIXL {op} did not complete")
         elapsed = time.perf_counter() - t0
         handle.release()
         if state != "DONE":
-            raise RuntimeError(f"raw NIXL write ended in state {state}")
+            raise RuntimeError(f"raw NIXL {op} ended in state {state}")
         if i >= 2:
             seconds.append(elapsed)
-    agent.send_notif(remote, stop)
     return seconds
 
 
@@ -346,7 +347,8 @@ class WorkerPair:
 
 
 class RawNixlPair(WorkerPair):
-    """Raw NIXL: a producer that WRITEs and a consumer that polls."""
+    """Raw NIXL: a producer that WRITEs and a consumer that polls, or a
+    consumer that READs from an idle producer (``op="READ"``)."""
 
     def __init__(self) -> None:
         super().__init__((_producer, _consumer), _STEP_TIMEOUT_S + 60)
@@ -359,13 +361,14 @@ class RawNixlPair(WorkerPair):
         src_blocks: Sequence[int] | None = None,
         dst_blocks: Sequence[int] | None = None,
         consumer_poll_s: float = DEFAULT_CONSUMER_POLL_S,
+        op: str = "WRITE",
     ) -> dict[str, Any]:
         if src_blocks is None or dst_blocks is None:
             src_blocks, dst_blocks = scattered_mapping(num_blocks)
         runs = _runs(src_blocks, dst_blocks)
         self._cell += 1
         tag = f"{os.getpid()}-{self._cell}"
-        p_md, crcs = self._call(
+        p_md, crcs, p_base = self._call(
             0,
             "setup",
             f"raw-prod-{tag}",
@@ -376,11 +379,19 @@ class RawNixlPair(WorkerPair):
             1, "setup", f"raw-cons-{tag}", (max(dst_blocks) + 1) * block_bytes
         )
         remote = self._call(0, "peer", c_md)
-        self._call(1, "peer", p_md)
-        stop = f"stop-{tag}".encode()
-        self._conns[1].send(("serve", stop, consumer_poll_s))
-        seconds = self._call(0, "run", remote, c_base, block_bytes, runs, repeats, stop)
-        self._reply(1)
+        producer = self._call(1, "peer", p_md)
+        if op == "READ":
+            back = [(d, s, n) for s, d, n in runs]
+            seconds = self._call(
+                1, "read", producer, p_base, block_bytes, back, repeats
+            )
+        else:
+            stop = f"stop-{tag}".encode()
+            self._conns[1].send(("serve", stop, consumer_poll_s))
+            seconds = self._call(
+                0, "run", remote, c_base, block_bytes, runs, repeats, stop
+            )
+            self._reply(1)
         ok = self._call(
             1, "verify", block_bytes, list(dst_blocks), [crcs[s] for s in src_blocks]
         )

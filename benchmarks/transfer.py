@@ -2,20 +2,28 @@
 
 One row per (block size, block count). Each p2p_kv fetch is a
 :meth:`p2p_kv.standalone.StandalonePeer.fetch` by a consumer in this process
-against a producer StandalonePeer in another process (``serve_until``):
-lookup over ZeroMQ, the producer pins, Fetch, the producer WRITEs with NIXL,
-TransferDone, job result. Two times per fetch:
+against a producer StandalonePeer in another process (``serve_until``), on
+both load paths:
+
+* ``read`` (the default): lookup over ZeroMQ, the producer pins and answers
+  with its slots, the consumer READs them one-sided with NIXL, job result
+  (the Release to the producer is sent after, off the critical path);
+* ``write`` (reads off, as for disaggregated prefill): lookup, Fetch, the
+  producer WRITEs with NIXL, TransferDone, job result.
+
+Two times per fetch:
 
 * ``lookup->result``: from the first lookup to the job result (control and
   data planes together: what a request waits);
-* ``submit->result``: from ``submit_load`` to the job result (Fetch, the
-  WRITE, TransferDone: the load itself).
+* ``submit->result``: from ``submit_load`` to the job result (the load
+  itself).
 
 Baselines, measured in the same run on the same mapping (source blocks
 ``0..n-1`` into every other destination slot, so nothing coalesces: one
 descriptor per block on every path):
 
-* raw NIXL and single-thread memcpy: ``benchmarks/raw_nixl.py``;
+* raw NIXL READ (the read path's baseline) and WRITE (the write path's),
+  and single-thread memcpy: ``benchmarks/raw_nixl.py``;
 * vLLM's in-tree p2p tier data transport
   (``vllm.v1.kv_offload.tiering.p2p.data.nixl.NixlTransport``), driven
   directly between two processes: ``write_blocks`` then ``poll`` to done.
@@ -63,6 +71,14 @@ BIG_BYTES = 16 * MIB  # throughput target applies from here
 SMALL_BYTES = 1 * MIB  # latency target applies up to here
 TARGET_RATIO = 0.8
 TARGET_LATENCY_X = 2.0
+PATHS = ("read", "write")
+#: p2p_kv cells and the raw NIXL baseline each is compared with
+P2P_CELLS = {
+    "submit": ("read", "submit", "raw_read"),
+    "e2e": ("read", "e2e", "raw_read"),
+    "w_submit": ("write", "submit", "raw_nixl"),
+    "w_e2e": ("write", "e2e", "raw_nixl"),
+}
 _TIMEOUT_S = 180.0
 
 
@@ -110,7 +126,9 @@ def _p2p_producer(block_bytes: int, num_blocks: int, out: Any, stop: Any) -> Non
 
 
 class P2PPair:
-    """Producer StandalonePeer in a process; consumer StandalonePeer here."""
+    """Producer StandalonePeer in a process; two consumer StandalonePeers
+    here, one per load path (``read``: one-sided READs; ``write``: reads
+    off, so the producer WRITEs)."""
 
     def __init__(self, block_bytes: int, max_blocks: int) -> None:
         from p2p_kv.standalone import StandalonePeer
@@ -129,14 +147,22 @@ class P2PPair:
             self._proc.join(5)
             raise RuntimeError(f"p2p_kv producer failed:\n{msg[1]}")
         _, self.peer, self.crcs = msg
-        self.consumer = StandalonePeer(
-            2 * max_blocks, block_bytes, engine_id=f"bench-cons-{os.getpid()}"
-        )
+        self.consumers = {
+            path: StandalonePeer(
+                2 * max_blocks,
+                block_bytes,
+                engine_id=f"bench-cons-{path}-{os.getpid()}",
+                reads=path == "read",
+            )
+            for path in PATHS
+        }
         self._n = 0
 
-    def _fetch(self, keys: list[bytes], dst: list[int]) -> tuple[float, float]:
+    def _fetch(
+        self, path: str, keys: list[bytes], dst: list[int]
+    ) -> tuple[float, float]:
         self._n += 1
-        out = self.consumer.fetch(self.peer, f"bench-{self._n}", keys, dst)
+        out = self.consumers[path].fetch(self.peer, f"bench-{self._n}", keys, dst)
         if not out.ok or out.hits != len(keys):
             raise RuntimeError(f"p2p_kv fetch failed: {out}")
         return out.total_s, out.total_s - out.lookup_s
@@ -145,34 +171,42 @@ class P2PPair:
         """Long numpy work between fetches: step now and then, as an engine
         would, so the producer keeps hearing from us."""
         if i % 8 == 7:
-            self.consumer.step(wait=False)
+            for consumer in self.consumers.values():
+                consumer.step(wait=False)
 
     def measure(
-        self, num_blocks: int, repeats: int, verify: bool = True
+        self, path: str, num_blocks: int, repeats: int, verify: bool = True
     ) -> dict[str, Any]:
+        consumer = self.consumers[path]
         src, dst = scattered_mapping(num_blocks)
         keys = [_key(s) for s in src]
-        rows = np.asarray(self.consumer.region).reshape(-1, self.block_bytes)
+        rows = np.asarray(consumer.region).reshape(-1, self.block_bytes)
         if verify:
             for i, d in enumerate(dst):
                 rows[d] = 0
                 self._keep_alive(i)
-        self._fetch(keys, dst)  # warm-up, then verify what it wrote
+        self._fetch(path, keys, dst)  # warm-up, then verify what it wrote
         if verify:
             for i, (s, d) in enumerate(zip(src, dst, strict=True)):
                 if zlib.crc32(rows[d].data) != self.crcs[s]:
                     raise AssertionError(f"p2p_kv: slot {d} holds the wrong bytes")
                 self._keep_alive(i)
-        self._fetch(keys, dst)
+        self._fetch(path, keys, dst)
         total, submit = [], []
         for _ in range(repeats):
-            t, s = self._fetch(keys, dst)
+            t, s = self._fetch(path, keys, dst)
             total.append(t)
             submit.append(s)
         nbytes = num_blocks * self.block_bytes
-        report = self.consumer.manager.state_report()
+        report = consumer.manager.state_report()
         if any(report.values()):
             raise AssertionError(f"p2p_kv consumer state left over: {report}")
+        used = sum(
+            s.counters.loads_read if path == "read" else s.counters.loads_fetched
+            for s in consumer.manager.sessions()
+        )
+        if used == 0:
+            raise AssertionError(f"p2p_kv: no load took the {path} path")
         return {
             "e2e": _median_summary(total, nbytes),
             "submit": _median_summary(submit, nbytes),
@@ -188,7 +222,9 @@ class P2PPair:
 
         def steps() -> None:
             while not stop.is_set():
-                self.consumer.step()
+                for consumer in self.consumers.values():
+                    consumer.step(wait=False)
+                time.sleep(0.005)
 
         thread = threading.Thread(target=steps, daemon=True)
         thread.start()
@@ -199,7 +235,8 @@ class P2PPair:
             thread.join()
 
     def close(self) -> None:
-        self.consumer.close()
+        for consumer in self.consumers.values():
+            consumer.close()
         self._stop.set()
         self._proc.join(10)
         if self._proc.is_alive():
@@ -391,20 +428,23 @@ def _cell(
     reps = _repeats(bs * n, base_repeats)
     src, dst = scattered_mapping(n)
     samples: dict[str, list[dict[str, Any]]] = {
-        k: [] for k in ("memcpy", "raw_nixl", "submit", "e2e", "vllm")
+        k: [] for k in ("memcpy", "raw_nixl", "raw_read", *P2P_CELLS, "vllm")
     }
     for r in range(rounds):
         with p2p.idle():
             samples["memcpy"].append(measure_memcpy(bs, n, reps, src, dst))
             samples["raw_nixl"].append(raw.measure(bs, n, reps, src, dst))
+            samples["raw_read"].append(raw.measure(bs, n, reps, src, dst, op="READ"))
             if vllm is not None and not vllm_reason:
                 try:
                     samples["vllm"].append(vllm.measure(bs, n, reps))
                 except Exception as exc:
                     vllm_reason = f"{type(exc).__name__}: {exc}"
-        got = p2p.measure(n, reps, verify=r == 0)
-        samples["submit"].append(got["submit"])
-        samples["e2e"].append(got["e2e"])
+        for path in PATHS:
+            got = p2p.measure(path, n, reps, verify=r == 0)
+            for cell, (p, which, _) in P2P_CELLS.items():
+                if p == path:
+                    samples[cell].append(got[which])
     row: dict[str, Any] = {
         "block_bytes": bs,
         "num_blocks": n,
@@ -419,19 +459,19 @@ def _cell(
         ordered = sorted(runs, key=lambda x: x["gbps"])
         row[name] = dict(ordered[(len(ordered) - 1) // 2])
         row[name]["gbps_rounds"] = [round(x["gbps"], 3) for x in runs]
-    raw_gbps = row["raw_nixl"]["gbps"]
-    raw_us = row["raw_nixl"]["latency_us"]
-    for name in ("e2e", "submit", "vllm"):
+    baselines = {name: base for name, (_, _, base) in P2P_CELLS.items()}
+    baselines["vllm"] = "raw_nixl"  # it WRITEs, producer to consumer
+    for name, base in baselines.items():
         cell = row[name]
         if "gbps" in cell:
-            cell["ratio_raw"] = cell["gbps"] / raw_gbps
-            cell["latency_x_raw"] = cell["latency_us"] / raw_us
+            cell["ratio_raw"] = cell["gbps"] / row[base]["gbps"]
+            cell["latency_x_raw"] = cell["latency_us"] / row[base]["latency_us"]
     return row, vllm_reason
 
 
 def _verdicts(rows: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for name in ("e2e", "submit"):
+    for name in P2P_CELLS:
         big = [r[name]["ratio_raw"] for r in rows if r["bytes"] >= BIG_BYTES]
         small = [r[name]["latency_x_raw"] for r in rows if r["bytes"] <= SMALL_BYTES]
         out[name] = {
@@ -444,8 +484,10 @@ def _verdicts(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 HEADER = (
-    f"{'block':>6} {'n':>4} {'MiB':>6} | {'memcpy':>6} | {'raw NIXL':>8} {'us':>8} | "
-    f"{'p2p submit':>10} {'us':>8} {'x raw':>5} | {'p2p e2e':>7} {'us':>8} {'x raw':>5} | "
+    f"{'block':>6} {'n':>4} {'MiB':>6} | {'memcpy':>6} | "
+    f"{'raw RD':>7} {'us':>7} | {'read sub':>8} {'us':>7} {'x raw':>5} | "
+    f"{'read e2e':>8} {'us':>7} | "
+    f"{'raw WR':>7} {'us':>7} | {'write sub':>9} {'us':>7} {'x raw':>5} | "
     f"{'vLLM':>5} {'x raw':>5}"
 )
 
@@ -453,7 +495,8 @@ HEADER = (
 def _line(row: dict[str, Any]) -> str:
     bs, n = row["block_bytes"], row["num_blocks"]
     block = f"{bs // KIB}K" if bs < MIB else f"{bs // MIB}M"
-    raw, sub, e2e, vl = row["raw_nixl"], row["submit"], row["e2e"], row["vllm"]
+    rr, sub, e2e = row["raw_read"], row["submit"], row["e2e"]
+    rw, wsub, vl = row["raw_nixl"], row["w_submit"], row["vllm"]
     vcell = (
         f"{vl['gbps']:>5.2f} {vl['ratio_raw']:>5.2f}"
         if "gbps" in vl
@@ -461,16 +504,23 @@ def _line(row: dict[str, Any]) -> str:
     )
     return (
         f"{block:>6} {n:>4} {row['bytes'] / MIB:>6.2f} | {row['memcpy']['gbps']:>6.2f} | "
-        f"{raw['gbps']:>8.2f} {raw['latency_us']:>8.1f} | "
-        f"{sub['gbps']:>10.2f} {sub['latency_us']:>8.1f} {sub['ratio_raw']:>5.2f} | "
-        f"{e2e['gbps']:>7.2f} {e2e['latency_us']:>8.1f} {e2e['ratio_raw']:>5.2f} | {vcell}"
+        f"{rr['gbps']:>7.2f} {rr['latency_us']:>7.1f} | "
+        f"{sub['gbps']:>8.2f} {sub['latency_us']:>7.1f} {sub['ratio_raw']:>5.2f} | "
+        f"{e2e['gbps']:>8.2f} {e2e['latency_us']:>7.1f} | "
+        f"{rw['gbps']:>7.2f} {rw['latency_us']:>7.1f} | "
+        f"{wsub['gbps']:>9.2f} {wsub['latency_us']:>7.1f} {wsub['ratio_raw']:>5.2f} | "
+        f"{vcell}"
     )
 
 
 def _print_verdicts(result: dict[str, Any]) -> None:
     if result["vllm_not_driven"]:
         print(f"vLLM NixlTransport: not driven ({result['vllm_not_driven']})")
-    for name, label in (("submit", "submit->result"), ("e2e", "lookup->result")):
+    for name, label in (
+        ("submit", "read path submit->result (vs raw READ)"),
+        ("e2e", "read path lookup->result (vs raw READ)"),
+        ("w_submit", "write path submit->result (vs raw WRITE)"),
+    ):
         v = result["targets"][name]
         if v["min_ratio_big"] is not None:
             print(
@@ -507,7 +557,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(result, indent=2))
         return 0
     print("GB/s (median); us = median latency; x raw = GB/s ratio to raw NIXL")
-    print(f"p2p submit = submit_load->result, p2p e2e = lookup->result\n{HEADER}")
+    print("sub = submit_load->result, e2e = lookup->result; read path vs raw READ,")
+    print(f"write path (reads off) vs raw WRITE\n{HEADER}")
     result = run(cells, base, rounds, lambda row: print(_line(row), flush=True))
     _print_verdicts(result)
     return 0

@@ -46,6 +46,11 @@ class TierConfig:
     parked_ttl_s: float = 60.0
     #: Require PYTHONHASHSEED (peers must derive the same block hashes).
     require_hash_seed: bool = True
+    #: Load remote hits with one-sided READs of the blocks the peer pinned
+    #: (no producer step, no round trip after the lookup) and offer ours for
+    #: READ. Off: every load is a Fetch that the producer WRITEs (needed
+    #: where peers may not read each other's memory, e.g. one-way firewalls).
+    read_path: bool = True
 
     @classmethod
     def from_dict(

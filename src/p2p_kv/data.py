@@ -504,7 +504,8 @@ def _load_nixl() -> tuple[Any, Any, Any]:
 
 
 class NixlDataTransport:
-    """Registers one region once and WRITEs blocks of it into peers' regions.
+    """Registers one region once; WRITEs its blocks into peers' regions and
+    READs peers' blocks into it.
 
     Not a thread: UCX progresses only inside our calls. The initiator learns
     of finished transfers from :meth:`poll_completions`; the receiver reads
@@ -516,11 +517,11 @@ class NixlDataTransport:
     more than one thread (for example, post from a worker thread so the
     copy does not stall a scheduler step).
 
-    Every transfer id returned by :meth:`post_write` is reported exactly
-    once by :meth:`poll_completions`, whatever happens to it (success,
-    NIXL error, :meth:`cancel`, :meth:`remove_peer`), so a caller that keys
-    state by transfer id never leaks it. Only :meth:`close` drops pending
-    reports.
+    Every transfer id returned by :meth:`post_write` or :meth:`post_read`
+    is reported exactly once by :meth:`poll_completions`, whatever happens
+    to it (success, NIXL error, :meth:`cancel`, :meth:`remove_peer`), so a
+    caller that keys state by transfer id never leaks it. Only :meth:`close`
+    drops pending reports.
     """
 
     def __init__(
@@ -738,15 +739,41 @@ class NixlDataTransport:
         it returns after about ``bytes / (4-10 GB/s)``: 0.1 s for 512 MiB.
         Callers on a latency-critical thread should post from another one.
         """
+        return self._post("WRITE", agent_name, src_blocks, dst_blocks, notif)
+
+    def post_read(
+        self, agent_name: str, remote_blocks: Indices, local_blocks: Indices
+    ) -> int:
+        """READ the peer's ``remote_blocks[i]`` into our ``local_blocks[i]``.
+
+        The consumer's side of a one-sided load: the peer's process does
+        nothing, so the load costs no producer step and no round trip.
+        Same contract as :meth:`post_write` (caller mistakes raise before
+        any NIXL call; everything else is one completion), and the same
+        fence: once its completion is reported nothing more lands locally.
+        """
+        return self._post("READ", agent_name, local_blocks, remote_blocks, b"")
+
+    def _post(
+        self,
+        op: str,
+        agent_name: str,
+        local_blocks: Indices,
+        remote_blocks: Indices,
+        notif: bytes,
+    ) -> int:
         if not isinstance(notif, bytes):
             raise TypeError("notif must be bytes")
+        src_blocks = local_blocks
         with self._lock:
             self._check_open()
             peer = self._peers.get(agent_name)
             if peer is None:
                 raise KeyError(f"unknown peer {agent_name!r}: add_peer first")
             info = peer.info
-            plan = plan_write(src_blocks, dst_blocks, self._num_blocks, info.num_blocks)
+            plan = plan_write(
+                local_blocks, remote_blocks, self._num_blocks, info.num_blocks
+            )
             local = build_descs(
                 self._span.addr,
                 self._block_bytes,
@@ -766,7 +793,7 @@ class NixlDataTransport:
             try:
                 agent = self._agent
                 handle = agent.initialize_xfer(
-                    "WRITE",
+                    op,
                     self._xfer_dlist(agent.nixl_mems[self._span.mem_kind], local),
                     self._xfer_dlist(agent.nixl_mems[info.mem_kind], remote),
                     agent_name,
@@ -777,7 +804,8 @@ class NixlDataTransport:
                 # A dead or removed peer lands here: an expected event, so
                 # one line, with the traceback only at debug level.
                 logger.warning(
-                    "WRITE of %d blocks to %s failed to post: %s",
+                    "%s of %d blocks with %s failed to post: %s",
+                    op,
                     len(src_blocks),
                     agent_name,
                     exc,

@@ -16,12 +16,15 @@ Rules of this file (after h11's ``_state.py``):
 The four machines
 -----------------
 ``PROBE``  (consumer, one per Lookup batch) -- asks a peer which blocks it has.
-``LOAD``   (consumer, one per load job)     -- a Fetch and the fence behind it:
-           the job's destination slots go back to the engine only from DONE or
-           FAILED, and FAILED is reached only once no remote write can land
-           (TransferDone, AbortAck, or the peer's agent invalidated).
+``LOAD``   (consumer, one per load job)     -- a one-sided READ of blocks the
+           peer offered with its lookup answer, or else a Fetch (the peer
+           WRITEs), and the fence behind either: the job's destination slots
+           go back to the engine only from DONE or FAILED, and FAILED is
+           reached only once nothing can land in them any more (our READ
+           ended; TransferDone or AbortAck; or the peer's agent invalidated).
 ``SERVE``  (producer, one per peer x (req, gen)) -- pins blocks for a peer's
-           lookup or binds parked stores to its fetch, writes them, releases.
+           lookup (which it may READ until it releases them) or binds parked
+           stores to its fetch, writes them, releases.
 ``PARKED`` (producer, one per store job of a ``remote_decoder`` request) --
            blocks kept for a decoder that has not fetched yet.
 """
@@ -47,6 +50,8 @@ class State(Enum):
     # LOAD
     QUEUED = "queued"  # session not ready yet: the Fetch waits in our outbox
     FETCH_POSTED = "fetch_posted"
+    READING = "reading"  # our one-sided READ of the peer's pinned blocks
+    READ_CANCELLING = "read_cancelling"  # given up; waiting for the READ to end
     ABORTING = "aborting"  # Abort sent; slots quarantined until fenced
     DONE = "done"
     FAILED = "failed"
@@ -54,6 +59,8 @@ class State(Enum):
     LOOKUP_QUEUED = "lookup_queued"  # waiting for the engine's serve window
     PINNED = "pinned"
     FETCH_WAITING = "fetch_waiting"  # fetch arrived before its parked stores
+    REVOKING = "revoking"  # reset: pins offered for READ wait for a Release
+    ORPHANED = "orphaned"  # session gone; offered pins held to their deadline
     WRITING = "writing"
     ABORT_WRITING = "abort_writing"  # abort arrived mid-write: ack when fenced
     RELEASED = "released"
@@ -72,6 +79,9 @@ class Event(Enum):
     STORES_READY = "stores_ready"
     WRITES_DONE = "writes_done"
     WRITES_FAILED = "writes_failed"
+    RELEASE = "release"
+    REVOKE = "revoke"
+    ORPHAN = "orphan"  # the session ended while the peer may still READ
     TRANSFER_OK = "transfer_ok"
     TRANSFER_FAILED = "transfer_failed"
     ABORT = "abort"
@@ -110,6 +120,22 @@ TABLE: Final[dict[Machine, dict[State, dict[Event, State]]]] = {
             # The session invalidates the peer's agent before results leave.
             E.PEER_LOST: S.FAILED,
         },
+        S.READING: {
+            E.TRANSFER_OK: S.DONE,
+            E.TRANSFER_FAILED: S.FAILED,
+            # Our own READ may still land: cancel it and wait for its end.
+            E.ABORT: S.READ_CANCELLING,
+            E.TIMEOUT: S.READ_CANCELLING,
+            E.PEER_LOST: S.FAILED,
+        },
+        S.READ_CANCELLING: {
+            E.TRANSFER_OK: S.FAILED,
+            E.TRANSFER_FAILED: S.FAILED,
+            # Not ended in time: the session drops the peer's agent (which
+            # closes our endpoints to it) and only then lets the failure out.
+            E.TIMEOUT: S.FAILED,
+            E.PEER_LOST: S.FAILED,
+        },
         S.ABORTING: {
             # The writes finished before the producer saw our Abort. The
             # bytes are whole and the slots safe, but we gave the load up:
@@ -129,6 +155,10 @@ TABLE: Final[dict[Machine, dict[State, dict[Event, State]]]] = {
             # it joins the queue and is answered in the same window.
             E.LOOKUP: S.LOOKUP_QUEUED,
             E.SERVED: S.PINNED,
+            # Earlier batches' pins were offered for READ: the reset waits.
+            E.REVOKE: S.REVOKING,
+            E.ORPHAN: S.ORPHANED,
+            E.RELEASE: S.RELEASED,
             E.ABORT: S.RELEASED,
             E.TIMEOUT: S.RELEASED,
             E.PEER_LOST: S.RELEASED,
@@ -137,10 +167,28 @@ TABLE: Final[dict[Machine, dict[State, dict[Event, State]]]] = {
         S.PINNED: {
             E.LOOKUP: S.LOOKUP_QUEUED,
             E.FETCH: S.WRITING,
+            # The consumer READ the blocks itself (or gave up on them).
+            E.RELEASE: S.RELEASED,
+            E.REVOKE: S.REVOKING,
+            # A peer we lost may not know yet and still be reading.
+            E.ORPHAN: S.ORPHANED,
             E.ABORT: S.RELEASED,
             E.TIMEOUT: S.RELEASED,
             E.PEER_LOST: S.RELEASED,
             E.RESET: S.RELEASED,
+        },
+        S.REVOKING: {
+            E.RELEASE: S.RELEASED,
+            E.ABORT: S.RELEASED,
+            # The pins' own deadline: the consumer reads only well inside
+            # it, so nothing can read these slots any more.
+            E.TIMEOUT: S.RELEASED,
+            E.ORPHAN: S.ORPHANED,
+        },
+        # Owned by the manager once its session is gone; nothing but the
+        # pins' deadline ends it (a reset cannot know the peer stopped).
+        S.ORPHANED: {
+            E.TIMEOUT: S.RELEASED,
         },
         S.FETCH_WAITING: {
             E.STORES_READY: S.WRITING,
@@ -183,7 +231,7 @@ TABLE: Final[dict[Machine, dict[State, dict[Event, State]]]] = {
 #: (a Fetch for parked stores arrived with no lookup before it).
 INITIAL: Final[dict[Machine, frozenset[State]]] = {
     Machine.PROBE: frozenset({S.PROBING}),
-    Machine.LOAD: frozenset({S.QUEUED, S.FETCH_POSTED}),
+    Machine.LOAD: frozenset({S.QUEUED, S.FETCH_POSTED, S.READING}),
     Machine.SERVE: frozenset({S.LOOKUP_QUEUED, S.FETCH_WAITING}),
     Machine.PARKED: frozenset({S.STORED}),
 }

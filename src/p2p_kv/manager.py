@@ -41,6 +41,8 @@ from p2p_kv.session import (
     LoadResult,
     ParkedStore,
     Pinner,
+    ReadOrder,
+    Serve,
     Session,
     StoreResult,
     Timeouts,
@@ -181,6 +183,7 @@ class LoadManager:
         limits: Limits | None = None,
         parked_ttl_s: float = 60.0,
         reconnect_backoff_s: float = 1.0,
+        reads: bool = True,
     ) -> None:
         # The engine's identity may be known only after start-up (vLLM seeds
         # its block hashes after the tier is built), so it can come lazily.
@@ -188,6 +191,8 @@ class LoadManager:
         self.timeouts = timeouts or Timeouts()
         self.limits = limits or Limits()
         self.parked_ttl_s = parked_ttl_s
+        #: One-sided READ of offered blocks (else every load is a Fetch).
+        self.reads = reads
         self.reconnect_backoff_s = reconnect_backoff_s
         self._gens = itertools.count(1)
         self._inbound_ids = itertools.count(1)
@@ -199,6 +204,9 @@ class LoadManager:
         self._producers: dict[str, str] = {}  # req_id -> remote_decoder kv id
         self._parked: dict[str, ParkedEntry] = {}
         self._parked_heap: list[tuple[float, int, ParkedStore]] = []
+        #: Offered pins of sessions that ended, held to their deadline.
+        self._orphans: list[tuple[float, int, Serve]] = []
+        self._orphan_ids = itertools.count()
         self._jobs: dict[int, _Job] = {}
         self._results: list[LoadResult | StoreResult] = []
         self._finished: list[JobResult] = []
@@ -453,7 +461,12 @@ class LoadManager:
         if now < self._retry_at.get(peer, 0.0):
             return None
         session = Session(
-            peer, self.me, now, timeouts=self.timeouts, limits=self.limits
+            peer,
+            self.me,
+            now,
+            timeouts=self.timeouts,
+            limits=self.limits,
+            reads=self.reads,
         )
         self._sessions[peer] = session
         self._to_connect.append(peer)
@@ -466,7 +479,12 @@ class LoadManager:
         if peer is None or peer in self._sessions:
             peer = f"in:#{next(self._inbound_ids)}"
         session = Session(
-            peer, self.me, now, timeouts=self.timeouts, limits=self.limits
+            peer,
+            self.me,
+            now,
+            timeouts=self.timeouts,
+            limits=self.limits,
+            reads=self.reads,
         )
         self._sessions[peer] = session
         self._touch(session)
@@ -516,6 +534,20 @@ class LoadManager:
                 out.append((peer, msgs))
         return out
 
+    def on_read_done(self, peer: str, job_id: int, ok: bool, now: float) -> None:
+        session = self._sessions.get(peer)
+        if session is not None:
+            session.on_read_done(job_id, ok, now)
+            self._touch(session)
+
+    def take_reads(self) -> list[tuple[str, ReadOrder]]:
+        return [
+            (peer, order)
+            for peer in list(self._dirty)
+            if (s := self._sessions.get(peer)) is not None
+            for order in s.take_reads()
+        ]
+
     def take_writes(self) -> list[tuple[str, WriteOrder]]:
         return [
             (peer, order)
@@ -524,13 +556,18 @@ class LoadManager:
             for order in s.take_writes()
         ]
 
-    def take_cancels(self) -> list[tuple[str, int]]:
-        out: list[tuple[str, int]] = []
+    def take_cancels(self) -> list[tuple[str, str, int]]:
+        """``(peer, "write" | "read", id)`` of transfers to stop: a write
+        by its write id, a read by its job id."""
+        out: list[tuple[str, str, int]] = []
         for peer in list(self._dirty):
             session = self._sessions.get(peer)
-            if session is not None and session.cancelled_writes:
-                out.extend((peer, w) for w in session.cancelled_writes)
-                session.cancelled_writes.clear()
+            if session is None:
+                continue
+            out.extend((peer, "write", w) for w in session.cancelled_writes)
+            out.extend((peer, "read", j) for j in session.cancelled_reads)
+            session.cancelled_writes.clear()
+            session.cancelled_reads.clear()
         return out
 
     def take_closed(self) -> list[str]:
@@ -552,6 +589,11 @@ class LoadManager:
             return
         self._closing.discard(peer)
         session.confirm_invalidated()
+        for serve in session.orphans:
+            heapq.heappush(
+                self._orphans, (serve.deadline, next(self._orphan_ids), serve)
+            )
+        session.orphans.clear()
         self._touch(session)
         self._collect(now)
         self.retired_sessions.append(session)  # its last counts, for metrics
@@ -577,6 +619,11 @@ class LoadManager:
                     entry.stores.remove(store)
                     self._gc_parked(store.kv_id)
                 self._results.append(StoreResult(store.job_id, False, "parked_expired"))
+        while self._orphans and self._orphans[0][0] <= now:
+            _, _, serve = heapq.heappop(self._orphans)
+            serve.fire(Event.TIMEOUT)
+            self._results.extend(StoreResult(p.job_id, True) for p in serve.pins)
+            serve.pins.clear()
         if len(self._retry_at) > 1024:
             self._retry_at = {p: t for p, t in self._retry_at.items() if t > now}
 
@@ -584,6 +631,8 @@ class LoadManager:
         best = self._deadlines[0][0] if self._deadlines else float("inf")
         if self._parked_heap:
             best = min(best, self._parked_heap[0][0])
+        if self._orphans:
+            best = min(best, self._orphans[0][0])
         return best
 
     def end_step(self, now: float) -> None:
@@ -766,10 +815,19 @@ class LoadManager:
             "buffered_results": len(self._results),
             "unsent_lookups": len(self._unsent),
             "fenced_slots": sum(s.fenced_slots for s in self._sessions.values()),
+            "orphaned_pins": sum(sv.pinned_blocks for _, _, sv in self._orphans),
         }
         for session in self._sessions.values():
             for name, size in session.sizes().items():
                 report[name] = report.get(name, 0) + size
-        for name in ("probes", "loads", "serves", "writes", "fenced_results"):
+        for name in (
+            "probes",
+            "loads",
+            "serves",
+            "writes",
+            "fenced_results",
+            "offers",
+            "revoked",
+        ):
             report.setdefault(name, 0)
         return report

@@ -40,6 +40,8 @@ LOOKUP_HITS = PREFIX + "lookup_hit_blocks"
 LOOKUP_MISSES = PREFIX + "lookup_miss_blocks"
 LOADED_BYTES = PREFIX + "loaded_bytes"
 SERVED_BYTES = PREFIX + "served_bytes"
+LOADS_READ = PREFIX + "loads_read"
+LOADS_FETCHED = PREFIX + "loads_fetched"
 LOAD_TIME = PREFIX + "load_time_seconds"
 FALLBACKS = PREFIX + "fallbacks"
 FALLBACK_TIME = PREFIX + "fallback_time_seconds"
@@ -97,7 +99,15 @@ DEFINITIONS: dict[str, MetricDef] = {
         "counter", "Blocks a peer said it lacks, in lookup answers.", _PEER
     ),
     LOADED_BYTES: MetricDef("counter", "Bytes loaded from a peer.", _PEER),
-    SERVED_BYTES: MetricDef("counter", "Bytes written to a peer (served).", _PEER),
+    SERVED_BYTES: MetricDef(
+        "counter", "Bytes a peer loaded from us (WRITE or its READ).", _PEER
+    ),
+    LOADS_READ: MetricDef(
+        "counter", "Load jobs done by one-sided READ of a peer's pins.", _PEER
+    ),
+    LOADS_FETCHED: MetricDef(
+        "counter", "Load jobs done by Fetch (the peer WRITEs).", _PEER
+    ),
     LOAD_TIME: MetricDef(
         "histogram",
         "Time from a load's Fetch to its successful completion, in seconds.",
@@ -176,6 +186,8 @@ class _Seen:
     misses: int = 0
     bytes_loaded: int = 0
     bytes_served: int = 0
+    loads_read: int = 0
+    loads_fetched: int = 0
     refused: dict[str, int] | None = None
     protocol_errors: dict[str, int] | None = None
     failures: dict[str, int] | None = None
@@ -268,11 +280,14 @@ class MetricsExporter:
             (LOOKUP_MISSES, c.misses, seen.misses),
             (LOADED_BYTES, c.bytes_loaded, seen.bytes_loaded),
             (SERVED_BYTES, c.bytes_served, seen.bytes_served),
+            (LOADS_READ, c.loads_read, seen.loads_read),
+            (LOADS_FETCHED, c.loads_fetched, seen.loads_fetched),
         ):
             if now > before:
                 sink.increase_counter(name, now - before, peer())
         seen.lookups, seen.hits, seen.misses = c.lookups, c.hits, c.misses
         seen.bytes_loaded, seen.bytes_served = c.bytes_loaded, c.bytes_served
+        seen.loads_read, seen.loads_fetched = c.loads_read, c.loads_fetched
         for name, table, attr in (
             (REFUSALS, c.refused, "refused"),
             (PROTOCOL_ERRORS, c.protocol_errors, "protocol_errors"),

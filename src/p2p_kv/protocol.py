@@ -19,7 +19,7 @@ from typing import Annotated, Final
 
 import msgspec
 
-PROTOCOL_VERSION: Final = 1
+PROTOCOL_VERSION: Final = 2
 
 #: Largest frame accepted from a peer. A lookup of 65,536 keys of 36 bytes
 #: is about 2.5 MiB, so 4 MiB fits the largest legal message with room.
@@ -84,10 +84,19 @@ class Lookup(_Msg, tag="lookup", frozen=True):
 
 
 class LookupResp(_Msg, tag="lookup_resp", frozen=True):
+    """The answer to one Lookup. A producer that lets the consumer READ its
+    pinned blocks one-sided also sends where they are (``slots``, parallel
+    to ``hits``; a miss's entry means nothing) and how long the pins are
+    held (``ttl_ms``, counted from when the Lookup arrived). The consumer
+    reads only well inside that window, so a slot is never read after the
+    producer could have reused it. Empty ``slots``: fetch with a Fetch."""
+
     req: ReqId
     gen: Gen
     seq: Gen
     hits: Annotated[list[bool], msgspec.Meta(max_length=MAX_KEYS)]
+    slots: Slots = []
+    ttl_ms: Annotated[int, msgspec.Meta(ge=0, le=3_600_000)] = 0
 
 
 class Fetch(_Msg, tag="fetch", frozen=True):
@@ -110,6 +119,25 @@ class TransferDone(_Msg, tag="transfer_done", frozen=True):
     job: Gen
     ok: bool
     reason: Text = ""
+
+
+class Release(_Msg, tag="release", frozen=True):
+    """Consumer: my one-sided reads for (req, gen) have ended (read or
+    failed, none in flight); release the pins. No reply: the consumer's
+    slots never depended on the producer."""
+
+    req: ReqId
+    gen: Gen
+    blocks: Annotated[int, msgspec.Meta(ge=0, le=MAX_KEYS)] = 0
+
+
+class Revoke(_Msg, tag="revoke", frozen=True):
+    """Producer: I must drop the pins offered for (req, gen) (a cache
+    reset). Start no new read of them and answer with a Release once no
+    read is in flight; the pins are held until then (or their deadline)."""
+
+    req: ReqId
+    gen: Gen
 
 
 class Abort(_Msg, tag="abort", frozen=True):
@@ -151,6 +179,8 @@ Message = (
     | LookupResp
     | Fetch
     | TransferDone
+    | Release
+    | Revoke
     | Abort
     | AbortAck
     | Heartbeat
@@ -188,6 +218,10 @@ def decode(frame: bytes | bytearray | memoryview) -> Message:
         raise ProtocolError(f"invalid message: {exc}") from None
     except msgspec.DecodeError as exc:
         raise ProtocolError(f"undecodable frame: {exc}") from None
+    if isinstance(msg, LookupResp) and msg.slots and len(msg.slots) != len(msg.hits):
+        raise ProtocolError(
+            f"lookup_resp {msg.req!r}: {len(msg.hits)} hits but {len(msg.slots)} slots"
+        )
     if isinstance(msg, Fetch):
         if len(msg.keys) != len(msg.slots):
             raise ProtocolError(

@@ -55,7 +55,8 @@ class TierRuntime:
         self.busy_wait_s = min(idle_wait_s, 0.02)
         self.clock = clock
         self._agents: dict[str, str] = {}  # session peer -> NIXL agent name
-        self._xfers: dict[int, tuple[str, int]] = {}  # nixl id -> (peer, write id)
+        #: nixl id -> (peer, "write" | "read", write id or job id)
+        self._xfers: dict[int, tuple[str, str, int]] = {}
         self.live_requests = 0
         self.steps = 0
         self.waits = 0
@@ -123,13 +124,27 @@ class TierRuntime:
         m.tick(now)
         for peer in m.take_connects():
             self.control.connect(peer)
-        for peer, write_id in m.take_cancels():
-            for xfer_id, pw in list(self._xfers.items()):
-                if pw == (peer, write_id):
+        for cancel in m.take_cancels():
+            for xfer_id, what in list(self._xfers.items()):
+                if what == cancel:
                     self.data.cancel(xfer_id)
+        posted = False
+        # Reads first: they need nothing from the peer, so they start the
+        # moment the engine asks, ahead of this step's messages.
+        for peer, read in m.take_reads():
+            agent = self._agents.get(peer)
+            try:
+                if agent is None:
+                    raise ValueError("peer has no data-plane agent")
+                xfer = self.data.post_read(agent, read.remote, read.local)
+            except Exception as exc:  # refused before any byte moved
+                log.warning("p2p_kv: read from %s refused: %s", peer, exc)
+                m.on_read_done(peer, read.job_id, False, now)
+                continue
+            self._xfers[xfer] = (peer, "read", read.job_id)
+            posted = True
         for peer, msgs in m.take_outgoing(now):
             self._send(peer, msgs, now)
-        posted = False
         for peer, order in m.take_writes():
             agent = self._agents.get(peer)
             try:
@@ -140,11 +155,11 @@ class TierRuntime:
                 log.warning("p2p_kv: write to %s refused: %s", peer, exc)
                 m.on_write_done(peer, order.write_id, False, now)
                 continue
-            self._xfers[xfer] = (peer, order.write_id)
+            self._xfers[xfer] = (peer, "write", order.write_id)
             posted = True
         if posted:
-            # Shared-memory UCX copies inside post_write: report completions
-            # now, so TransferDone leaves in this step rather than the next.
+            # Shared-memory UCX copies inside the post: report completions
+            # now, so results and TransferDone leave in this step.
             self._take_completions()
             for peer, msgs in m.take_outgoing(now):
                 self._send(peer, msgs, now)
@@ -208,11 +223,14 @@ class TierRuntime:
 
     def _take_completions(self) -> None:
         for xfer_id, ok in self.data.poll_completions():
-            peer_write = self._xfers.pop(xfer_id, None)
-            if peer_write is not None:
-                self.manager.on_write_done(
-                    peer_write[0], peer_write[1], ok, self.clock()
-                )
+            what = self._xfers.pop(xfer_id, None)
+            if what is None:
+                continue
+            peer, kind, ident = what
+            if kind == "read":
+                self.manager.on_read_done(peer, ident, ok, self.clock())
+            else:
+                self.manager.on_write_done(peer, ident, ok, self.clock())
 
     def _maybe_add_agent(self, peer: str) -> None:
         if peer in self._agents:

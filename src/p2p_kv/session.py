@@ -9,11 +9,18 @@ Consumer role (we load from the peer): PROBE and LOAD machines.
 Producer role (the peer loads from us): SERVE machines, which own the pins
 they created and the parked stores bound to them until they are released.
 
-The fence rule lives here: a LOAD whose Fetch may still be written by the
-peer never yields its result until the peer said so (TransferDone or
-AbortAck) or the peer's data agent was invalidated
-(:meth:`Session.confirm_invalidated`). Until then its slots are counted as
-fenced.
+Two ways to load. When the peer's lookup answer offers its pinned slots,
+the consumer READs them one-sided (no producer step, no round trip after
+the lookup) and then sends a Release; otherwise it sends a Fetch and the
+producer WRITEs. A read is trusted only if it ended well inside the pins'
+lifetime as the producer announced it, measured from before we sent the
+Lookup, so a slot is never read after the producer could have reused it.
+
+The fence rule lives here: a LOAD whose slots may still be written (by our
+READ or by the peer's WRITE) never yields its result until that is over:
+our READ ended, the peer said so (TransferDone or AbortAck), or the peer's
+data agent was invalidated (:meth:`Session.confirm_invalidated`). Until
+then its slots are counted as fenced.
 """
 
 from __future__ import annotations
@@ -53,6 +60,8 @@ from p2p_kv.protocol import (
     Lookup,
     LookupResp,
     Message,
+    Release,
+    Revoke,
     TransferDone,
 )
 
@@ -80,6 +89,9 @@ class Timeouts:
     #: them on its I/O thread even while a long prefill blocks the engine's
     #: step): this is the backstop for a peer that is connected but hung.
     silence_s: float = 10.0
+    #: Share of a peer's announced pin lifetime that our READs may use; the
+    #: rest absorbs delivery delay and timer lateness on both sides.
+    read_window: float = 0.75
 
     @property
     def liveness_s(self) -> float:
@@ -133,6 +145,25 @@ class ProbeAnswer:
 
 
 @dataclass(frozen=True, slots=True)
+class ReadOrder:
+    """The peer's pinned blocks ``remote`` into our slots ``local``."""
+
+    job_id: int
+    local: list[int]
+    remote: list[int]
+
+
+@dataclass(slots=True)
+class Offer:
+    """Blocks a peer pinned for one generation and let us READ, and until
+    when (our clock) a READ of them may still be trusted."""
+
+    req: str
+    valid_until: float
+    slots: dict[bytes, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
 class WriteOrder:
     """Our blocks ``src`` to the peer's slots ``dst``, for the data plane."""
 
@@ -172,14 +203,16 @@ class Link(Enum):
 
 class Probe(Tracked):
     machine = Machine.PROBE
-    __slots__ = ("deadline", "gen", "keys", "req", "sent", "seq")
+    __slots__ = ("created", "deadline", "gen", "keys", "req", "sent", "seq")
 
     def __init__(
-        self, req: str, gen: int, seq: int, keys: list[bytes], deadline: float
+        self, req: str, gen: int, seq: int, keys: list[bytes], now: float, ttl: float
     ) -> None:
         super().__init__(State.PROBING)
         self.req, self.gen, self.seq, self.keys = req, gen, seq, keys
-        self.deadline = deadline
+        #: Before the Lookup left, so before the peer's pins can start.
+        self.created = now
+        self.deadline = now + ttl
         self.sent = False
 
 
@@ -189,22 +222,40 @@ class Load(Tracked):
         "deadline",
         "fetch",
         "nbytes",
+        "read_until",
         "request_finished",
         "started",
     )
 
     def __init__(
-        self, fetch: Fetch, nbytes: int, now: float, deadline: float, ready: bool
+        self,
+        fetch: Fetch,
+        nbytes: int,
+        now: float,
+        deadline: float,
+        initial: State,
+        read_until: float = 0.0,
     ) -> None:
-        super().__init__(State.FETCH_POSTED if ready else State.QUEUED)
+        super().__init__(initial)
+        #: For a READ the Fetch is never sent: it only names the job.
         self.fetch, self.nbytes, self.started = fetch, nbytes, now
         self.deadline = deadline
+        self.read_until = read_until
         self.request_finished = False
 
     @property
+    def is_read(self) -> bool:
+        return self.read_until > 0.0
+
+    @property
     def fenced(self) -> bool:
-        """True while a remote write into this job's slots may still land."""
-        return self.state in (State.FETCH_POSTED, State.ABORTING)
+        """True while a transfer into this job's slots may still land."""
+        return self.state in (
+            State.FETCH_POSTED,
+            State.ABORTING,
+            State.READING,
+            State.READ_CANCELLING,
+        )
 
 
 @dataclass(slots=True)
@@ -244,6 +295,7 @@ class Serve(Tracked):
         "deadline",
         "fetch",
         "gen",
+        "offered",
         "parked",
         "pending_lookups",
         "pins",
@@ -259,6 +311,9 @@ class Serve(Tracked):
         self.parked: list[ParkedStore] = []
         self.fetch: Fetch | None = None
         self.write_id = -1
+        #: Our pins' slots went to the peer in a LookupResp: it may be
+        #: READing them, so they are held until its Release or the deadline.
+        self.offered = False
         #: For FETCH_WAITING: the producer request finished, no more stores.
         self.complete = False
 
@@ -290,6 +345,9 @@ class SessionCounters:
     misses: int = 0
     bytes_loaded: int = 0
     bytes_served: int = 0
+    #: Load jobs by path: one-sided READ of offered pins, or Fetch + WRITE.
+    loads_read: int = 0
+    loads_fetched: int = 0
 
     def bump(self, table: dict[str, int], key: str) -> None:
         table[key] = table.get(key, 0) + 1
@@ -307,10 +365,13 @@ class Session:
         timeouts: Timeouts | None = None,
         limits: Limits | None = None,
         nonce: bytes | None = None,
+        reads: bool = True,
     ) -> None:
         self.peer = peer
         self.timeouts = timeouts or Timeouts()
         self.limits = limits or Limits()
+        #: Offer our pinned blocks for one-sided READ, and READ offered ones.
+        self.reads = reads
         self._me = me
         self._hello = make_hello(me, nonce if nonce is not None else os.urandom(16))
         self._peer_hello: Hello | None = None
@@ -335,6 +396,13 @@ class Session:
         self._load_results: list[LoadResult] = []
         self._probe_answers: list[ProbeAnswer] = []
         self._fenced_results: list[tuple[LoadResult, int]] = []
+        self._offers: dict[int, Offer] = {}  # by gen
+        self._offer_heap: list[tuple[float, int]] = []
+        self._reads: list[ReadOrder] = []
+        self.cancelled_reads: list[int] = []  # job ids
+        #: Live gens whose pins the peer revoked before we loaded: their
+        #: load fails at once instead of waiting on pins that are going.
+        self._revoked: set[int] = set()
         # producer role
         self._serves: dict[tuple[str, int], Serve] = {}
         self._serve_queue: list[Serve] = []  # LOOKUP_QUEUED, in arrival order
@@ -343,6 +411,8 @@ class Session:
         self._store_results: list[StoreResult] = []
         self.wants_parked: list[Serve] = []
         self.new_pin_jobs: list[int] = []
+        #: Serves whose offered pins outlived the session (see ``_lose``).
+        self.orphans: list[Serve] = []
         self.cancelled_writes: list[int] = []
         self._contacted: set[int] = set()  # gens the peer may hold pins for
 
@@ -378,6 +448,10 @@ class Session:
 
     def take_writes(self) -> list[WriteOrder]:
         out, self._writes = self._writes, []
+        return out
+
+    def take_reads(self) -> list[ReadOrder]:
+        out, self._reads = self._reads, []
         return out
 
     def _refuse(self, err: HandshakeRefused) -> None:
@@ -455,7 +529,19 @@ class Session:
             self.counters.bump(self.counters.failures, kind)
         self._loads.clear()
         self._contacted.clear()
+        self._offers.clear()
+        self._offer_heap.clear()
+        self._revoked.clear()
+        self._reads.clear()  # never posted: nothing to fence
+        self.cancelled_reads.clear()
         for serve in list(self._serves.values()):
+            if serve.offered and serve.pins and serve.can(Event.ORPHAN):
+                # The peer may not know yet and READ on inside its window:
+                # the pins outlive us, owned by the manager to their deadline.
+                serve.fire(Event.ORPHAN)
+                del self._serves[(serve.req, serve.gen)]
+                self.orphans.append(serve)
+                continue
             self._release_serve(serve, Event.PEER_LOST, ok=False, reason=kind)
         self._serve_queue.clear()
 
@@ -503,6 +589,10 @@ class Session:
                     self._on_fetch(msg, now)
                 case TransferDone():
                     self._on_transfer_done(msg, now)
+                case Release():
+                    self._on_release(msg)
+                case Revoke():
+                    self._on_revoke(msg)
                 case Abort():
                     self._on_abort(msg)
                 case AbortAck():
@@ -528,7 +618,7 @@ class Session:
             self._probe_answers.append(ProbeAnswer(gen, keys, None))
             return
         self._probe_seq += 1
-        probe = Probe(req, gen, self._probe_seq, keys, now + self.timeouts.lookup_s)
+        probe = Probe(req, gen, self._probe_seq, keys, now, self.timeouts.lookup_s)
         self._arm(probe, probe.deadline)
         self._probes[(gen, self._probe_seq)] = probe
         if self.ready:
@@ -557,10 +647,32 @@ class Session:
             return
         probe.fire(Event.LOOKUP_RESP)
         del self._probes[(msg.gen, msg.seq)]
+        if msg.slots and msg.ttl_ms and self.reads:
+            self._take_offer(probe, msg)
         nhit = sum(msg.hits)
         self.counters.hits += nhit
         self.counters.misses += len(msg.hits) - nhit
         self._probe_answers.append(ProbeAnswer(msg.gen, probe.keys, list(msg.hits)))
+
+    def _take_offer(self, probe: Probe, msg: LookupResp) -> None:
+        region = self._peer_hello
+        assert region is not None
+        hit_slots = [s for s, hit in zip(msg.slots, msg.hits, strict=True) if hit]
+        if any(s >= region.num_blocks for s in hit_slots):
+            # Never read outside the region the peer registered: the Fetch
+            # path (which the peer range-checks itself) still works.
+            self.counters.bump(self.counters.protocol_errors, "offer_out_of_range")
+            return
+        until = probe.created + msg.ttl_ms / 1000.0 * self.timeouts.read_window
+        offer = self._offers.get(probe.gen)
+        if offer is None:
+            offer = self._offers[probe.gen] = Offer(probe.req, until)
+        # Every lookup answer re-arms all of the generation's pins.
+        offer.valid_until = max(offer.valid_until, until)
+        heapq.heappush(self._offer_heap, (offer.valid_until, probe.gen))
+        for key, slot, hit in zip(probe.keys, msg.slots, msg.hits, strict=True):
+            if hit:
+                offer.slots[key] = slot
 
     def send_fetch(
         self,
@@ -572,7 +684,9 @@ class Session:
         block_bytes: int,
         now: float,
     ) -> None:
-        """Ask the peer to write ``keys`` into our ``slots`` (one load job)."""
+        """Load ``keys`` into our ``slots`` (one load job): READ them if the
+        peer offered all of them and the offer is still good, else ask the
+        peer to WRITE them."""
         fetch = Fetch(req=req, gen=gen, job=job_id, keys=keys, slots=slots)
         nbytes = len(keys) * block_bytes
         if job_id in self._loads:
@@ -582,14 +696,85 @@ class Session:
                 LoadResult(job_id, gen, False, "peer_down", request_finished=False)
             )
             return
-        load = Load(
-            fetch, nbytes, now, self.timeouts.fetch_deadline(now, nbytes), self.ready
-        )
+        if any(s >= self._me.num_blocks for s in slots):
+            # Our own caller's mistake: refuse before any message or READ.
+            self.counters.bump(self.counters.failures, "slot_out_of_range")
+            self._load_results.append(
+                LoadResult(job_id, gen, False, "slot_out_of_range")
+            )
+            return
+        if gen in self._revoked:
+            self.counters.bump(self.counters.failures, "revoked")
+            self._load_results.append(LoadResult(job_id, gen, False, "revoked"))
+            return
+        deadline = self.timeouts.fetch_deadline(now, nbytes)
+        self._contacted.add(gen)
+        offer = self._offers.pop(gen, None)
+        if (
+            offer is not None
+            and now < offer.valid_until
+            and all(k in offer.slots for k in keys)
+        ):
+            load = Load(
+                fetch,
+                nbytes,
+                now,
+                min(deadline, offer.valid_until),
+                State.READING,
+                read_until=offer.valid_until,
+            )
+            self._loads[job_id] = load
+            self._arm(load, load.deadline)
+            self.counters.loads_read += 1
+            remote = [offer.slots[k] for k in keys]
+            self._reads.append(ReadOrder(job_id, list(slots), remote))
+            return
+        initial = State.FETCH_POSTED if self.ready else State.QUEUED
+        load = Load(fetch, nbytes, now, deadline, initial)
+        self.counters.loads_fetched += 1
         self._loads[job_id] = load
         self._arm(load, load.deadline)
-        self._contacted.add(gen)
         if self.ready:
             self._send(fetch)
+
+    def on_read_done(self, job_id: int, ok: bool, now: float) -> None:
+        """The data plane ended our READ of job ``job_id`` (exactly once)."""
+        load = self._loads.get(job_id)
+        if load is None or not load.is_read:
+            return
+        late = ok and now > load.read_until
+        if late:
+            ok = False  # it may have read slots the peer had already reused
+        was_cancelled = load.state is State.READ_CANCELLING
+        load.fire(Event.TRANSFER_OK if ok else Event.TRANSFER_FAILED)
+        del self._loads[job_id]
+        fetch = load.fetch
+        if fetch.gen in self._contacted:
+            # Nothing of ours reads the pins any more: the peer may drop them.
+            self._contacted.discard(fetch.gen)
+            self._send(Release(fetch.req, fetch.gen, len(fetch.keys) if ok else 0))
+        if load.state is State.DONE:
+            self.counters.bytes_loaded += load.nbytes
+            self._load_results.append(self._result(load, True, "", now))
+            return
+        reason = "abort" if was_cancelled else "read_late" if late else "read_failed"
+        self.counters.bump(self.counters.failures, reason)
+        self._load_results.append(self._result(load, False, reason, now))
+
+    def _on_revoke(self, msg: Revoke) -> None:
+        offer = self._offers.get(msg.gen)
+        if offer is not None and offer.req == msg.req:
+            del self._offers[msg.gen]
+        if msg.gen in self._contacted:  # live: finish_gen forgets it
+            self._revoked.add(msg.gen)
+        reading = any(
+            ld.is_read and ld.fetch.gen == msg.gen and ld.fetch.req == msg.req
+            for ld in self._loads.values()
+        )
+        if not reading:
+            # A read in flight sends the Release when it ends.
+            self._contacted.discard(msg.gen)
+            self._send(Release(msg.req, msg.gen, 0))
 
     def finish_gen(self, gen: int, req: str, now: float) -> None:
         """vLLM finished the consumer request: mark every in-flight load and
@@ -603,15 +788,19 @@ class Session:
                 result.request_finished = True
         for key in [k for k, p in self._probes.items() if p.gen == gen]:
             self._probes.pop(key).fire(Event.FINISH)
+        self._offers.pop(gen, None)
+        self._revoked.discard(gen)
         for job_id, load in list(self._loads.items()):
-            if load.fetch.gen != gen or load.state is State.ABORTING:
+            if load.fetch.gen != gen or not load.can(Event.ABORT):
                 continue
             load.fire(Event.ABORT)
             if load.state is State.FAILED:  # was only queued: nothing to fence
                 del self._loads[job_id]
                 self._load_results.append(self._result(load, False, "abort", now))
-            else:
-                self._arm(load, now + self.timeouts.abort_ack_s)
+                continue
+            if load.state is State.READ_CANCELLING:
+                self.cancelled_reads.append(job_id)
+            self._arm(load, now + self.timeouts.abort_ack_s)
         # The peer pins hits when it answers a lookup and releases them on a
         # fetch, on our Abort or at its pin deadline. Which came first is
         # unknowable here; an Abort is cheap and always safe.
@@ -622,7 +811,12 @@ class Session:
 
     def _on_transfer_done(self, msg: TransferDone, now: float) -> None:
         load = self._loads.get(msg.job)
-        if load is None or load.fetch.gen != msg.gen or load.fetch.req != msg.req:
+        if (
+            load is None
+            or load.is_read  # only our own data plane ends a READ
+            or load.fetch.gen != msg.gen
+            or load.fetch.req != msg.req
+        ):
             self.counters.bump(self.counters.protocol_errors, "stale_transfer_done")
             return
         load.fire(Event.TRANSFER_OK if msg.ok else Event.TRANSFER_FAILED)
@@ -689,6 +883,9 @@ class Session:
             )
             self._arm(serve, serve.deadline)
             self._serves[(msg.req, msg.gen)] = serve
+        elif serve.state is State.REVOKING:
+            self._send(LookupResp(msg.req, msg.gen, msg.seq, [False] * len(msg.keys)))
+            return
         else:
             serve.fire(Event.LOOKUP)
         serve.pending_lookups.append(msg)
@@ -718,10 +915,33 @@ class Session:
                     serve.pins.append(
                         Pin(job_id, dict(zip(pkeys, pslots, strict=True)))
                     )
-                self._send(LookupResp(serve.req, serve.gen, lookup.seq, hits))
+                self._send(self._answer(serve, lookup, hits))
             serve.pending_lookups.clear()
             serve.fire(Event.SERVED)
             self._arm(serve, now + self.timeouts.pin_ttl_s)
+
+    def _answer(self, serve: Serve, lookup: Lookup, hits: list[bool]) -> LookupResp:
+        if not self.reads or not any(hits):
+            return LookupResp(serve.req, serve.gen, lookup.seq, hits)
+        slots = []
+        for key, hit in zip(lookup.keys, hits, strict=True):
+            slot = serve.slot_of(key) if hit else None
+            slots.append(0 if slot is None else slot)
+            if hit and slot is None:
+                # A hit the engine did not pin for us: no READ offer at all.
+                return LookupResp(serve.req, serve.gen, lookup.seq, hits)
+        serve.offered = True
+        ttl_ms = int(self.timeouts.pin_ttl_s * 1000)
+        return LookupResp(serve.req, serve.gen, lookup.seq, hits, slots, ttl_ms)
+
+    def _on_release(self, msg: Release) -> None:
+        serve = self._serves.get((msg.req, msg.gen))
+        if serve is None:
+            return  # already released (deadline, abort): nothing to do
+        serve.fire(Event.RELEASE)
+        blocks = min(msg.blocks, serve.pinned_blocks)
+        self.counters.bytes_served += blocks * self._me.block_bytes
+        self._release_serve(serve, None, ok=True, reason="")
 
     @property
     def pinned_blocks(self) -> int:
@@ -756,6 +976,10 @@ class Session:
             self._arm(serve, serve.deadline)
             self._serves[(msg.req, msg.gen)] = serve
             self.wants_parked.append(serve)
+            return
+        if serve.state is State.REVOKING:
+            # The consumer had not seen our Revoke yet: the pins are going.
+            self._send(TransferDone(msg.req, msg.gen, msg.job, False, "reset"))
             return
         if serve.state is not State.PINNED:
             self._protocol_error(
@@ -887,8 +1111,23 @@ class Session:
 
     def release_unwritten(self) -> None:
         """Release every serve with no write in flight (cache reset). A later
-        fetch for it is answered TransferDone(ok=False): the peer recomputes."""
+        fetch for it is answered TransferDone(ok=False): the peer recomputes.
+        Pins offered for READ are revoked instead: they go back when the
+        peer's Release says no read is in flight (or at their deadline)."""
         for serve in list(self._serves.values()):
+            if serve.offered and serve.pins and serve.can(Event.REVOKE):
+                for lookup in serve.pending_lookups:
+                    self._send(
+                        LookupResp(
+                            serve.req, serve.gen, lookup.seq, [False] * len(lookup.keys)
+                        )
+                    )
+                serve.pending_lookups.clear()
+                if serve in self._serve_queue:
+                    self._serve_queue.remove(serve)
+                serve.fire(Event.REVOKE)
+                self._send(Revoke(serve.req, serve.gen))
+                continue
             if serve.can(Event.RESET):
                 fetch = serve.fetch
                 if fetch is not None:
@@ -918,6 +1157,14 @@ class Session:
             heapq.heappop(timers)
         if timers:
             times.append(timers[0][0])
+        offers = self._offer_heap
+        while offers and (
+            offers[0][1] not in self._offers
+            or self._offers[offers[0][1]].valid_until != offers[0][0]
+        ):
+            heapq.heappop(offers)
+        if offers:
+            times.append(offers[0][0])
         return min(times)
 
     def _arm(self, item: Probe | Load | Serve, deadline: float) -> None:
@@ -955,21 +1202,31 @@ class Session:
                 self.counters.bump(self.counters.failures, "lookup_timeout")
                 self._probe_answers.append(ProbeAnswer(item.gen, item.keys, None))
             elif isinstance(item, Load):
-                if item.state is State.ABORTING:
-                    # The peer neither finished nor acknowledged: it is not
-                    # healthy, and only dropping its agent fences our slots.
-                    self._lose("abort_timeout", f"no AbortAck for job {item.fetch.job}")
+                if item.state in (State.ABORTING, State.READ_CANCELLING):
+                    # Neither finished nor acknowledged: the peer (or the
+                    # path to it) is not healthy, and only dropping its agent
+                    # fences our slots.
+                    self._lose("abort_timeout", f"job {item.fetch.job} did not end")
                     return
                 item.fire(Event.TIMEOUT)
                 self.counters.bump(self.counters.failures, "timeout")
                 if item.state is State.FAILED:
                     del self._loads[item.fetch.job]
                     self._load_results.append(self._result(item, False, "timeout", now))
+                elif item.is_read:  # READ_CANCELLING
+                    self._arm(item, now + self.timeouts.abort_ack_s)
+                    self.cancelled_reads.append(item.fetch.job)
                 else:
                     self._arm(item, now + self.timeouts.abort_ack_s)
                     self._send(Abort(item.fetch.req, item.fetch.gen))
             elif isinstance(item, Serve):
                 self._expire_serve(item)
+        offers = self._offer_heap
+        while offers and offers[0][0] <= now:
+            until, gen = heapq.heappop(offers)
+            offer = self._offers.get(gen)
+            if offer is not None and offer.valid_until == until:
+                del self._offers[gen]  # a load now takes the Fetch path
         if now >= self._last_tx + self.timeouts.heartbeat_interval_s:
             self._hb_seq += 1
             self._send(Heartbeat(seq=self._hb_seq))
@@ -1022,11 +1279,14 @@ class Session:
         return bool(
             self._outbox
             or self._writes
+            or self._reads
+            or self.cancelled_reads
             or self._load_results
             or self._probe_answers
             or self._store_results
             or self.wants_parked
             or self.new_pin_jobs
+            or self.orphans
             or self.cancelled_writes
         )
 
@@ -1054,6 +1314,7 @@ class Session:
             or self._loads
             or self._serves
             or self._fenced_results
+            or self._offers
             or self.link is Link.HANDSHAKING
         )
 
@@ -1064,5 +1325,7 @@ class Session:
             "serves": len(self._serves),
             "writes": len(self._writing),
             "fenced_results": len(self._fenced_results),
+            "offers": len(self._offers),
+            "revoked": len(self._revoked),
             "buffered_results": len(self._load_results) + len(self._store_results),
         }

@@ -79,6 +79,7 @@ class StandalonePeer:
         timeouts: Timeouts | None = None,
         idle_wait_s: float = 0.01,
         region: object | None = None,
+        reads: bool = True,
     ) -> None:
         self.region = (
             np.zeros(num_blocks * block_bytes, dtype=np.uint8)
@@ -102,7 +103,10 @@ class StandalonePeer:
             secret=secret,
         )
         self.runtime = TierRuntime(
-            LoadManager(me, timeouts=timeouts), control, data, idle_wait_s=idle_wait_s
+            LoadManager(me, timeouts=timeouts, reads=reads),
+            control,
+            data,
+            idle_wait_s=idle_wait_s,
         )
         self.pinner = TablePinner()
         self.results: dict[int, JobResult] = {}

@@ -116,6 +116,19 @@ def _worker(
                 return ok, time.perf_counter() - start, t.in_flight()
         raise TimeoutError(f"transfer {tid} did not complete")
 
+    def read(
+        bs: int, peer: str, remote: list[int], local: list[int]
+    ) -> tuple[bool, int]:
+        """One-sided READ from the peer; the peer's process does nothing."""
+        t = transports[bs]
+        tid = t.post_read(peer, remote, local)
+        deadline = time.monotonic() + STEP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            for done, ok in t.poll_completions():
+                assert done == tid, (done, tid)
+                return ok, t.in_flight()
+        raise TimeoutError(f"read {tid} did not complete")
+
     def wait_notif(bs: int, expected: bytes) -> list[tuple[str, bytes]]:
         t = transports[bs]
         seen: list[tuple[str, bytes]] = []
@@ -154,6 +167,8 @@ def _worker(
         "remove_peer": lambda bs, name: transports[bs].remove_peer(name),
         "peers": lambda bs: transports[bs].peers(),
         "write": write,
+        "read": read,
+        "post_read": lambda bs, *a: transports[bs].post_read(*a),
         "post_write": lambda bs, *a: transports[bs].post_write(*a),
         "in_flight": lambda bs: transports[bs].in_flight(),
         "wait_notif": wait_notif,
@@ -250,6 +265,15 @@ class Pair:
                 self.expected[bs][d] = self.src_crcs[bs][s]
         return ok, seconds, seen
 
+    def read(self, bs: int, src: list[int], dst: list[int]) -> bool:
+        """Consumer READs the producer's ``src`` blocks into its ``dst``."""
+        ok, left = self.consumer.call("read", bs, self.producer.name(bs), src, dst)
+        assert left == 0
+        if ok:
+            for s, d in zip(src, dst, strict=True):
+                self.expected[bs][d] = self.src_crcs[bs][s]
+        return bool(ok)
+
     def check_consumer(self, bs: int) -> None:
         got = self.consumer.call("crcs", bs)
         bad = [
@@ -333,6 +357,34 @@ def test_write_scattered_blocks(pair: Pair, bs: int, count: int) -> None:
     assert ok
     assert (pair.producer.name(bs), notif) in seen
     pair.check_consumer(bs)
+
+
+@pytest.mark.parametrize("count", COUNTS)
+@pytest.mark.parametrize("bs", BLOCK_SIZES, ids=lambda b: f"{b // KIB}KiB")
+def test_read_scattered_blocks(pair: Pair, bs: int, count: int) -> None:
+    src, dst = _mapping(count, seed=7 * bs + count)
+    assert pair.read(bs, src, dst)
+    pair.check_consumer(bs)
+
+
+def test_read_coalesced_runs(pair: Pair) -> None:
+    bs = 64 * KIB
+    assert pair.read(bs, [*range(30, 46), 3], [*range(60, 76), 90])
+    pair.check_consumer(bs)
+
+
+def test_out_of_range_read_raises_before_anything_moves(pair: Pair) -> None:
+    bs = 4 * KIB
+    before = pair.consumer.call("crcs", bs)
+    peer = pair.producer.name(bs)
+    with pytest.raises(WorkerError) as err:
+        pair.consumer.call("post_read", bs, peer, [PRODUCER_BLOCKS], [0])
+    assert err.value.kind == "ValueError" and str(PRODUCER_BLOCKS) in err.value.message
+    with pytest.raises(WorkerError) as err:
+        pair.consumer.call("post_read", bs, peer, [0], [CONSUMER_BLOCKS])
+    assert err.value.kind == "ValueError" and str(CONSUMER_BLOCKS) in err.value.message
+    assert pair.consumer.call("in_flight", bs) == 0
+    assert pair.consumer.call("crcs", bs) == before
 
 
 def test_write_coalesced_runs(pair: Pair) -> None:

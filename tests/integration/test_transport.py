@@ -70,6 +70,8 @@ class PeerSpec:
     #: Signal "writing" and sleep this long inside each post_write: a write
     #: that is in progress for a known while (the abort and kill scenarios).
     write_delay_s: float = 0.0
+    #: Offer pins for one-sided READ (False: consumers Fetch, we WRITE).
+    reads: bool = True
 
 
 class _StopOrInbox:
@@ -101,6 +103,7 @@ def _producer_main(specs: list[PeerSpec], cmd: Any, out: Any, events: Any) -> No
                 layout=spec.layout,
                 secret=spec.secret,
                 timeouts=timeouts,
+                reads=spec.reads,
             )
             keys = [make_key(k) for k in range(spec.fill)]
             rng = np.random.default_rng(1000 + i)
@@ -223,13 +226,18 @@ def producers() -> Iterator[dict[str, Producer]]:
     procs = {
         # one process, one serving thread per block size
         "main": Producer(
-            ctx, [PeerSpec(f"main{bs}", bs, 96, fill=64) for bs in MAIN_SIZES]
+            ctx,
+            [PeerSpec(f"main{bs}", bs, 96, fill=64) for bs in MAIN_SIZES]
+            + [
+                PeerSpec(f"write{bs}", bs, 96, fill=64, reads=False)
+                for bs in MAIN_SIZES
+            ],
         ),
         # a slow writer, and peers that must be refused
         "odd": Producer(
             ctx,
             [
-                PeerSpec("slow", 1 * MIB, 48, fill=32, write_delay_s=0.3),
+                PeerSpec("slow", 1 * MIB, 48, fill=32, write_delay_s=0.3, reads=False),
                 PeerSpec("seed", 64 * KIB, 8, fill=4, hash_seed="1", secret=b"good"),
                 PeerSpec("layout", 64 * KIB, 8, fill=4, layout="other", secret=b"good"),
                 PeerSpec("bbytes", 128 * KIB, 8, fill=4, secret=b"good"),
@@ -242,7 +250,13 @@ def producers() -> Iterator[dict[str, Producer]]:
             ctx,
             [
                 PeerSpec(
-                    "victim", 256 * KIB, 48, fill=32, heartbeat_s=0.2, write_delay_s=5
+                    "victim",
+                    256 * KIB,
+                    48,
+                    fill=32,
+                    heartbeat_s=0.2,
+                    write_delay_s=5,
+                    reads=False,
                 )
             ],
         ),
@@ -405,6 +419,15 @@ def finish_request(c: StandalonePeer, req: str) -> None:
     c.runtime.pump()
 
 
+def path_counts(c: StandalonePeer) -> tuple[int, int]:
+    """(loads READ one-sided, loads Fetched) over the consumer's sessions."""
+    sessions = list(c.manager.sessions())
+    return (
+        sum(s.counters.loads_read for s in sessions),
+        sum(s.counters.loads_fetched for s in sessions),
+    )
+
+
 def reset_region(c: StandalonePeer) -> None:
     np.asarray(c.region)[:] = SENTINEL
 
@@ -414,19 +437,27 @@ def reset_region(c: StandalonePeer) -> None:
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("path", ["read", "write"])
 @pytest.mark.parametrize("n", [1, 7, 64])
 @pytest.mark.parametrize("bs", MAIN_SIZES, ids=["4KiB", "64KiB", "1MiB"])
 def test_fetch_is_byte_exact(
-    producers: dict[str, Producer], engines: Engines, bs: int, n: int
+    producers: dict[str, Producer], engines: Engines, bs: int, n: int, path: str
 ) -> None:
-    prod, name = producers["main"], f"main{bs}"
+    """Both load paths: the producer offers its pins for READ (``main``) or
+    not (``write``: the consumer Fetches and the producer WRITEs)."""
+    prod = producers["main"]
+    name = f"main{bs}" if path == "read" else f"write{bs}"
     rng = np.random.default_rng(bs + n)
     keys = [make_key(int(k)) for k in rng.permutation(64)[:n]]
     slots = scattered_slots(n, seed=n)
     with engines.use(f"c{bs}") as c:
         reset_region(c)
-        out = c.fetch(prod.addr[name], f"exact-{bs}-{n}", keys, slots)
+        before = path_counts(c)
+        out = c.fetch(prod.addr[name], f"exact-{bs}-{n}-{path}", keys, slots)
         assert (out.hits, out.job_done, out.ok) == (n, True, True), out
+        after = path_counts(c)
+        used = "read" if after[0] > before[0] else "write"
+        assert used == path and sum(after) == sum(before) + 1
         crcs = prod.crcs[name]
         check_region(c, {s: crcs[k] for k, s in zip(keys, slots, strict=True)}, name)
         settle(c, prod, name)

@@ -1,7 +1,8 @@
 """In-memory wiring of several LoadManagers, for tests of the pure core.
 
-Frames go through the real codec (encode -> bytes -> decode), writes copy
-bytes between per-engine regions, and a test controls time, delivery order,
+Frames go through the real codec (encode -> bytes -> decode), writes and
+reads copy bytes between per-engine regions (a read of a slot the producer
+no longer pins copies poison, so a load that trusts it shows wrong bytes), and a test controls time, delivery order,
 drops and link cuts. Nothing here sleeps or opens a socket.
 """
 
@@ -14,10 +15,11 @@ from dataclasses import dataclass, field
 from p2p_kv.handshake import Identity
 from p2p_kv.manager import JobResult, LoadManager, Roles
 from p2p_kv.protocol import Message, decode, encode
-from p2p_kv.session import Limits, PinResult, Timeouts, WriteOrder
+from p2p_kv.session import Limits, PinResult, ReadOrder, Timeouts, WriteOrder
 
 BLOCK = 16
 NBLOCKS = 64
+POISON = b"\xee" * BLOCK
 
 
 def identity(name: str, **over: object) -> Identity:
@@ -76,6 +78,10 @@ class Engine:
     job_counter: int = 0
     #: consumer slot -> load job that owns it until the job's result
     slot_owner: dict[int, int] = field(default_factory=dict)
+    #: load job -> (keys, slots) to check when it reports success
+    expect: dict[int, tuple[list[bytes], list[int]]] = field(default_factory=dict)
+    #: successful loads whose slots did not hold their keys' bytes
+    wrong_bytes: list[str] = field(default_factory=list)
 
     def new_job(self) -> int:
         self.job_counter += 1
@@ -94,6 +100,11 @@ class Engine:
         out = self.manager.get_finished_jobs(now)
         for r in out:
             self.results.setdefault(r.job_id, []).append(r)
+            keys, slots = self.expect.pop(r.job_id, ([], []))
+            if r.success:
+                for k, s in zip(keys, slots, strict=True):
+                    if self.block(s) != payload(k):
+                        self.wrong_bytes.append(f"{self.name} job {r.job_id} slot {s}")
             for s in [s for s, j in self.slot_owner.items() if j == r.job_id]:
                 del self.slot_owner[s]
             slots = self.pin_jobs.pop(r.job_id, None)
@@ -118,16 +129,19 @@ class Net:
         timeouts: Timeouts | None = None,
         limits: Limits | None = None,
         identities: dict[str, Identity] | None = None,
+        reads: bool = True,
     ) -> None:
         self.now = 0.0
         self.engines: dict[str, Engine] = {}
         for n in names:
             me = (identities or {}).get(n) or identity(n)
-            mgr = LoadManager(me, timeouts=timeouts, limits=limits)
+            mgr = LoadManager(me, timeouts=timeouts, limits=limits, reads=reads)
             self.engines[n] = Engine(n, mgr)
         self.links: list[Link] = []
         self.queue: list[tuple[str, str, bytes]] = []  # (engine, peer key, frame)
         self.writes: list[tuple[str, str, WriteOrder]] = []
+        self.reads: list[tuple[str, str, ReadOrder]] = []
+        #: Leave posted writes and reads in flight until complete_writes().
         self.hold_writes = False
         #: writes that landed in a slot no in-flight job owned (fence broken)
         self.violations: list[str] = []
@@ -168,22 +182,31 @@ class Net:
                     self.links.append(Link((name, peer), (target, inbound)))
                 else:
                     m.on_disconnected(peer, "unreachable", self.now)
-            for _peer, wid in m.take_cancels():
-                self.writes = [
-                    w
-                    for w in self.writes
-                    if not (w[0] == name and w[2].write_id == wid)
-                ]
+            for _peer, kind, ident in m.take_cancels():
+                # A cancelled read still ends once, at complete_writes (as
+                # NIXL reports it): until then it may land, so it stays.
+                if kind == "write":
+                    self.writes = [
+                        w
+                        for w in self.writes
+                        if not (w[0] == name and w[2].write_id == ident)
+                    ]
+            for peer, read in m.take_reads():
+                self.reads.append((name, peer, read))
             for peer, msgs in m.take_outgoing(self.now):
                 for msg in msgs:
                     self.queue.append((name, peer, encode(msg)))
             for peer, order in m.take_writes():
                 self.writes.append((name, peer, order))
             for peer in m.take_closed():
-                # The data plane invalidates the peer agent: drop its writes.
+                # The data plane invalidates the peer agent: drop its writes
+                # and our reads from it (they end failed).
                 self.writes = [
                     w for w in self.writes if not (w[0] == name and w[1] == peer)
                 ]
+                for r in [r for r in self.reads if r[:2] == (name, peer)]:
+                    self.reads.remove(r)
+                    m.on_read_done(peer, r[2].job_id, False, self.now)
                 other = self._other(name, peer)
                 self.writes = [
                     w for w in self.writes if not (other and (w[0], w[1]) == other)
@@ -218,6 +241,26 @@ class Net:
         self.engines[other[0]].manager.on_message(other[1], msg, self.now)
 
     def complete_writes(self, ok: bool = True) -> None:
+        """End every transfer in flight: writes and reads."""
+        reads, self.reads = self.reads, []
+        for name, peer, read in reads:
+            dst = self.engines[name]
+            other = self._other(name, peer)
+            for d in read.local:
+                if dst.slot_owner.get(d) != read.job_id:
+                    self.violations.append(
+                        f"{name} read into slot {d} owned by "
+                        f"{dst.slot_owner.get(d)}, not job {read.job_id}"
+                    )
+            if other is None or not ok:
+                dst.manager.on_read_done(peer, read.job_id, False, self.now)
+                continue
+            src = self.engines[other[0]]
+            for s, d in zip(read.remote, read.local, strict=True):
+                pinned = src.pin_count.get(s, 0) > 0
+                data = src.block(s) if pinned else POISON
+                dst.region[d * BLOCK : (d + 1) * BLOCK] = data
+            dst.manager.on_read_done(peer, read.job_id, True, self.now)
         writes, self.writes = self.writes, []
         for name, peer, order in writes:
             other = self._other(name, peer)

@@ -21,6 +21,15 @@ def test_defaults_and_env_fallback() -> None:
     assert cfg.timeouts().heartbeat_interval_s == 0.5
 
 
+def test_read_path_switch() -> None:
+    assert TierConfig.from_dict({}, env={}).read_path is True
+    assert TierConfig.from_dict({"read_path": False}, env={}).read_path is False
+    env = {"VLLM_P2P_KV_READ_PATH": "0"}
+    assert TierConfig.from_dict({}, env=env).read_path is False
+    with pytest.raises(ConfigError, match="read_path"):
+        TierConfig.from_dict({"read_path": "sometimes"}, env={})
+
+
 def test_unknown_key_is_named_with_the_known_ones() -> None:
     with pytest.raises(ConfigError, match=r"unknown tier config key\(s\) \['prot'\]"):
         TierConfig.from_dict({"prot": 1}, env={})

@@ -202,11 +202,19 @@ def test_every_non_terminal_state_can_reach_a_terminal(machine: Machine) -> None
 def test_peer_lost_ends_every_peer_owned_state(machine: Machine) -> None:
     # A PARKED store in STORED belongs to the manager's registry, not to any
     # peer, so no peer can be lost under it (it ends by TIMEOUT or RESET).
-    not_peer_owned = {Machine.PARKED: {S.STORED}}.get(machine, set())
+    # An ORPHANED serve's pins outlived their session (the peer may still
+    # READ them): it belongs to the manager and ends only at its deadline.
+    not_peer_owned = {
+        Machine.PARKED: {S.STORED: {E.TIMEOUT, E.RESET}},
+        Machine.SERVE: {S.ORPHANED: {E.TIMEOUT}},
+    }.get(machine, {})
     for state in states(machine) - TERMINALS[machine]:
         if state in not_peer_owned:
             assert E.PEER_LOST not in TABLE[machine][state]
-            assert {E.TIMEOUT, E.RESET} <= set(TABLE[machine][state])
+            assert not_peer_owned[state] <= set(TABLE[machine][state])
+            continue
+        if state is S.REVOKING:  # always offered: losing the peer orphans it
+            assert step(machine, state, E.ORPHAN) is S.ORPHANED
             continue
         assert E.PEER_LOST in TABLE[machine][state], f"{state.name}: no PEER_LOST"
         assert step(machine, state, E.PEER_LOST) in TERMINALS[machine]
@@ -225,10 +233,11 @@ def test_every_machine_has_peer_lost() -> None:
 FENCES: frozenset[tuple[State | None, Event]] = frozenset(
     {
         (None, E.TRANSFER_FAILED),
-        (None, E.TRANSFER_OK),  # the producer's writes are all done
+        (None, E.TRANSFER_OK),  # the producer's writes / our read are done
         (None, E.ABORT_ACK),
         (None, E.PEER_LOST),  # the session invalidates the peer's agent first
         (S.ABORTING, E.TIMEOUT),  # likewise: the session closes the peer
+        (S.READ_CANCELLING, E.TIMEOUT),  # closing it also ends our READ
     }
 )
 
@@ -238,11 +247,14 @@ def fences(src: State, event: Event) -> bool:
 
 
 def unfenced_paths_to_failed(table: dict[State, dict[Event, State]]) -> list[str]:
-    """Every path from FETCH_POSTED that enters FAILED over a non-fencing
-    event, found by exploring the table (each state visited once)."""
+    """Every path from a started transfer (FETCH_POSTED or READING) that
+    enters FAILED over a non-fencing event, found by exploring the table
+    (each state visited once)."""
     bad = []
-    seen = {S.FETCH_POSTED}
-    todo: deque[tuple[State, list[str]]] = deque([(S.FETCH_POSTED, [])])
+    seen = {S.FETCH_POSTED, S.READING}
+    todo: deque[tuple[State, list[str]]] = deque(
+        [(S.FETCH_POSTED, []), (S.READING, [])]
+    )
     while todo:
         src, path = todo.popleft()
         for event, dst in table.get(src, {}).items():
@@ -269,6 +281,8 @@ def test_fence_checker_catches_an_unfenced_edge() -> None:
         (S.FETCH_POSTED, E.TIMEOUT),
         (S.FETCH_POSTED, E.ABORT),
         (S.ABORTING, E.ABORT),
+        (S.READING, E.ABORT),
+        (S.READ_CANCELLING, E.ABORT),
     ]:
         table = {s: dict(row) for s, row in TABLE[Machine.LOAD].items()}
         table[src][event] = S.FAILED
@@ -280,7 +294,11 @@ def test_load_slots_leave_only_from_done_or_failed() -> None:
     # TRANSFER_OK, the producer's word that every write finished.
     for src, event, dst in edges(Machine.LOAD):
         if dst is S.DONE:
-            assert event is E.TRANSFER_OK and src in (S.FETCH_POSTED, S.ABORTING)
+            assert event is E.TRANSFER_OK and src in (
+                S.FETCH_POSTED,
+                S.ABORTING,
+                S.READING,
+            )
     # A queued load never had its Fetch sent, so failing it at once is safe.
     assert step(Machine.LOAD, S.QUEUED, E.ABORT) is S.FAILED
     assert S.QUEUED not in reachable(Machine.LOAD, [S.FETCH_POSTED])

@@ -17,6 +17,8 @@ from p2p_kv.metrics import (
     LIVE_REQUESTS,
     LOAD_TIME,
     LOADED_BYTES,
+    LOADS_FETCHED,
+    LOADS_READ,
     LOOKUP_HITS,
     LOOKUP_MISSES,
     LOOKUPS,
@@ -106,7 +108,7 @@ def probe_and_load(net: Net, req: str, slots: list[int]) -> int:
 
 
 def test_definitions_are_prometheus_names_with_bounded_labels() -> None:
-    assert len(DEFINITIONS) == 16
+    assert len(DEFINITIONS) == 18
     for name, d in DEFINITIONS.items():
         assert name.startswith(PREFIX) and name.startswith("vllm:kv_offload")
         assert not name.endswith("_total")  # prometheus_client adds it
@@ -151,6 +153,8 @@ def test_hit_and_load_are_counted_per_peer_once() -> None:
     assert b.counters[LOOKUP_HITS] == {peer: 4}
     assert b.counters[LOOKUP_MISSES] == {peer: 1}
     assert b.counters[LOADED_BYTES] == {peer: 64}
+    assert b.counters[LOADS_READ] == {peer: 1}  # the default path
+    assert LOADS_FETCHED not in b.counters
     assert b.hist[LOAD_TIME][peer] == [pytest.approx(net.now - t0)]
     assert FALLBACKS not in b.counters
     assert b.gauges[LIVE_REQUESTS] == {(): 1}

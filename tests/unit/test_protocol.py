@@ -28,6 +28,8 @@ from p2p_kv.protocol import (
     LookupResp,
     Message,
     ProtocolError,
+    Release,
+    Revoke,
     TransferDone,
     decode,
     encode,
@@ -54,6 +56,11 @@ SAMPLES: list[Any] = [
     Lookup(req="req-1", gen=3, seq=1, keys=[K1, K2, K3]),
     Lookup(req="r", gen=0, seq=0, keys=[]),
     LookupResp(req="req-1", gen=3, seq=1, hits=[True, False, True]),
+    LookupResp(
+        req="req-1", gen=3, seq=1, hits=[True, False], slots=[9, 0], ttl_ms=15000
+    ),
+    Release(req="req-1", gen=3, blocks=2),
+    Revoke(req="req-1", gen=3),
     Fetch(req="req-1", gen=3, job=42, keys=[K1, K2], slots=[7, 0]),
     Fetch(req="req-1", gen=2**63 - 1, job=0, keys=[], slots=[]),
     TransferDone(req="req-1", gen=3, job=42, ok=True),
@@ -219,6 +226,13 @@ def test_negative_gen_or_slot(msg: Any) -> None:
 def test_gen_beyond_int64() -> None:
     refused(raw("abort", "r", 2**63), "invalid message")
     refused(raw("abort", "r", 2**64 - 1), "invalid message")
+
+
+def test_lookup_resp_slots_must_match_hits() -> None:
+    bad = LookupResp(req="r", gen=1, seq=1, hits=[True, True], slots=[4])
+    refused(encode(bad), "2 hits but 1 slots")
+    huge_ttl = LookupResp(req="r", gen=1, seq=1, hits=[True], slots=[4], ttl_ms=-1)
+    refused(encode(huge_ttl))
 
 
 def test_fetch_keys_slots_mismatch() -> None:

@@ -52,9 +52,10 @@ SETTINGS = settings(
 
 
 class Fleet(RuleBasedStateMachine):
-    @initialize()
-    def start(self) -> None:
-        self.net = Net(ENGINES, timeouts=TIMEOUTS)
+    @initialize(reads=st.booleans())
+    def start(self, reads: bool) -> None:
+        # Both load paths: one-sided READs of offered pins, and Fetch/WRITE.
+        self.net = Net(ENGINES, timeouts=TIMEOUTS, reads=reads)
         # Writes land only when a rule says so, so that finishes, aborts,
         # deadlines and cuts regularly hit a write in flight.
         self.net.hold_writes = True
@@ -148,6 +149,7 @@ class Fleet(RuleBasedStateMachine):
         job = eng.new_job()
         for s in slots:
             eng.slot_owner[s] = job
+        eng.expect[job] = (hits, slots)
         eng.manager.submit_load(job, req, hits, slots, self.net.now)
 
     @rule(data=st.data(), me=st.sampled_from(ENGINES))
@@ -196,6 +198,17 @@ class Fleet(RuleBasedStateMachine):
         self.net.advance(dt)
         self.net.step()
 
+    @rule(me=st.sampled_from(ENGINES), dt=st.sampled_from([0.5, 1.0]))
+    def stall_others(self, me: str, dt: float) -> None:
+        """Only ``me`` runs for ``dt`` (the others are in a long step): its
+        deadlines fire and its engine takes back what it released, while
+        the others' transfers are still in flight, unticked."""
+        self.net.advance(dt)
+        eng = self.net.engines[me]
+        eng.manager.tick(self.net.now)
+        eng.manager.end_step(self.net.now)
+        eng.collect(self.net.now)
+
     @rule(a=st.sampled_from(ENGINES), b=st.sampled_from(ENGINES))
     def cut(self, a: str, b: str) -> None:
         self.net.cut(a, b)
@@ -203,6 +216,11 @@ class Fleet(RuleBasedStateMachine):
     @rule(me=st.sampled_from(ENGINES))
     def close_sessions(self, me: str) -> None:
         self.net.engines[me].manager.close_all("test close")
+
+    @rule(me=st.sampled_from(ENGINES))
+    def reset(self, me: str) -> None:
+        """A cache reset: unwritten pins go back, offered ones are revoked."""
+        self.net.engines[me].manager.release_for_reset(self.net.now)
 
     @rule(me=st.sampled_from(ENGINES))
     def collect(self, me: str) -> None:
@@ -218,6 +236,11 @@ class Fleet(RuleBasedStateMachine):
     @invariant()
     def no_write_lands_in_a_released_slot(self) -> None:
         assert not self.net.violations, self.net.violations
+
+    @invariant()
+    def a_successful_load_holds_its_blocks(self) -> None:
+        for eng in self.net.engines.values():
+            assert not eng.wrong_bytes, eng.wrong_bytes
 
     @invariant()
     def at_most_one_result_per_job(self) -> None:
@@ -242,6 +265,7 @@ class Fleet(RuleBasedStateMachine):
                 eng.collect(net.now)
         assert not net.violations, net.violations
         for name, eng in net.engines.items():
+            assert not eng.wrong_bytes, eng.wrong_bytes
             residue = {k: v for k, v in eng.manager.state_report().items() if v}
             assert not residue, f"{name}: {residue}"
             assert not eng.pin_count, f"{name}: pinned {eng.pin_count}"

@@ -173,7 +173,10 @@ class P2PKVTier(SecondaryTierManager):
             return _identity(spec, data, self.address, self.cfg.secret)
 
         manager = LoadManager(
-            identity, timeouts=self.cfg.timeouts(), parked_ttl_s=self.cfg.parked_ttl_s
+            identity,
+            timeouts=self.cfg.timeouts(),
+            parked_ttl_s=self.cfg.parked_ttl_s,
+            reads=self.cfg.read_path,
         )
         self.runtime = TierRuntime(
             manager, control, data, idle_wait_s=self.cfg.idle_wait_ms / 1000

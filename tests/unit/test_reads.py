@@ -1,0 +1,261 @@
+"""One-sided READs of offered pins, scenario by scenario (pure core, memnet).
+
+The consumer reads the producer's pinned blocks itself and then releases
+them. What must hold: a read is trusted only inside the announced pin
+window; an aborted read keeps its slots fenced until it ends; a producer's
+cache reset waits for the consumer's Release; nobody but our own data
+plane can end a read.
+"""
+
+from __future__ import annotations
+
+from p2p_kv.lifecycle import State
+from p2p_kv.protocol import LookupResp, Release, Revoke, TransferDone, decode, encode
+from p2p_kv.session import Session, Timeouts
+
+from .memnet import POISON, Net, key, payload
+from .test_manager import KEYS, assert_drained, collect_all, load, make_net, probe
+
+SLOTS = [5, 6, 7, 30]
+
+
+def sent(net: Net, engine: str) -> list[str]:
+    """Type names of the frames ``engine`` has queued, in order (but
+    heartbeats)."""
+    names = [type(decode(f)).__name__ for n, _, f in net.queue if n == engine]
+    return [n for n in names if n != "Heartbeat"]
+
+
+def session(net: Net, engine: str) -> Session:
+    (s,) = list(net.engines[engine].manager.sessions())
+    return s
+
+
+def load_state(net: Net) -> State:
+    (ld,) = list(session(net, "b").loads())
+    return ld.state
+
+
+def test_a_hit_is_read_one_sided_and_released_without_a_reply() -> None:
+    net = make_net()
+    probe(net, "r1", "kv1")
+    b = net.engines["b"]
+    job = load(net, "r1", SLOTS)
+    net.step(deliver=False)  # the read is posted and ends (memnet: at once)
+    net.step(deliver=False)
+    # No Fetch went out: the only message is the Release.
+    assert sent(net, "b") == ["Release"]
+    assert net.writes == [] and net.reads == []
+    (result,) = b.collect(net.now)
+    assert result.job_id == job and result.success
+    assert [b.block(s) for s in SLOTS] == [payload(k) for k in KEYS]
+    net.run()
+    # The producer released its pins on the Release, and answered nothing.
+    assert sent(net, "a") in ([], ["Heartbeat"])
+    assert list(session(net, "a").serves()) == []
+    assert session(net, "a").counters.bytes_served == 4 * 16
+    b.manager.on_request_finished("r1", net.now)
+    net.run()
+    collect_all(net)
+    assert_drained(net)
+
+
+def test_reads_off_uses_fetch_and_write() -> None:
+    net = make_net(reads=False)
+    probe(net, "r1", "kv1")
+    load(net, "r1", SLOTS)
+    net.step(deliver=False)
+    assert sent(net, "b") == ["Fetch"]
+    net.run()
+    b = net.engines["b"]
+    assert [r.success for r in b.collect(net.now)] == [True]
+    assert [b.block(s) for s in SLOTS] == [payload(k) for k in KEYS]
+
+
+def test_an_expired_offer_falls_back_to_fetch() -> None:
+    timeouts = Timeouts(pin_ttl_s=1.0)
+    net = make_net(timeouts=timeouts)
+    probe(net, "r1", "kv1")
+    net.advance(0.8)  # past 0.75 of the pin lifetime: the offer is gone
+    net.run(1)
+    assert session(net, "b").sizes()["offers"] == 0
+    load(net, "r1", SLOTS)
+    net.step(deliver=False)
+    assert sent(net, "b") == ["Fetch"]
+
+
+def test_a_read_that_ends_after_its_window_fails_even_with_whole_bytes() -> None:
+    timeouts = Timeouts(pin_ttl_s=1.0, fetch_floor_s=10.0)
+    net = make_net(timeouts=timeouts)
+    probe(net, "r1", "kv1")
+    b, a = net.engines["b"], net.engines["a"]
+    net.hold_writes = True
+    job = load(net, "r1", SLOTS)
+    net.step(deliver=False)
+    assert load_state(net) is State.READING
+    # The consumer stalls in a long step while the producer's pins expire
+    # and its engine takes the slots back; then the read completes.
+    net.advance(1.2)
+    a.manager.tick(net.now)
+    a.manager.end_step(net.now)
+    a.collect(net.now)
+    assert not a.pin_count
+    net.complete_writes()
+    assert b.block(SLOTS[0]) == POISON  # what a late read can see
+    (result,) = b.collect(net.now)
+    assert result.job_id == job and not result.success
+    assert session(net, "b").counters.failures == {"read_late": 1}
+    assert b.manager.failed_ids() == {"r1"}  # still live: recompute it
+
+
+def test_abort_mid_read_keeps_slots_fenced_until_the_read_ends() -> None:
+    net = make_net()
+    probe(net, "r1", "kv1")
+    b = net.engines["b"]
+    net.hold_writes = True
+    job = load(net, "r1", SLOTS)
+    net.run(1)
+    b.manager.on_request_finished("r1", net.now)
+    net.run(3)  # the Abort reaches the producer, which releases its pins
+    assert load_state(net) is State.READ_CANCELLING
+    assert b.collect(net.now) == []
+    assert b.manager.state_report()["fenced_slots"] == 4
+    assert net.reads, "the cancelled read is still in flight"
+    net.hold_writes = False
+    net.run()
+    assert [(r.job_id, r.success) for r in b.collect(net.now)] == [(job, False)]
+    assert b.manager.failed_ids() == frozenset()
+    collect_all(net)
+    assert_drained(net)
+    assert not net.violations
+
+
+def test_a_stuck_read_drops_the_peer_before_its_slots_come_back() -> None:
+    timeouts = Timeouts(pin_ttl_s=1.0, fetch_floor_s=10.0, abort_ack_s=0.5)
+    net = make_net(timeouts=timeouts)
+    probe(net, "r1", "kv1")
+    b = net.engines["b"]
+    net.hold_writes = True
+    job = load(net, "r1", SLOTS)
+    net.run(1)
+    net.advance(0.8)  # the read window closes: cancel, wait for the end
+    net.run(1)
+    assert load_state(net) is State.READ_CANCELLING
+    assert b.collect(net.now) == []
+    net.advance(0.6)  # no end in time: the session closes the peer
+    net.run(3)
+    # The data plane dropped the peer (memnet ends its reads, failed).
+    assert net.reads == []
+    assert [(r.job_id, r.success) for r in b.collect(net.now)] == [(job, False)]
+    assert not net.violations
+
+
+def test_only_our_data_plane_ends_a_read() -> None:
+    net = make_net()
+    probe(net, "r1", "kv1")
+    net.hold_writes = True
+    job = load(net, "r1", SLOTS)
+    net.run(1)
+    s = session(net, "b")
+    (ld,) = list(s.loads())
+    gen = ld.fetch.gen
+    s.receive(TransferDone("kv1", gen, job, True), net.now)
+    assert load_state(net) is State.READING
+    assert s.counters.protocol_errors == {"stale_transfer_done": 1}
+    net.hold_writes = False
+    net.run()
+    assert [r.success for r in net.engines["b"].collect(net.now)] == [True]
+
+
+def test_reset_revokes_offered_pins_and_waits_for_the_release() -> None:
+    net = make_net()
+    probe(net, "r1", "kv1")
+    a, b = net.engines["a"], net.engines["b"]
+    a.manager.release_for_reset(net.now)
+    (serve,) = list(session(net, "a").serves())
+    assert serve.state is State.REVOKING and a.pin_count  # still held
+    net.step(deliver=False)
+    assert "Revoke" in sent(net, "a")
+    net.run()
+    collect_all(net)
+    assert list(session(net, "a").serves()) == [] and not a.pin_count
+    # The consumer will not wait on pins that are gone: it fails at once.
+    job = load(net, "r1", SLOTS)
+    net.step(deliver=False)
+    assert "Fetch" not in sent(net, "b")
+    assert [(r.job_id, r.success) for r in b.collect(net.now)] == [(job, False)]
+    b.manager.on_request_finished("r1", net.now)
+    net.run()
+    collect_all(net)
+    assert_drained(net)
+
+
+def test_a_read_in_flight_survives_a_revoke_and_releases_after() -> None:
+    net = make_net()
+    probe(net, "r1", "kv1")
+    a, b = net.engines["a"], net.engines["b"]
+    net.hold_writes = True
+    job = load(net, "r1", SLOTS)
+    net.run(1)
+    a.manager.release_for_reset(net.now)
+    net.run(3)  # Revoke delivered; the read still runs, so no Release yet
+    assert a.pin_count
+    net.hold_writes = False
+    net.run()
+    assert [(r.job_id, r.success) for r in b.collect(net.now)] == [(job, True)]
+    assert [b.block(s) for s in SLOTS] == [payload(k) for k in KEYS]
+    collect_all(net)
+    assert not a.pin_count
+    b.manager.on_request_finished("r1", net.now)
+    net.run()
+    collect_all(net)
+    assert_drained(net)
+
+
+def test_offer_outside_the_peer_region_is_ignored() -> None:
+    net = make_net()
+    probe(net, "r0", "kv0", [key(50)])  # the handshake
+    b = net.engines["b"].manager
+    b.on_new_request("r1", net.roles("a", "kv1"), net.now)
+    b.lookup("r1", KEYS[0], net.now)
+    net.step()  # the Lookup reaches the producer
+    net.serve()
+    net.step(deliver=False)  # its answer is queued
+    # Rewrite the producer's answer to point past its region.
+    (item,) = [i for i in net.queue if isinstance(decode(i[2]), LookupResp)]
+    resp = decode(item[2])
+    assert isinstance(resp, LookupResp) and resp.slots
+    bad = LookupResp(resp.req, resp.gen, resp.seq, resp.hits, [10**6], resp.ttl_ms)
+    net.queue[net.queue.index(item)] = (item[0], item[1], encode(bad))
+    net.deliver_all()
+    s_b = session(net, "b")
+    assert s_b.counters.protocol_errors == {"offer_out_of_range": 1}
+    assert s_b.sizes()["offers"] == 0
+    load(net, "r1", [3], [KEYS[0]])
+    net.step(deliver=False)
+    assert sent(net, "b") == ["Fetch"]  # the producer checks its own range
+
+
+def test_release_and_revoke_from_a_stranger_change_nothing() -> None:
+    net = make_net()
+    probe(net, "r1", "kv1")
+    a = session(net, "a")
+    (serve,) = list(a.serves())
+    a.receive(Release("kv1", serve.gen + 1, 4), net.now)  # another generation
+    a.receive(Release("other", serve.gen, 4), net.now)  # another request
+    assert list(a.serves()) == [serve] and serve.state is State.PINNED
+    b = session(net, "b")
+    b.receive(Revoke("kv1", serve.gen + 7), net.now)
+    assert b.sizes()["revoked"] == 0 and b.sizes()["offers"] == 1
+    # A Release in the middle of a write is refused, the write goes on.
+    net2 = make_net(reads=False)
+    probe(net2, "r1", "kv1")
+    net2.hold_writes = True
+    load(net2, "r1", SLOTS)
+    net2.run(2)
+    a2 = session(net2, "a")
+    (serve2,) = list(a2.serves())
+    assert serve2.state is State.WRITING
+    a2.receive(Release("kv1", serve2.gen, 4), net2.now)
+    assert serve2.state is State.WRITING
+    assert a2.counters.protocol_errors == {"illegal": 1}
