@@ -1,0 +1,652 @@
+"""Hostile peers on real sockets.
+
+``tests/unit/test_hostile.py`` proves each refusal inside the sans-IO core;
+this file proves the same promises hold on the wire, where an attacker is
+not a well-behaved Session but raw ZeroMQ frames built by hand:
+
+* without the shared secret nothing can be looked up, fetched or aborted,
+  before or after a (failed) handshake, and a victim's load in flight at the
+  same producer is untouched;
+* with the secret, one peer still cannot complete or abort another peer's
+  transfer, nor (as a producer) complete a new generation with a reply for
+  an old one;
+* slot indexes outside the registered region are refused before any NIXL
+  call, on both sides of the protocol;
+* oversized frames are dropped; a pickle is a ProtocolError and is never
+  unpickled.
+
+The producer is a :mod:`tests.support.agent` process with a secret; the
+victim consumer is a StandalonePeer in this process; the attacker is raw
+sockets plus, where it needs one to pass the handshake, a real NIXL agent.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+from tests.support.faults import DataFaults, FaultyData, install
+from tests.support.procs import PeerProc
+
+from p2p_kv.control import zmq_endpoint
+from p2p_kv.data import NixlDataTransport
+from p2p_kv.handshake import Identity, handshake_mac, make_hello
+from p2p_kv.manager import Answer, Roles
+from p2p_kv.protocol import (
+    MAX_FRAME_BYTES,
+    Abort,
+    AbortAck,
+    Error,
+    Fetch,
+    Goodbye,
+    Hello,
+    HelloAck,
+    Lookup,
+    LookupResp,
+    Message,
+    ProtocolError,
+    TransferDone,
+    decode,
+    encode,
+)
+from p2p_kv.session import Timeouts
+from p2p_kv.standalone import StandalonePeer, block_pattern, canonical_hashes, make_key
+
+pytestmark = pytest.mark.timeout(120)
+
+SECRET = b"p2p_kv-test-secret"
+BLOCK = 16 * 1024
+PRODUCER_BLOCKS = 48
+VICTIM_BLOCKS = 32
+KEYS = [make_key(i) for i in range(8)]
+TIMEOUTS = {"heartbeat_interval_s": 0.5, "parked_wait_s": 1.0}
+
+
+def identity(name: str, num_blocks: int, region: bytes = b"") -> Identity:
+    return Identity(
+        engine_id=name,
+        hash_algo="sha256",
+        hash_seed="0",
+        canonical_hashes=canonical_hashes("0"),
+        layout="standalone",
+        block_bytes=BLOCK,
+        num_blocks=num_blocks,
+        region=region,
+        secret=SECRET,
+    )
+
+
+def crc_ok(peer: StandalonePeer, keys: list[bytes], slots: list[int]) -> bool:
+    return all(
+        zlib.crc32(memoryview(peer.block(s)))
+        == zlib.crc32(memoryview(block_pattern(k, BLOCK)))
+        for k, s in zip(keys, slots, strict=True)
+    )
+
+
+class Raw:
+    """A peer that is only a socket: frames are whatever we build."""
+
+    def __init__(self, addr: str, *, bind: bool = False) -> None:
+        self.sock: zmq.Socket[bytes] = zmq.Context.instance().socket(
+            zmq.ROUTER if bind else zmq.DEALER
+        )
+        self.sock.setsockopt(zmq.LINGER, 0)
+        host, _, port = addr.rpartition(":")
+        if bind:
+            self.port = self.sock.bind_to_random_port(f"tcp://{host}")
+            self.address = f"{host}:{self.port}"
+        else:
+            self.sock.connect(zmq_endpoint(host, int(port)))
+        self.ident: bytes | None = None  # the peer, when we are the ROUTER
+        self.hello: Hello | None = None
+        self.peer_hello: Hello | None = None
+
+    def send(self, msg: Message | bytes) -> None:
+        frame = msg if isinstance(msg, bytes) else encode(msg)
+        if self.ident is not None:
+            self.sock.send_multipart([self.ident, frame])
+        else:
+            self.sock.send(frame)
+
+    def recv(self, timeout: float = 1.0, until: type | None = None) -> list[Message]:
+        """Everything that arrives within ``timeout`` (or up to ``until``)."""
+        out: list[Message] = []
+        end = time.monotonic() + timeout
+        while (left := end - time.monotonic()) > 0:
+            if not self.sock.poll(int(left * 1000) + 1):
+                break
+            parts = self.sock.recv_multipart()
+            if len(parts) == 2:
+                self.ident = parts[0]
+            out.append(decode(parts[-1]))
+            if until is not None and isinstance(out[-1], until):
+                break
+        return out
+
+    def handshake(self, me: Identity, secret: bytes | None) -> list[Message]:
+        """Hello, their Hello, HelloAck with an HMAC under ``secret``."""
+        self.hello = make_hello(me, os.urandom(16))
+        if self.ident is None and self.sock.type == zmq.ROUTER:
+            got = self.recv(5, until=Hello)  # a dialling peer speaks first
+        else:
+            got = []
+        self.send(self.hello)
+        got += self.recv(5, until=Hello) if not got else []
+        theirs = [m for m in got if isinstance(m, Hello)]
+        assert theirs, got
+        self.peer_hello = theirs[0]
+        self.send(HelloAck(mac=handshake_mac(secret, self.hello, self.peer_hello)))
+        return got + self.recv(0.5)
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+@pytest.fixture(scope="module")
+def producer() -> Iterator[PeerProc]:
+    p = PeerProc(
+        {
+            "engine_id": "guarded",
+            "num_blocks": PRODUCER_BLOCKS,
+            "block_bytes": BLOCK,
+            "fill": len(KEYS),
+            "secret": SECRET.hex(),
+            "timeouts": TIMEOUTS,
+        }
+    )
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+@pytest.fixture
+def victim() -> Iterator[tuple[StandalonePeer, FaultyData]]:
+    v = StandalonePeer(
+        VICTIM_BLOCKS,
+        BLOCK,
+        engine_id=f"victim-{os.getpid()}-{time.monotonic_ns()}",
+        secret=SECRET,
+        timeouts=Timeouts(**TIMEOUTS),
+    )
+    _, data = install(v.runtime)
+    try:
+        yield v, data
+    finally:
+        v.close()
+
+
+@pytest.fixture
+def attacker_nixl() -> Iterator[NixlDataTransport]:
+    region = np.zeros(8 * BLOCK, dtype=np.uint8)
+    t = NixlDataTransport(region, BLOCK, name="mallory")
+    try:
+        yield t
+    finally:
+        t.close()
+
+
+def producer_report(p: PeerProc) -> dict[str, Any]:
+    return dict(p.call("report"))
+
+
+def start_load(
+    v: StandalonePeer, peer: str, kv: str, slots: list[int]
+) -> tuple[str, int, int]:
+    """Open a request at ``peer``, look KEYS up, submit the load; returns
+    (engine request id, generation, job id) with the load in flight."""
+    m, rt = v.manager, v.runtime
+    host, _, port = peer.rpartition(":")
+    req = f"{kv}-req-{time.monotonic_ns()}"
+    roles = Roles.parse(
+        {
+            "remote_kv_source": {
+                "kv_request_id": kv,
+                "remote_host": host,
+                "remote_port": int(port),
+            }
+        }
+    )
+    rt.live_requests += 1
+    m.on_new_request(req, roles, rt.clock())
+    end = time.monotonic() + 5
+    while Answer.RETRY in (ans := [m.lookup(req, k, rt.clock()) for k in KEYS]):
+        assert time.monotonic() < end, "lookups unanswered"
+        rt.flush()
+        v.step()
+    assert ans == [Answer.HIT] * len(KEYS), ans
+    gen = m._consumers[req].gen
+    job = time.monotonic_ns() % (1 << 40)
+    m.submit_load(job, req, KEYS, slots, rt.clock())
+    rt.pump()
+    return req, gen, job
+
+
+def wait_result(v: StandalonePeer, job: int, timeout: float = 5.0) -> Any:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if job in v.results:  # stepped elsewhere meanwhile
+            return v.results.pop(job)
+        v.step()
+    raise AssertionError(f"job {job} never finished")
+
+
+def finish(v: StandalonePeer, req: str) -> None:
+    v.manager.on_request_finished(req, v.runtime.clock())
+    v.runtime.live_requests -= 1
+    v.runtime.pump()
+
+
+def settle(v: StandalonePeer, p: PeerProc | None = None) -> None:
+    end = time.monotonic() + 5
+    while True:
+        v.step()
+        mine = {k: n for k, n in v.manager.state_report().items() if n}
+        theirs: dict[str, Any] = {}
+        if p is not None:
+            r = producer_report(p)
+            theirs = {k: n for k, n in r["state"].items() if n}
+            if r["pinned"]:
+                theirs["pinned"] = r["pinned"]
+        if not mine and not theirs:
+            return
+        assert time.monotonic() < end, f"left: victim {mine}, producer {theirs}"
+        time.sleep(0.02)
+
+
+# ---------------------------------------------------------------------------
+# no secret
+# ---------------------------------------------------------------------------
+
+
+def test_without_the_secret_nothing_is_looked_up_fetched_or_aborted(
+    producer: PeerProc, victim: tuple[StandalonePeer, FaultyData]
+) -> None:
+    v, vdata = victim
+    before = producer_report(producer)
+    # The victim's load is in flight (its transfer stalled) at the producer.
+    vdata.faults = DataFaults(stall_s=0.5, stall_p=1.0)
+    producer.call("faults", control=None, data={"stall_s": 0.5, "stall_p": 1.0})
+    req, gen, job = start_load(v, producer.address, "victim-kv", list(range(8)))
+    # 1. no handshake at all: every request-scoped message refused
+    raw = Raw(producer.address)
+    for msg in (
+        Lookup("victim-kv", gen, 1, KEYS),
+        Fetch("victim-kv", gen, job, KEYS, list(range(8))),
+        Abort("victim-kv", gen),
+    ):
+        raw.send(msg)
+    got = raw.recv(1.0)
+    codes = [m.code for m in got if isinstance(m, Error)]
+    assert codes.count("before_handshake") == 3, got
+    raw.close()
+    # 2. a handshake under the wrong secret, then the same again
+    raw = Raw(producer.address)
+    got = raw.handshake(identity("mallory", 8), b"not-the-secret")
+    assert any(isinstance(m, Goodbye) and "auth" in m.reason for m in got), got
+    for msg in (Lookup("victim-kv", gen, 2, KEYS), Abort("victim-kv", gen)):
+        raw.send(msg)
+    late = raw.recv(0.5)
+    assert not any(isinstance(m, LookupResp | AbortAck) for m in late), late
+    raw.close()
+    # 3. a consumer without the secret misses everything
+    nosecret = StandalonePeer(8, BLOCK, engine_id=f"nosecret-{os.getpid()}")
+    try:
+        out = nosecret.fetch(producer.address, "ns", KEYS[:2], [0, 1])
+        assert (out.hits, out.ok) == (0, False), out
+        assert any(r == "auth" for (_, r) in nosecret.manager.refusals)
+    finally:
+        nosecret.close()
+    # The victim's load was untouched: it completes, byte-exact.
+    result = wait_result(v, job)
+    assert result.success, result
+    assert crc_ok(v, KEYS, list(range(8)))
+    finish(v, req)
+    vdata.faults = DataFaults()
+    producer.call("faults", control=None, data={})
+    after = producer_report(producer)
+    assert after["session_errors"].get("before_handshake", 0) >= (
+        before["session_errors"].get("before_handshake", 0) + 3
+    )
+    refusals = {r for (_, r, _) in after["refusals"]}
+    assert "auth" in refusals
+    settle(v, producer)
+
+
+# ---------------------------------------------------------------------------
+# with the secret: other peers' transfers and other generations
+# ---------------------------------------------------------------------------
+
+
+def test_a_peer_cannot_abort_or_complete_another_peers_transfer(
+    producer: PeerProc,
+    victim: tuple[StandalonePeer, FaultyData],
+    attacker_nixl: NixlDataTransport,
+) -> None:
+    v, vdata = victim
+    region = msgspec.msgpack.encode(attacker_nixl.local_region())
+    me = identity("mallory", attacker_nixl.num_blocks, region)
+    vdata.faults = DataFaults(stall_s=1.5, stall_p=1.0)
+    producer.call("faults", control=None, data={"stall_s": 1.5, "stall_p": 1.0})
+    req, gen, job = start_load(v, producer.address, "victim-kv2", list(range(8)))
+    t_submit = time.monotonic()
+    # Mallory, authenticated at the producer, aborts and re-fetches the
+    # victim's (req, gen) there...
+    at_producer = Raw(producer.address)
+    at_producer.handshake(me, SECRET)
+    at_producer.send(Abort("victim-kv2", gen))
+    at_producer.send(Fetch("victim-kv2", gen, job, KEYS[:1], [0]))
+    # ...and, dialling the victim, tells it the transfer is done (and acked).
+    at_victim = Raw(v.address)
+    mine = make_hello(me, os.urandom(16))
+    at_victim.send(mine)
+    got: list[Message] = []
+    for _ in range(50):
+        v.step(wait=False)
+        got += at_victim.recv(0.01)
+        if any(isinstance(m, Hello) for m in got):
+            break
+    theirs = next(m for m in got if isinstance(m, Hello))
+    at_victim.send(HelloAck(mac=handshake_mac(SECRET, mine, theirs)))
+    for msg in (
+        TransferDone("victim-kv2", gen, job, True),
+        AbortAck("victim-kv2", gen),
+        TransferDone("victim-kv2", gen, job, False, "forged"),
+    ):
+        at_victim.send(msg)
+
+    def stale() -> int:
+        return sum(
+            s.counters.protocol_errors.get("stale_transfer_done", 0)
+            for s in [*v.manager.sessions(), *v.manager.retired_sessions]
+        )
+
+    end = time.monotonic() + 1.0
+    while stale() < 2 and time.monotonic() < end:
+        v.step(wait=False)
+    assert stale() >= 2, "the forged TransferDones were not refused and counted"
+    assert job not in v.results, "a forged frame ended the victim's load"
+    result = wait_result(v, job)
+    elapsed = time.monotonic() - t_submit
+    assert result.success, result
+    assert crc_ok(v, KEYS, list(range(8)))
+    assert elapsed >= 1.4  # it waited for its own stalled transfer
+    # Mallory's fetch at the producer got nothing of the victim's blocks.
+    replies = at_producer.recv(1.5)
+    assert not [m for m in replies if isinstance(m, TransferDone) and m.ok], replies
+    assert not attacker_nixl.poll_notifs()
+    finish(v, req)
+    vdata.faults = DataFaults()
+    producer.call("faults", control=None, data={})
+    at_producer.close()
+    at_victim.close()
+    settle(v, producer)
+
+
+def test_a_reply_for_an_old_generation_does_not_complete_the_new_one(
+    victim: tuple[StandalonePeer, FaultyData],
+    attacker_nixl: NixlDataTransport,
+) -> None:
+    """Mallory as the producer (authenticated): the victim reuses one
+    ``kv_request_id``; Mallory answers the second use's fetch with the
+    first use's generation. Only the right generation may end the load."""
+    v, _ = victim
+    region = msgspec.msgpack.encode(attacker_nixl.local_region())
+    me = identity("mallory-prod", attacker_nixl.num_blocks, region)
+    srv = Raw("127.0.0.1:0", bind=True)
+    gens: list[int] = []
+    jobs: list[int] = []
+    try:
+        for use in range(2):
+            m, rt = v.manager, v.runtime
+            req = f"reuse-{use}"
+            roles = Roles.parse(
+                {
+                    "remote_kv_source": {
+                        "kv_request_id": "same-kv",
+                        "remote_host": "127.0.0.1",
+                        "remote_port": srv.port,
+                    }
+                }
+            )
+            rt.live_requests += 1
+            m.on_new_request(req, roles, rt.clock())
+            assert m.lookup(req, KEYS[0], rt.clock()) is Answer.RETRY
+            rt.flush()
+            if use == 0:
+                srv.ident = None
+                got: list[Message] = []
+                for _ in range(100):
+                    v.step(wait=False)
+                    got += srv.recv(0.01)
+                    if any(isinstance(x, Hello) for x in got):
+                        break
+                theirs = next(x for x in got if isinstance(x, Hello))
+                srv.hello = make_hello(me, os.urandom(16))
+                srv.send(srv.hello)
+                srv.send(HelloAck(mac=handshake_mac(SECRET, srv.hello, theirs)))
+            lookup = None
+            for _ in range(200):
+                v.step(wait=False)
+                lookup = next(
+                    (x for x in srv.recv(0.01) if isinstance(x, Lookup)), lookup
+                )
+                if lookup is not None:
+                    break
+            assert lookup is not None
+            gens.append(lookup.gen)
+            srv.send(LookupResp(lookup.req, lookup.gen, lookup.seq, [True]))
+            for _ in range(50):
+                v.step(wait=False)
+                if m.lookup(req, KEYS[0], rt.clock()) is Answer.HIT:
+                    break
+            job = 900 + use
+            jobs.append(job)
+            m.submit_load(job, req, [KEYS[0]], [3], rt.clock())
+            rt.pump()
+            fetch = None
+            for _ in range(200):
+                v.step(wait=False)
+                fetch = next((x for x in srv.recv(0.01) if isinstance(x, Fetch)), None)
+                if fetch is not None:
+                    break
+            assert fetch is not None and fetch.gen == gens[-1]
+            if use == 0:
+                srv.send(TransferDone(fetch.req, fetch.gen, job, False, "no"))
+                r = wait_result(v, job)
+                assert not r.success
+                finish(v, req)
+                continue
+            # second use: first the old generation's "done", then the real one
+            assert gens[1] != gens[0]
+            srv.send(TransferDone("same-kv", gens[0], job, True))
+            srv.send(TransferDone("same-kv", gens[0], jobs[0], True))
+            for _ in range(30):
+                v.step(wait=False)
+                assert job not in v.results, "an old generation's reply ended it"
+                time.sleep(0.005)
+            srv.send(TransferDone("same-kv", gens[1], job, False, "the real one"))
+            r = wait_result(v, job)
+            assert not r.success  # ended by its own generation's reply only
+            finish(v, req)
+        errors = {
+            k: n
+            for s in [*v.manager.sessions(), *v.manager.retired_sessions]
+            for k, n in s.counters.protocol_errors.items()
+        }
+        assert errors.get("stale_transfer_done", 0) >= 1, errors
+    finally:
+        srv.close()
+
+
+# ---------------------------------------------------------------------------
+# slots outside the region
+# ---------------------------------------------------------------------------
+
+
+def test_out_of_range_slots_are_refused_before_any_nixl_call(
+    producer: PeerProc, attacker_nixl: NixlDataTransport
+) -> None:
+    region = msgspec.msgpack.encode(attacker_nixl.local_region())
+    me = identity("mallory-slots", attacker_nixl.num_blocks, region)
+    raw = Raw(producer.address)
+    raw.handshake(me, SECRET)
+    before = producer_report(producer)["faults"]["data"]
+    n = attacker_nixl.num_blocks
+    for i, bad in enumerate(([0, 1, n], [n + 100], [2**40 - 1])):
+        keys = KEYS[: len(bad)]
+        raw.send(Lookup(f"oob-{i}", 1, 1, keys))
+        resp = [m for m in raw.recv(1.0, until=LookupResp) if isinstance(m, LookupResp)]
+        assert resp and all(resp[0].hits), resp
+        raw.send(Fetch(f"oob-{i}", 1, 50 + i, keys, bad))
+        got = raw.recv(1.0, until=TransferDone)
+        assert any(isinstance(m, Error) and m.code == "slot_out_of_range" for m in got)
+        done = [m for m in got if isinstance(m, TransferDone)]
+        assert done and not done[0].ok, got
+        raw.send(Abort(f"oob-{i}", 1))
+    after = producer_report(producer)
+    # no post reached NIXL at all (not even one refused inside the transport)
+    assert after["faults"]["data"]["posts"] == before["posts"]
+    assert after["session_errors"].get("slot_out_of_range", 0) >= 3
+    raw.close()
+
+
+def test_producer_offering_slots_outside_its_region_is_refused(
+    victim: tuple[StandalonePeer, FaultyData],
+    attacker_nixl: NixlDataTransport,
+) -> None:
+    """Where the protocol lets a consumer READ what the producer offers
+    (``LookupResp.slots``), the offer is checked against the producer's
+    registered region before any NIXL call."""
+    if "slots" not in LookupResp.__struct_fields__:
+        pytest.fail("LookupResp carries no slots: this protocol has no READ offers")
+    v, vdata = victim
+    n = attacker_nixl.num_blocks
+    region = msgspec.msgpack.encode(attacker_nixl.local_region())
+    me = identity("mallory-offer", n, region)
+    srv = Raw("127.0.0.1:0", bind=True)
+    try:
+        m, rt = v.manager, v.runtime
+        roles = Roles.parse(
+            {
+                "remote_kv_source": {
+                    "kv_request_id": "offer",
+                    "remote_host": "127.0.0.1",
+                    "remote_port": srv.port,
+                }
+            }
+        )
+        rt.live_requests += 1
+        m.on_new_request("offer-req", roles, rt.clock())
+        keys = KEYS[:3]
+        assert Answer.RETRY in [m.lookup("offer-req", k, rt.clock()) for k in keys]
+        rt.flush()
+        got: list[Message] = []
+        for _ in range(100):
+            v.step(wait=False)
+            got += srv.recv(0.01)
+            if any(isinstance(x, Hello) for x in got):
+                break
+        theirs = next(x for x in got if isinstance(x, Hello))
+        srv.hello = make_hello(me, os.urandom(16))
+        srv.send(srv.hello)
+        srv.send(HelloAck(mac=handshake_mac(SECRET, srv.hello, theirs)))
+        lookup = None
+        for _ in range(200):
+            v.step(wait=False)
+            got = srv.recv(0.01)
+            lookup = next((x for x in got if isinstance(x, Lookup)), lookup)
+            if lookup is not None:
+                break
+        assert lookup is not None
+        kw: dict[str, Any] = {"slots": [0, n, n + 7][: len(lookup.keys)]}
+        if "ttl_ms" in LookupResp.__struct_fields__:
+            kw["ttl_ms"] = 10_000
+        srv.send(
+            LookupResp(
+                lookup.req, lookup.gen, lookup.seq, [True] * len(lookup.keys), **kw
+            )
+        )
+        posts_before = vdata.counts.posts
+        answers = []
+        for _ in range(50):
+            v.step(wait=False)
+            answers = [m.lookup("offer-req", k, rt.clock()) for k in keys]
+            if Answer.RETRY not in answers:
+                break
+        hits = [k for k, a in zip(keys, answers, strict=True) if a is Answer.HIT]
+        if hits:
+            m.submit_load(77, "offer-req", hits, list(range(len(hits))), rt.clock())
+            rt.pump()
+            for _ in range(50):
+                v.step(wait=False)
+                srv.recv(0.005)
+                if 77 in v.results:
+                    break
+        assert vdata.counts.posts == posts_before, "a read reached NIXL"
+        errors = {
+            k: c
+            for s in [*m.sessions(), *m.retired_sessions]
+            for k, c in s.counters.protocol_errors.items()
+        }
+        assert errors.get("offer_out_of_range", 0) >= 1, errors
+        m.on_request_finished("offer-req", rt.clock())
+        rt.live_requests -= 1
+        rt.pump()
+    finally:
+        srv.close()
+
+
+# ---------------------------------------------------------------------------
+# frames: size and pickle
+# ---------------------------------------------------------------------------
+
+
+class _Boom:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_oversized_frames_are_dropped_and_pickles_never_loaded(
+    producer: PeerProc, victim: tuple[StandalonePeer, FaultyData], tmp_path: Path
+) -> None:
+    v, _ = victim
+    marker = tmp_path / "unpickled"
+    payload = pickle.dumps(_Boom(str(marker)))
+    with pytest.raises(ProtocolError):
+        decode(payload)
+    before = producer_report(producer)
+    raw = Raw(producer.address)
+    raw.send(payload)  # before any handshake
+    raw.send(b"\x00" * (MAX_FRAME_BYTES + 1))  # past our limit, under libzmq's
+    raw.send(encode(Lookup("r", 1, 1, [b"k"])) + payload)  # smuggled behind a frame
+    time.sleep(0.5)
+    after = producer_report(producer)
+    assert after["protocol_errors"].get("decode", 0) >= (
+        before["protocol_errors"].get("decode", 0) + 3
+    ), after["protocol_errors"]
+    raw.send(b"\x00" * (2 * MAX_FRAME_BYTES))  # libzmq drops it and the link
+    time.sleep(0.3)
+    raw.close()
+    assert not marker.exists(), "a pickle was loaded"
+    # the producer goes on serving
+    out = v.fetch(producer.address, "after-junk", KEYS, list(range(8)))
+    assert (out.hits, out.ok) == (len(KEYS), True), out
+    assert crc_ok(v, KEYS, list(range(8)))
+    report = producer_report(producer)
+    assert report["max_step_s"] < 0.5
+    assert report["rss"] < before["rss"] + 64 * 2**20
+    settle(v, producer)

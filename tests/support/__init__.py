@@ -1,0 +1,1 @@
+"""Test and benchmark support: fault injection, peer processes, namespaces."""
