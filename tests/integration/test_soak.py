@@ -123,8 +123,10 @@ class Soak:
         self.started = 0
         self.done = 0
         self.jobs = 0
-        self.results: Counter[int] = Counter()
-        self.submitted: set[int] = set()
+        # Jobs awaiting their one result; the soak keeps no per-job history,
+        # so its own memory stays flat and the RSS check measures the tier.
+        self.pending: set[int] = set()
+        self.results = 0
         self.tally: Counter[str] = Counter()
         self.bad: list[str] = []
 
@@ -179,7 +181,7 @@ class Soak:
             self.jobs += 1
             lane.job = self.jobs
             lane.keys = [lane.keys[i] for i in hits]
-            self.submitted.add(lane.job)
+            self.pending.add(lane.job)
             m.submit_load(
                 lane.job,
                 lane.req,
@@ -199,7 +201,12 @@ class Soak:
             self.finish(lane)
 
     def on_result(self, r: JobResult) -> None:
-        self.results[r.job_id] += 1
+        self.c.results.pop(r.job_id, None)  # StandalonePeer keeps them all
+        if r.job_id not in self.pending:
+            self.bad.append(f"job {r.job_id}: a second result (or never submitted)")
+            return
+        self.pending.discard(r.job_id)
+        self.results += 1
         lane = next((ln for ln in self.lanes if ln.job == r.job_id), None)
         if lane is None:
             self.bad.append(f"result for unknown job {r.job_id}")
@@ -356,11 +363,11 @@ def test_soak(peers: tuple[StandalonePeer, list[PeerProc]]) -> None:
     )
     assert not s.bad, s.bad[:10]
     assert not left, left
-    assert set(s.results) == s.submitted, "a job never got its result"
-    assert all(n == 1 for n in s.results.values()), "a job got two results"
+    assert not s.pending, f"jobs without a result: {sorted(s.pending)[:10]}"
+    assert s.results == s.jobs
     assert consumer.manager.double_results == 0
     assert consumer.manager.failed_ids() == frozenset()
     assert s.tally["ok"] > 0.5 * s.jobs
     assert injected["dropped"] and injected["failed_posts"] + injected["stalled_posts"]
     assert fc.counts.cuts >= 3
-    assert rss_end - rss_start < 32 * 2**20 + 0.1 * rss_start
+    assert rss_end - rss_start < 16 * 2**20
