@@ -476,9 +476,20 @@ def check_ucx_error_handling_mode(mode: str, ucx_tls: str | None) -> str:
 # --------------------------------------------------------------------------
 
 
+#: Regions of up to this many blocks (each side) get one prepared per-block
+#: descriptor list, made once: a transfer then names blocks by index and
+#: NIXL skips re-validating descriptors, which halves a one-block transfer's
+#: cost (23 -> 11 us here). NIXL merges adjacent blocks itself. Larger
+#: regions build coalesced descriptors per transfer instead.
+PREP_MAX_BLOCKS: Final = 1 << 17
+
+
 @dataclass
 class _Peer:
     info: RegionInfo
+    #: Prepared per-block list of the peer's region (made at first use).
+    prepped: Any = None
+    prep_failed: bool = False
 
 
 @dataclass
@@ -561,6 +572,7 @@ class NixlDataTransport:
         self._closed = False
         self._reg_descs: Any = None
         self._agent: Any = None
+        self._local_prepped: Any = None
         self._drain_timeout_s = drain_timeout_s
 
         ucx_mode = check_ucx_error_handling_mode(
@@ -706,8 +718,55 @@ class NixlDataTransport:
     def _remove_peer_locked(self, agent_name: str) -> None:
         tids = [tid for tid, x in self._inflight.items() if x.peer == agent_name]
         self._finish(tids)
-        if self._peers.pop(agent_name, None) is not None:
+        peer = self._peers.pop(agent_name, None)
+        if peer is not None:
+            self._release_prepped(peer)
             self._invalidate(agent_name)
+
+    def _release_prepped(self, peer: _Peer) -> None:
+        if peer.prepped is not None:
+            self._release(peer.prepped)
+            peer.prepped = None
+
+    def _prepare(self, peer: _Peer) -> tuple[Any, Any] | None:
+        """Both sides' prepared per-block lists, made once; None where the
+        regions are too large or NIXL would not prepare them."""
+        info = peer.info
+        if peer.prep_failed or max(self._num_blocks, info.num_blocks) > PREP_MAX_BLOCKS:
+            return None
+        if peer.prepped is not None and self._local_prepped is not None:
+            return self._local_prepped, peer.prepped
+        agent = self._agent
+        try:
+            if self._local_prepped is None:
+                self._local_prepped = agent.prep_xfer_dlist(
+                    "NIXL_INIT_AGENT",
+                    self._block_list(
+                        self._span.addr, self._num_blocks, self._span.device_id
+                    ),
+                    self._span.mem_kind,
+                )
+            peer.prepped = agent.prep_xfer_dlist(
+                info.agent_name,
+                self._block_list(info.base_addr, info.num_blocks, info.device_id),
+                info.mem_kind,
+            )
+        except Exception:
+            logger.warning(
+                "preparing descriptors for %s failed; building them per "
+                "transfer instead",
+                info.agent_name,
+                exc_info=True,
+            )
+            peer.prep_failed = True
+            return None
+        return self._local_prepped, peer.prepped
+
+    def _block_list(self, base: int, num_blocks: int, device: int) -> Any:
+        starts = np.arange(num_blocks, dtype=np.int64)
+        return build_descs(
+            base, self._block_bytes, device, starts, np.ones_like(starts)
+        )
 
     def _invalidate(self, agent_name: str) -> None:
         try:
@@ -771,34 +830,32 @@ class NixlDataTransport:
             if peer is None:
                 raise KeyError(f"unknown peer {agent_name!r}: add_peer first")
             info = peer.info
+            # Validates every index (range, duplicates) before any NIXL call.
             plan = plan_write(
                 local_blocks, remote_blocks, self._num_blocks, info.num_blocks
-            )
-            local = build_descs(
-                self._span.addr,
-                self._block_bytes,
-                self._span.device_id,
-                plan.src_starts,
-                plan.counts,
-            )
-            remote = build_descs(
-                info.base_addr,
-                self._block_bytes,
-                info.device_id,
-                plan.dst_starts,
-                plan.counts,
             )
             tid = next(self._ids)
             handle = None
             try:
                 agent = self._agent
-                handle = agent.initialize_xfer(
-                    op,
-                    self._xfer_dlist(agent.nixl_mems[self._span.mem_kind], local),
-                    self._xfer_dlist(agent.nixl_mems[info.mem_kind], remote),
-                    agent_name,
-                    notif,
-                )
+                prepped = self._prepare(peer)
+                if prepped is not None:
+                    handle = agent.make_prepped_xfer(
+                        op,
+                        prepped[0],
+                        _as_int_list("local_blocks", local_blocks),
+                        prepped[1],
+                        _as_int_list("remote_blocks", remote_blocks),
+                        notif,
+                    )
+                else:
+                    handle = agent.initialize_xfer(
+                        op,
+                        self._descs(plan.src_starts, plan.counts, None),
+                        self._descs(plan.dst_starts, plan.counts, info),
+                        agent_name,
+                        notif,
+                    )
                 state = agent.transfer(handle)
             except Exception as exc:
                 # A dead or removed peer lands here: an expected event, so
@@ -821,6 +878,20 @@ class NixlDataTransport:
                 self._release(handle)
                 self._done.append((tid, state == "DONE"))
             return tid
+
+    def _descs(self, starts: Any, counts: Any, peer: RegionInfo | None) -> Any:
+        """Coalesced descriptors of runs, ours (``peer`` None) or a peer's."""
+        agent = self._agent
+        if peer is None:
+            base, device, kind = (
+                self._span.addr,
+                self._span.device_id,
+                self._span.mem_kind,
+            )
+        else:
+            base, device, kind = peer.base_addr, peer.device_id, peer.mem_kind
+        descs = build_descs(base, self._block_bytes, device, starts, counts)
+        return self._xfer_dlist(agent.nixl_mems[kind], descs)
 
     def poll_completions(self) -> list[tuple[int, bool]]:
         """``(transfer id, ok)`` for every transfer that ended since last call.
@@ -884,9 +955,13 @@ class NixlDataTransport:
             try:
                 self._finish(list(self._inflight))
                 self._done.clear()
-                for name in list(self._peers):
+                for name, peer in self._peers.items():
+                    self._release_prepped(peer)
                     self._invalidate(name)
                 self._peers.clear()
+                if self._local_prepped is not None:
+                    self._release(self._local_prepped)
+                    self._local_prepped = None
                 if self._reg_descs is not None:
                     try:
                         self._agent.deregister_memory(self._reg_descs)

@@ -75,11 +75,13 @@ class TierRuntime:
         """True when blocking on the sockets cannot delay the engine's own
         work: nothing of its own to compute, no write in flight. With a
         waker, an engine without live requests must go idle instead."""
-        if self._xfers or self.manager.has_lookups_to_serve:
+        m = self.manager
+        if self._xfers or m.has_lookups_to_serve or m.results_ready():
+            # A READ can end inside its post: its result is already here.
             return False
         if self.has_waker and self.live_requests == 0:
             return False
-        return self.manager.waiting_requests() >= self.live_requests
+        return m.waiting_requests() >= self.live_requests
 
     def poll(self, wait: bool | None = None) -> None:
         """One sweep: receive, feed the manager, progress the data plane,

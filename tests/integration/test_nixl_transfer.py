@@ -159,7 +159,16 @@ def _worker(
         reported.extend(t.poll_completions())  # nothing may come twice
         return tid, reported, t.in_flight()
 
+    def set_prep_max(n: int) -> int:
+        """Regions above ``n`` blocks build descriptors per transfer."""
+        import p2p_kv.data as data
+
+        old = data.PREP_MAX_BLOCKS
+        data.PREP_MAX_BLOCKS = n  # type: ignore[misc]
+        return old
+
     handlers: dict[str, Callable[..., Any]] = {
+        "set_prep_max": set_prep_max,
         "crcs": crcs,
         "post_and": post_and,
         "fill": fill,
@@ -385,6 +394,21 @@ def test_out_of_range_read_raises_before_anything_moves(pair: Pair) -> None:
     assert err.value.kind == "ValueError" and str(CONSUMER_BLOCKS) in err.value.message
     assert pair.consumer.call("in_flight", bs) == 0
     assert pair.consumer.call("crcs", bs) == before
+
+
+def test_unprepared_descriptors_for_large_regions(pair: Pair) -> None:
+    """Past PREP_MAX_BLOCKS each transfer builds coalesced descriptors
+    itself: the same bytes land, both ways."""
+    bs = 64 * KIB
+    old = [w.call("set_prep_max", 0) for w in (pair.producer, pair.consumer)]
+    try:
+        ok, _, _ = pair.transfer(bs, [*range(50, 54), 9], [*range(80, 84), 11], b"u")
+        assert ok
+        assert pair.read(bs, [60, 61, 62, 5], [40, 41, 42, 100])
+        pair.check_consumer(bs)
+    finally:
+        for w, n in zip((pair.producer, pair.consumer), old, strict=True):
+            w.call("set_prep_max", n)
 
 
 def test_write_coalesced_runs(pair: Pair) -> None:
