@@ -71,6 +71,12 @@ class TierRuntime:
 
     # ------------------------------------------------------------------
 
+    @property
+    def transfers_in_flight(self) -> int:
+        """Posted reads and writes whose completion we have not handled yet
+        (zero once work drains: a leak check for tests and operators)."""
+        return len(self._xfers)
+
     def may_wait(self) -> bool:
         """True when blocking on the sockets cannot delay the engine's own
         work: nothing of its own to compute, no write in flight. With a

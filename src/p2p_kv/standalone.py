@@ -135,9 +135,12 @@ class StandalonePeer:
         results = rt.finished_jobs() if wait is None else self._poll(wait)
         rt.serve(self.pinner)
         rt.flush()
-        self.pinner.release(results)
         for r in results:
-            self.results[r.job_id] = r
+            # Loads only (the caller pops them): results of our pin jobs
+            # would pile up for the life of a producer.
+            if r.job_id not in self.pinner.pinned:
+                self.results[r.job_id] = r
+        self.pinner.release(results)
         return results
 
     def _poll(self, wait: bool) -> list[JobResult]:

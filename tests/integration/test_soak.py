@@ -276,9 +276,9 @@ def settle(s: Soak, procs: list[PeerProc], within: float = 10.0) -> dict[str, An
         left: dict[str, Any] = {}
         if mine:
             left["consumer"] = mine
-        if rt._xfers or data.inner.in_flight() or data.handles():
+        if rt.transfers_in_flight or data.inner.in_flight() or data.handles():
             left["consumer_xfers"] = (
-                len(rt._xfers),
+                rt.transfers_in_flight,
                 data.inner.in_flight(),
                 data.handles(),
             )

@@ -100,7 +100,7 @@ class Agent:
                 session_errors[k] = session_errors.get(k, 0) + v
         out = {
             "state": m.state_report(),
-            "xfers": len(rt._xfers),
+            "xfers": rt.transfers_in_flight,
             "nixl_in_flight": int(self.data.inner.in_flight()),
             "fault_handles": self.data.handles(),
             "faults": {
