@@ -460,6 +460,10 @@ class LoadManager:
             return None  # closed, awaiting invalidation
         if now < self._retry_at.get(peer, 0.0):
             return None
+        self._to_connect.append(peer)
+        return self._new_session(peer, now)
+
+    def _new_session(self, peer: str, now: float) -> Session:
         session = Session(
             peer,
             self.me,
@@ -469,7 +473,6 @@ class LoadManager:
             reads=self.reads,
         )
         self._sessions[peer] = session
-        self._to_connect.append(peer)
         self._touch(session)
         return session
 
@@ -478,16 +481,7 @@ class LoadManager:
         (the transport's connection name if it has one)."""
         if peer is None or peer in self._sessions:
             peer = f"in:#{next(self._inbound_ids)}"
-        session = Session(
-            peer,
-            self.me,
-            now,
-            timeouts=self.timeouts,
-            limits=self.limits,
-            reads=self.reads,
-        )
-        self._sessions[peer] = session
-        self._touch(session)
+        self._new_session(peer, now)
         return peer
 
     def on_message(self, peer: str, msg: Message, now: float) -> None:

@@ -140,31 +140,13 @@ class TierRuntime:
         # Reads first: they need nothing from the peer, so they start the
         # moment the engine asks, ahead of this step's messages.
         for peer, read in m.take_reads():
-            agent = self._agents.get(peer)
-            try:
-                if agent is None:
-                    raise ValueError("peer has no data-plane agent")
-                xfer = self.data.post_read(agent, read.remote, read.local)
-            except Exception as exc:  # refused before any byte moved
-                log.warning("p2p_kv: read from %s refused: %s", peer, exc)
-                m.on_read_done(peer, read.job_id, False, now)
-                continue
-            self._xfers[xfer] = (peer, "read", read.job_id)
-            posted = True
+            posted |= self._post(peer, "read", read.job_id, read.remote, read.local)
         for peer, msgs in m.take_outgoing(now):
             self._send(peer, msgs, now)
         for peer, order in m.take_writes():
-            agent = self._agents.get(peer)
-            try:
-                if agent is None:
-                    raise ValueError("peer has no data-plane agent")
-                xfer = self.data.post_write(agent, order.src, order.dst, order.notif)
-            except Exception as exc:  # refused before any byte moved
-                log.warning("p2p_kv: write to %s refused: %s", peer, exc)
-                m.on_write_done(peer, order.write_id, False, now)
-                continue
-            self._xfers[xfer] = (peer, "write", order.write_id)
-            posted = True
+            posted |= self._post(
+                peer, "write", order.write_id, order.src, order.dst, order.notif
+            )
         if posted:
             # Shared-memory UCX copies inside the post: report completions
             # now, so results and TransferDone leave in this step.
@@ -183,6 +165,37 @@ class TierRuntime:
                 log.info("p2p_kv: session %s closed: %s", peer, session.close_reason)
             m.on_invalidated(peer, now)
         m.end_step(now)
+
+    def _post(
+        self,
+        peer: str,
+        kind: str,
+        ident: int,
+        src: list[int],
+        dst: list[int],
+        notif: bytes = b"",
+    ) -> bool:
+        """Hand one transfer ``src`` -> ``dst`` to the data plane: a read
+        (their blocks into our slots) or a write (ours into theirs). A
+        refusal ends it failed at once."""
+        agent = self._agents.get(peer)
+        try:
+            if agent is None:
+                raise ValueError("peer has no data-plane agent")
+            if kind == "read":
+                xfer = self.data.post_read(agent, src, dst)
+            else:
+                xfer = self.data.post_write(agent, src, dst, notif)
+        except Exception as exc:  # refused before any byte moved
+            log.warning("p2p_kv: %s with %s refused: %s", kind, peer, exc)
+            now = self.clock()
+            if kind == "read":
+                self.manager.on_read_done(peer, ident, False, now)
+            else:
+                self.manager.on_write_done(peer, ident, False, now)
+            return False
+        self._xfers[xfer] = (peer, kind, ident)
+        return True
 
     def _receive(self, timeout: float) -> bool:
         """Feed whatever arrives within ``timeout`` to the manager; True if
