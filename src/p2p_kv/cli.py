@@ -14,7 +14,7 @@ import runpy
 import sys
 from pathlib import Path
 
-BENCHES = ("step", "transfer", "raw_nixl", "ttft", "vs_intree", "fallback")
+BENCHES = ("step", "transfer", "raw_nixl", "ttft", "vs_intree", "fallback", "gpu")
 
 
 def _bench(name: str, rest: list[str]) -> int:

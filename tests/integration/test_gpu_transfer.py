@@ -1,0 +1,194 @@
+"""GPU memory through the whole fetch path, between two processes.
+
+A producer :class:`StandalonePeer` in a spawned process holds its blocks in a
+CUDA tensor (GPU to GPU) or in host memory (host to GPU); a consumer
+StandalonePeer here holds a CUDA tensor on the other GPU (the same GPU where
+there is only one). Every fetch goes through lookup, pin, Fetch, NIXL WRITE
+and TransferDone, and afterwards the whole consumer region is compared byte
+for byte with what each slot must hold, so a block that lands in the wrong
+slot fails as surely as one that does not land.
+
+These need CUDA and skip, saying so, where torch sees no GPU (CI). What can
+be checked without a GPU (VRAM registration and descriptors) is in
+``tests/unit/test_gpu_regions.py``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import multiprocessing as mp
+import traceback
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
+
+KIB = 1024
+BS = 64 * KIB
+PRODUCER_BLOCKS = 32
+CONSUMER_BLOCKS = 64
+
+
+def _paths() -> list[str]:
+    """``write`` (the producer WRITEs after a Fetch) and, where the peer
+    takes ``reads``, ``read`` (the consumer READs the pinned blocks)."""
+    from p2p_kv.standalone import StandalonePeer
+
+    if "reads" in inspect.signature(StandalonePeer).parameters:
+        return ["read", "write"]
+    return ["write"]
+
+
+def _path_kwargs(path: str) -> dict[str, bool]:
+    return {"reads": path == "read"} if "read" in _paths() else {}
+
+
+def _devices() -> tuple[str, str]:
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip(
+            "needs CUDA: torch.cuda.is_available() is False here; these tests "
+            "move blocks into GPU memory (run them on the GPU machine)"
+        )
+    last = min(1, torch.cuda.device_count() - 1)
+    return "cuda:0", f"cuda:{last}"
+
+
+def _pattern(start: int, nbytes: int, device: str) -> Any:
+    """Bytes that depend on their global offset: a block one slot off or a
+    shifted range never matches by accident."""
+    import torch
+
+    x = torch.arange(start, start + nbytes, dtype=torch.int64, device=device)
+    x = x * 0x9E3779B1 + 0x7F4A7C15
+    return ((x ^ (x >> 13) ^ (x >> 29)) & 0xFF).to(torch.uint8)
+
+
+def _key(i: int) -> bytes:
+    from p2p_kv.standalone import make_key
+
+    return make_key(i)
+
+
+def _producer(kind: str, path: str, device: str, conn: Any, stop: Any) -> None:
+    try:
+        import torch
+
+        from p2p_kv.standalone import StandalonePeer
+
+        nbytes = PRODUCER_BLOCKS * BS
+        region: Any
+        if kind == "vram":
+            torch.cuda.set_device(device)
+            region = _pattern(0, nbytes, device)
+        else:
+            region = _pattern(0, nbytes, "cpu").numpy().copy()
+        peer = StandalonePeer(
+            PRODUCER_BLOCKS,
+            BS,
+            engine_id=f"gpu-test-{kind}",
+            region=region,
+            **_path_kwargs(path),
+        )
+        for slot in range(PRODUCER_BLOCKS):
+            peer.pinner.table[_key(slot)] = slot
+        conn.send(("ready", peer.address, peer.runtime.data.local_region().mem_kind))
+        peer.serve_until(stop, max_s=240)
+        peer.close()
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+
+
+@pytest.fixture(
+    params=[(kind, path) for kind in ("vram", "dram") for path in _paths()],
+    ids=lambda p: "-".join(p),
+)
+def pair(request: pytest.FixtureRequest) -> Iterator[tuple[Any, str, str, Any]]:
+    """(consumer, producer address, producer memory kind, consumer region)."""
+    src_dev, dst_dev = _devices()
+    kind, path = request.param
+    import torch
+
+    from p2p_kv.standalone import StandalonePeer
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    stop = ctx.Event()
+    proc = ctx.Process(
+        target=_producer, args=(kind, path, src_dev, child, stop), daemon=True
+    )
+    proc.start()
+    try:
+        assert parent.poll(120), "producer did not start"
+        msg = parent.recv()
+        assert msg[0] == "ready", msg[1]
+        torch.cuda.set_device(dst_dev)
+        region = torch.zeros(CONSUMER_BLOCKS * BS, dtype=torch.uint8, device=dst_dev)
+        consumer = StandalonePeer(
+            CONSUMER_BLOCKS,
+            BS,
+            engine_id="gpu-test-cons",
+            region=region,
+            **_path_kwargs(path),
+        )
+        try:
+            yield consumer, msg[1], msg[2], region
+        finally:
+            consumer.close()
+    finally:
+        stop.set()
+        proc.join(20)
+        if proc.is_alive():
+            proc.kill()
+
+
+def _check_region(region: Any, expect: dict[int, int]) -> None:
+    """Every consumer slot holds its source block's bytes, or zeros."""
+    import torch
+
+    torch.cuda.synchronize(region.device)
+    rows = region.view(CONSUMER_BLOCKS, BS)
+    zeros = torch.zeros(BS, dtype=torch.uint8, device=region.device)
+    for slot in range(CONSUMER_BLOCKS):
+        src = expect.get(slot)
+        want = zeros if src is None else _pattern(src * BS, BS, str(region.device))
+        assert torch.equal(rows[slot], want), (
+            f"consumer slot {slot} should hold "
+            f"{'zeros' if src is None else f'producer block {src}'}"
+        )
+
+
+def test_fetch_into_gpu_memory(pair: tuple[Any, str, str, Any]) -> None:
+    consumer, address, producer_mem, region = pair
+    assert consumer.runtime.data.local_region().mem_kind == "VRAM"
+    assert producer_mem in ("VRAM", "DRAM")
+    expect: dict[int, int] = {}
+    mappings = [
+        ([0], [63]),  # one block, the region's last slot
+        (list(range(1, 9)), list(range(10, 18))),  # contiguous: one descriptor
+        (list(range(9, 17)), [20 + 2 * i for i in range(8)]),  # scattered
+        (list(range(31, 16, -1)), list(range(40, 55))),  # reversed: a descriptor each
+    ]
+    for n, (src, dst) in enumerate(mappings):
+        out = consumer.fetch(
+            address, f"gpu-{n}", [_key(s) for s in src], dst, timeout_s=60
+        )
+        assert out.ok, out
+        assert out.hits == len(src)
+        expect.update(zip(dst, src, strict=True))
+        _check_region(region, expect)
+    report = consumer.manager.state_report()
+    assert not any(report.values()), report
+
+
+def test_pattern_detects_shifted_block() -> None:
+    """The check above could not fail if neighbouring blocks looked alike."""
+    a = _pattern(0, BS, "cpu")
+    b = _pattern(BS, BS, "cpu")
+    shifted = _pattern(1, BS, "cpu")
+    assert not np.array_equal(a.numpy(), b.numpy())
+    assert not np.array_equal(a.numpy(), shifted.numpy())
