@@ -3,7 +3,9 @@
 A fake tensor-like object stands in for a CUDA tensor and a fake NIXL agent
 records what the transport asks of NIXL, so CI checks the GPU path's
 registration and descriptors: which memory type and device each side's
-descriptors name and which addresses they cover. A wrong device id or
+descriptors name and which addresses they cover, on both ways the
+transport can describe a transfer (prepared per-block lists indexed by
+block, or coalesced descriptors built per transfer). A wrong device id or
 memory type here would make UCX read or write the wrong GPU's memory, or
 refuse the transfer, only on a GPU machine. The transfers themselves run in
 ``tests/integration/test_gpu_transfer.py`` where CUDA exists.
@@ -58,10 +60,24 @@ class FakeDList:
 
 
 @dataclass
+class FakePrepped:
+    agent: str
+    mem: str
+    descs: list[tuple[int, int, int]]
+
+    def release(self) -> None:
+        pass
+
+
+@dataclass
 class FakeAgent:
-    """Records NIXL calls; every transfer completes at once."""
+    """Records NIXL calls; every transfer completes at once. With
+    ``can_prep`` False, preparing lists fails, as it would in a NIXL
+    without them, and the transport falls back to coalesced descriptors."""
 
     name: str
+    can_prep: bool = True
+    prepped: list[FakePrepped] = field(default_factory=list)
     registered: list[tuple[list[tuple[int, int, int, str]], str]] = field(
         default_factory=list
     )
@@ -98,6 +114,33 @@ class FakeAgent:
         self.xfers.append((op, local, remote, peer, notif))
         return _Handle()
 
+    def prep_xfer_dlist(self, agent: str, descs: Any, mem: str) -> FakePrepped:
+        if not self.can_prep:
+            raise NotImplementedError("no prepared lists in this fake")
+        self.prepped.append(FakePrepped(agent, mem, _dlist(mem, descs).descs))
+        return self.prepped[-1]
+
+    def make_prepped_xfer(
+        self,
+        op: str,
+        local: FakePrepped,
+        local_idx: list[int],
+        remote: FakePrepped,
+        remote_idx: list[int],
+        notif: bytes,
+    ) -> object:
+        """Recorded as the per-block descriptors the indices select."""
+        self.xfers.append(
+            (
+                op,
+                FakeDList(f"mem:{local.mem}", [local.descs[i] for i in local_idx]),
+                FakeDList(f"mem:{remote.mem}", [remote.descs[i] for i in remote_idx]),
+                remote.agent,
+                notif,
+            )
+        )
+        return _Handle()
+
     def transfer(self, handle: object) -> str:
         return "DONE"
 
@@ -118,12 +161,27 @@ def _dlist(mem: str, descs: Any) -> FakeDList:
     return FakeDList(mem, [tuple(int(v) for v in r) for r in rows])
 
 
-@pytest.fixture
-def agents(monkeypatch: pytest.MonkeyPatch) -> list[FakeAgent]:
+def _blocks(dl: FakeDList) -> FakeDList:
+    """Split coalesced descriptors into per-block ones, so both ways of
+    describing a transfer compare alike."""
+    return FakeDList(
+        dl.mem,
+        [(a + k * BS, BS, dev) for a, n, dev in dl.descs for k in range(n // BS)],
+    )
+
+
+def _sent(agent: FakeAgent) -> list[tuple[str, FakeDList, FakeDList, str, bytes]]:
+    return [(op, _blocks(lo), _blocks(re), p, n) for op, lo, re, p, n in agent.xfers]
+
+
+@pytest.fixture(params=[True, False], ids=["prepared", "coalesced"])
+def agents(
+    monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> list[FakeAgent]:
     made: list[FakeAgent] = []
 
     def agent(name: str, config: object) -> FakeAgent:
-        made.append(FakeAgent(name))
+        made.append(FakeAgent(name, can_prep=request.param))
         return made[-1]
 
     monkeypatch.setattr(
@@ -172,13 +230,35 @@ def test_vram_to_vram_descriptors_name_each_sides_gpu(
     t.add_peer(_peer(MEM_VRAM, 0, remote_base, 32))
     tid = t.post_write("peer-1", [3, 4, 5, 9], [20, 21, 22, 2], notif=b"n")
     assert t.poll_completions() == [(tid, True)]
-    ((op, local, remote, peer, notif),) = agents[0].xfers
+    ((op, local, remote, peer, notif),) = _sent(agents[0])
     assert (op, peer, notif) == ("WRITE", "peer-1", b"n")
     assert local == FakeDList(
-        "mem:VRAM", [(local_base + 3 * BS, 3 * BS, 1), (local_base + 9 * BS, BS, 1)]
+        "mem:VRAM", [(local_base + s * BS, BS, 1) for s in (3, 4, 5, 9)]
     )
     assert remote == FakeDList(
-        "mem:VRAM", [(remote_base + 20 * BS, 3 * BS, 0), (remote_base + 2 * BS, BS, 0)]
+        "mem:VRAM", [(remote_base + d * BS, BS, 0) for d in (20, 21, 22, 2)]
+    )
+    if agents[0].can_prep:  # the coalesced form: two runs, not four blocks
+        return
+    assert [d[1] for d in agents[0].xfers[0][1].descs] == [3 * BS, BS]
+
+
+def test_vram_read_names_each_sides_gpu(agents: list[FakeAgent]) -> None:
+    """A READ describes our VRAM as the destination, the peer's as the
+    source: the device ids must not swap with the direction."""
+    local_base, remote_base = 0x7F00_0000_0000, 0x7E00_0000_0000
+    t = NixlDataTransport(FakeCudaTensor(local_base, 16 * BS, index=1), BS)
+    t.add_peer(_peer(MEM_VRAM, 0, remote_base, 32))
+    if not hasattr(t, "post_read"):
+        pytest.fail("NixlDataTransport has no post_read")
+    t.post_read("peer-1", [30, 31], [7, 8])  # remote blocks, then ours
+    ((op, local, remote, _, _),) = _sent(agents[0])
+    assert op == "READ"
+    assert local == FakeDList(
+        "mem:VRAM", [(local_base + 7 * BS, BS, 1), (local_base + 8 * BS, BS, 1)]
+    )
+    assert remote == FakeDList(
+        "mem:VRAM", [(remote_base + 30 * BS, BS, 0), (remote_base + 31 * BS, BS, 0)]
     )
 
 
@@ -192,9 +272,12 @@ def test_host_to_gpu_descriptors_mix_memory_types(
         t.add_peer(_peer(MEM_VRAM, 3, remote_base, 8))
     assert "slow software path" in caplog.text
     t.post_write("peer-1", [0, 1], [6, 7])
-    ((_, local, remote, _, _),) = agents[0].xfers
-    assert local == FakeDList("mem:DRAM", [(int(host.ctypes.data), 2 * BS, 0)])
-    assert remote == FakeDList("mem:VRAM", [(remote_base + 6 * BS, 2 * BS, 3)])
+    ((_, local, remote, _, _),) = _sent(agents[0])
+    base = int(host.ctypes.data)
+    assert local == FakeDList("mem:DRAM", [(base, BS, 0), (base + BS, BS, 0)])
+    assert remote == FakeDList(
+        "mem:VRAM", [(remote_base + 6 * BS, BS, 3), (remote_base + 7 * BS, BS, 3)]
+    )
 
 
 def test_large_vram_plan_uses_array_descriptors_with_device(
@@ -208,7 +291,7 @@ def test_large_vram_plan_uses_array_descriptors_with_device(
     src = list(range(256))
     dst = [2 * i for i in range(256)]
     t.post_write("peer-1", src, dst)
-    ((_, local, remote, _, _),) = agents[0].xfers
+    ((_, local, remote, _, _),) = _sent(agents[0])
     assert local.descs == [(local_base + s * BS, BS, 1) for s in src]
     assert remote.descs == [(remote_base + d * BS, BS, 2) for d in dst]
 
