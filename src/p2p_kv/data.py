@@ -297,16 +297,30 @@ def _index_error(name: str, blocks: list[int], limit: int, side: str) -> ValueEr
     raise AssertionError("no bad index found")  # pragma: no cover
 
 
-def _plan_py(
+def check_mapping(
     src: list[int], dst: list[int], local_blocks: int, remote_blocks: int
-) -> WritePlan:
+) -> None:
+    """The checks of :func:`plan_write` without the coalescing: every index
+    inside its region, none twice, as many sources as destinations."""
+    if len(src) != len(dst):
+        raise ValueError(
+            f"src_blocks has {len(src)} entries but dst_blocks has {len(dst)}"
+        )
+    if not src:
+        raise ValueError("empty transfer: no blocks given")
     n = len(src)
     for name, blocks, limit, side in (
         ("src", src, local_blocks, "local"),
         ("dst", dst, remote_blocks, "remote"),
     ):
-        if min(blocks) < 0 or max(blocks) >= limit or len(set(blocks)) != n:
+        if min(blocks) < 0 or max(blocks) >= limit or (n > 1 and len(set(blocks)) != n):
             raise _index_error(name, blocks, limit, side)
+
+
+def _plan_py(
+    src: list[int], dst: list[int], local_blocks: int, remote_blocks: int
+) -> WritePlan:
+    check_mapping(src, dst, local_blocks, remote_blocks)
     pairs = sorted(zip(src, dst, strict=True))
     src_starts: list[int] = []
     dst_starts: list[int] = []
@@ -830,25 +844,28 @@ class NixlDataTransport:
             if peer is None:
                 raise KeyError(f"unknown peer {agent_name!r}: add_peer first")
             info = peer.info
-            # Validates every index (range, duplicates) before any NIXL call.
-            plan = plan_write(
-                local_blocks, remote_blocks, self._num_blocks, info.num_blocks
-            )
+            # Every index is checked (range, duplicates) before any NIXL
+            # call; prepared lists need no coalescing plan (NIXL merges).
+            prepped = self._prepare(peer)
+            plan = None
+            if prepped is not None:
+                local = _as_int_list("src_blocks", local_blocks)
+                remote = _as_int_list("dst_blocks", remote_blocks)
+                check_mapping(local, remote, self._num_blocks, info.num_blocks)
+            else:
+                plan = plan_write(
+                    local_blocks, remote_blocks, self._num_blocks, info.num_blocks
+                )
             tid = next(self._ids)
             handle = None
             try:
                 agent = self._agent
-                prepped = self._prepare(peer)
                 if prepped is not None:
                     handle = agent.make_prepped_xfer(
-                        op,
-                        prepped[0],
-                        _as_int_list("local_blocks", local_blocks),
-                        prepped[1],
-                        _as_int_list("remote_blocks", remote_blocks),
-                        notif,
+                        op, prepped[0], local, prepped[1], remote, notif
                     )
                 else:
+                    assert plan is not None
                     handle = agent.initialize_xfer(
                         op,
                         self._descs(plan.src_starts, plan.counts, None),
