@@ -155,6 +155,24 @@ class StandalonePeer:
 
     # -- consumer side, driven like vLLM's scheduler drives a request --------
 
+    def open(self, req_id: str, peer: str, kv_id: str, *, probe: bool = True) -> None:
+        """Start consumer request ``req_id`` whose KV lives at ``peer``
+        (``host:port``) as ``kv_id``: what vLLM does for a request with
+        ``remote_kv_source`` (``probe``) or ``remote_prefiller``."""
+        host, _, port = peer.rpartition(":")
+        leg = "remote_kv_source" if probe else "remote_prefiller"
+        roles = Roles.parse(
+            {
+                leg: {
+                    "kv_request_id": kv_id,
+                    "remote_host": host.strip("[]"),
+                    "remote_port": int(port),
+                }
+            }
+        )
+        self.runtime.live_requests += 1
+        self.manager.on_new_request(req_id, roles, self.runtime.clock())
+
     def fetch(
         self,
         peer: str,
@@ -170,20 +188,8 @@ class StandalonePeer:
         """Look ``keys`` up at ``peer`` and load the hits into ``slots``."""
         m, rt = self.manager, self.runtime
         req_id = req_id or f"req-{next(self._jobs)}"
-        host, _, port = peer.rpartition(":")
-        leg = "remote_kv_source" if probe else "remote_prefiller"
-        roles = Roles.parse(
-            {
-                leg: {
-                    "kv_request_id": kv_id,
-                    "remote_host": host.strip("[]"),
-                    "remote_port": int(port),
-                }
-            }
-        )
         t0 = time.perf_counter()
-        rt.live_requests += 1
-        m.on_new_request(req_id, roles, rt.clock())
+        self.open(req_id, peer, kv_id, probe=probe)
         end = time.monotonic() + timeout_s
         t_lookup = t0
         try:

@@ -206,19 +206,8 @@ def start_load(
     """Open a request at ``peer``, look KEYS up, submit the load; returns
     (engine request id, generation, job id) with the load in flight."""
     m, rt = v.manager, v.runtime
-    host, _, port = peer.rpartition(":")
     req = f"{kv}-req-{time.monotonic_ns()}"
-    roles = Roles.parse(
-        {
-            "remote_kv_source": {
-                "kv_request_id": kv,
-                "remote_host": host,
-                "remote_port": int(port),
-            }
-        }
-    )
-    rt.live_requests += 1
-    m.on_new_request(req, roles, rt.clock())
+    v.open(req, peer, kv)
     end = time.monotonic() + 5
     while Answer.RETRY in (ans := [m.lookup(req, k, rt.clock()) for k in KEYS]):
         assert time.monotonic() < end, "lookups unanswered"

@@ -42,7 +42,7 @@ import pytest
 from tests.support.faults import ControlFaults, DataFaults, install
 from tests.support.procs import PeerProc
 
-from p2p_kv.manager import Answer, JobResult, Roles
+from p2p_kv.manager import Answer, JobResult
 from p2p_kv.session import Timeouts
 from p2p_kv.standalone import StandalonePeer, block_pattern, make_key
 
@@ -131,12 +131,10 @@ class Soak:
         self.bad: list[str] = []
 
     def start(self, lane: Lane) -> None:
-        m, rt = self.c.manager, self.c.runtime
         self.started += 1
         lane.req = f"L{lane.index}-{self.started % 3}"  # engine ids recycled
         kv = f"kv-{self.rng.randrange(KV_POOL)}"  # orchestrator ids reused
         peer = self.rng.choice(self.addrs)
-        host, _, port = peer.rpartition(":")
         n = self.rng.randint(1, PER_LANE)
         lane.keys = [
             self.rng.randrange(FILL) if self.rng.random() < 0.9 else 10_000 + i
@@ -146,17 +144,7 @@ class Soak:
         lane.job, lane.finished, lane.steps = None, False, 0
         lane.abort_after = self.rng.randrange(3) if self.rng.random() < 0.1 else None
         lane.started = time.monotonic()
-        roles = Roles.parse(
-            {
-                "remote_kv_source": {
-                    "kv_request_id": kv,
-                    "remote_host": host,
-                    "remote_port": int(port),
-                }
-            }
-        )
-        rt.live_requests += 1
-        m.on_new_request(lane.req, roles, rt.clock())
+        self.c.open(lane.req, peer, kv)
 
     def finish(self, lane: Lane) -> None:
         if not lane.finished:

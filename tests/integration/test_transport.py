@@ -39,7 +39,7 @@ import psutil
 import pytest
 import zmq  # noqa: F401  (fail, not skip, without ZeroMQ)
 
-from p2p_kv.manager import Answer, Roles
+from p2p_kv.manager import Answer
 from p2p_kv.session import Session, Timeouts
 from p2p_kv.standalone import StandalonePeer, make_key
 
@@ -389,19 +389,8 @@ def open_request(
     session it went to (kept: a refused one leaves the manager)."""
     m, rt = c.manager, c.runtime
     req = f"{kv_id}/req"
-    host, _, port = peer.rpartition(":")
-    roles = Roles.parse(
-        {
-            "remote_kv_source": {
-                "kv_request_id": kv_id,
-                "remote_host": host,
-                "remote_port": int(port),
-            }
-        }
-    )
-    rt.live_requests += 1
     t0 = time.perf_counter()
-    m.on_new_request(req, roles, rt.clock())
+    c.open(req, peer, kv_id)
     session = m.session(peer)
     end = time.monotonic() + 5.0
     while True:
