@@ -107,6 +107,9 @@ class Limits:
 
     max_serves: int = 4096
     max_pinned_blocks: int = 1 << 20
+    #: Keys of a peer's lookups queued for our engine's serve window: what
+    #: a peer can make us hold (and answer) before the engine looks.
+    max_pending_keys: int = 1 << 19
     max_outbox: int = 65_536
 
 
@@ -406,6 +409,7 @@ class Session:
         # producer role
         self._serves: dict[tuple[str, int], Serve] = {}
         self._serve_queue: list[Serve] = []  # LOOKUP_QUEUED, in arrival order
+        self._pending_keys = 0  # keys of queued lookups (Limits.max_pending_keys)
         self._writing: dict[int, Serve] = {}  # by write id
         self._next_write = 0
         self._store_results: list[StoreResult] = []
@@ -539,6 +543,7 @@ class Session:
                 # The peer may not know yet and READ on inside its window:
                 # the pins outlive us, owned by the manager to their deadline.
                 serve.fire(Event.ORPHAN)
+                self._drop_pending(serve)
                 del self._serves[(serve.req, serve.gen)]
                 self.orphans.append(serve)
                 continue
@@ -868,6 +873,16 @@ class Session:
     # ------------------------------------------------------------------
 
     def _on_lookup(self, msg: Lookup, now: float) -> None:
+        cost = max(1, len(msg.keys))
+        if self._pending_keys + cost > self.limits.max_pending_keys:
+            self._protocol_error(
+                "limit_pending_keys",
+                f"{self._pending_keys} lookup keys already wait for our engine",
+                msg.req,
+                msg.gen,
+            )
+            self._send(LookupResp(msg.req, msg.gen, msg.seq, [False] * len(msg.keys)))
+            return
         serve = self._serves.get((msg.req, msg.gen))
         if serve is None:
             if len(self._serves) >= self.limits.max_serves:
@@ -889,8 +904,15 @@ class Session:
         else:
             serve.fire(Event.LOOKUP)
         serve.pending_lookups.append(msg)
+        self._pending_keys += cost
         if serve not in self._serve_queue:
             self._serve_queue.append(serve)
+
+    def _drop_pending(self, serve: Serve) -> list[Lookup]:
+        """Take a serve's queued lookups off the pending-keys budget."""
+        pending, serve.pending_lookups = serve.pending_lookups, []
+        self._pending_keys -= sum(max(1, len(lk.keys)) for lk in pending)
+        return pending
 
     @property
     def has_lookups_to_serve(self) -> bool:
@@ -900,9 +922,10 @@ class Session:
         """Answer queued lookups against the engine (its serve window)."""
         queue, self._serve_queue = self._serve_queue, []
         for serve in queue:
+            pending = self._drop_pending(serve)
             if serve.state is not State.LOOKUP_QUEUED:
                 continue
-            for lookup in serve.pending_lookups:
+            for lookup in pending:
                 budget = self.limits.max_pinned_blocks - self.pinned_blocks
                 keys = lookup.keys if len(lookup.keys) <= budget else []
                 if len(keys) < len(lookup.keys):
@@ -916,7 +939,6 @@ class Session:
                         Pin(job_id, dict(zip(pkeys, pslots, strict=True)))
                     )
                 self._send(self._answer(serve, lookup, hits))
-            serve.pending_lookups.clear()
             serve.fire(Event.SERVED)
             self._arm(serve, now + self.timeouts.pin_ttl_s)
 
@@ -1094,6 +1116,7 @@ class Session:
         parked stores released, bookkeeping dropped."""
         if event is not None and serve.state is not State.RELEASED:
             serve.fire(event)
+        self._drop_pending(serve)
         self._serves.pop((serve.req, serve.gen), None)
         if serve.write_id in self._writing:
             del self._writing[serve.write_id]
@@ -1116,13 +1139,12 @@ class Session:
         peer's Release says no read is in flight (or at their deadline)."""
         for serve in list(self._serves.values()):
             if serve.offered and serve.pins and serve.can(Event.REVOKE):
-                for lookup in serve.pending_lookups:
+                for lookup in self._drop_pending(serve):
                     self._send(
                         LookupResp(
                             serve.req, serve.gen, lookup.seq, [False] * len(lookup.keys)
                         )
                     )
-                serve.pending_lookups.clear()
                 if serve in self._serve_queue:
                     self._serve_queue.remove(serve)
                 serve.fire(Event.REVOKE)
@@ -1326,6 +1348,7 @@ class Session:
             "writes": len(self._writing),
             "fenced_results": len(self._fenced_results),
             "offers": len(self._offers),
+            "pending_lookup_keys": self._pending_keys,
             "revoked": len(self._revoked),
             "buffered_results": len(self._load_results) + len(self._store_results),
         }

@@ -432,6 +432,32 @@ def test_second_hello_is_refused_and_the_session_goes_on() -> None:
 # ---------------------------------------------------------------------------
 
 
+def test_lookups_for_one_request_cannot_queue_unbounded_keys() -> None:
+    """One (req, gen) with lookup after lookup before our engine serves:
+    the queued keys stay under max_pending_keys; the rest are all-miss."""
+    limits = Limits(max_pending_keys=10)
+    net = make_net(limits=limits)
+    probe(net, "r1", "kv1")
+    sa = session(net, "a")
+    for i in range(8):  # 4 keys each: two fit, six are refused
+        inject(net, "a", Lookup("greedy", 1, i + 1, KEYS))
+        assert sa.sizes()["pending_lookup_keys"] <= limits.max_pending_keys
+    assert sa.sizes()["pending_lookup_keys"] == 8
+    assert errors(net, "a") == {"limit_pending_keys": 6}
+    net.serve()  # the engine's window empties the queue
+    assert sa.sizes()["pending_lookup_keys"] == 0
+    for i in range(3):  # and the budget is there again
+        inject(net, "a", Lookup("greedy2", 1, i + 1, KEYS[:3]))
+    assert errors(net, "a") == {"limit_pending_keys": 6}
+    finish(net, "r1")
+    for _ in range(200):  # the greedy serves expire at their pin deadline
+        net.advance(0.1)
+        net.run(1)
+    for eng in net.engines.values():
+        eng.collect(net.now)
+    assert_drained(net)
+
+
 def test_peer_over_max_serves_gets_refusals_and_state_stays_bounded() -> None:
     limits = Limits(max_serves=4)
     net = make_net(limits=limits, timeouts=Timeouts(pin_ttl_s=1.0))
