@@ -51,7 +51,6 @@ import os
 import platform
 import statistics
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Iterator, Sequence
@@ -71,7 +70,7 @@ for _var, _val in (
     os.environ.setdefault(_var, _val)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from raw_nixl import WorkerPair, scattered_mapping  # noqa: E402
+from raw_nixl import WorkerPair, keep_stepping, scattered_mapping  # noqa: E402
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -720,19 +719,8 @@ class P2PGpuPair:
     def idle(self) -> Iterator[None]:
         """Step the consumer like an idle engine while baselines run, so
         its session with the producer stays alive."""
-        stop = threading.Event()
-
-        def steps() -> None:
-            while not stop.is_set():
-                self.consumer.step()
-
-        thread = threading.Thread(target=steps, daemon=True)
-        thread.start()
-        try:
+        with keep_stepping([self.consumer]):
             yield
-        finally:
-            stop.set()
-            thread.join()
 
     def close(self) -> None:
         self.consumer.close()

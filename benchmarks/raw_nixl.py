@@ -25,10 +25,11 @@ import multiprocessing as mp
 import os
 import statistics
 import sys
+import threading
 import time
 import traceback
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -294,6 +295,29 @@ def _timed(
         if i >= 2:
             seconds.append(elapsed)
     return seconds
+
+
+@contextlib.contextmanager
+def keep_stepping(peers: Sequence[Any]) -> Iterator[None]:
+    """Step StandalonePeers from a thread, as idle engines would, while the
+    caller measures something else: a consumer nobody steps loses its
+    session to the peer's liveness deadline. Non-blocking steps with a
+    short sleep, so the stepping itself costs the measurement little."""
+    stop = threading.Event()
+
+    def steps() -> None:
+        while not stop.is_set():
+            for peer in peers:
+                peer.step(wait=False)
+            time.sleep(0.005)
+
+    thread = threading.Thread(target=steps, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 class WorkerPair:

@@ -44,7 +44,6 @@ import os
 import platform
 import statistics
 import sys
-import threading
 import time
 import traceback
 import zlib
@@ -58,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from raw_nixl import (
     RawNixlPair,
     WorkerPair,
+    keep_stepping,
     measure_memcpy,
     scattered_mapping,
 )
@@ -218,21 +218,8 @@ class P2PPair:
         """While the baselines run, keep stepping the consumer like an idle
         engine does (it waits on its sockets, so this costs next to no CPU);
         a silent consumer would lose its session to the liveness check."""
-        stop = threading.Event()
-
-        def steps() -> None:
-            while not stop.is_set():
-                for consumer in self.consumers.values():
-                    consumer.step(wait=False)
-                time.sleep(0.005)
-
-        thread = threading.Thread(target=steps, daemon=True)
-        thread.start()
-        try:
+        with keep_stepping(list(self.consumers.values())):
             yield
-        finally:
-            stop.set()
-            thread.join()
 
     def close(self) -> None:
         for consumer in self.consumers.values():

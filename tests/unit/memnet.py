@@ -19,6 +19,16 @@ from p2p_kv.session import Limits, PinResult, ReadOrder, Timeouts, WriteOrder
 
 BLOCK = 16
 NBLOCKS = 64
+#: Deadlines short enough that randomized tests see them all fire.
+FAST_TIMEOUTS = Timeouts(
+    handshake_s=1.0,
+    heartbeat_interval_s=0.3,
+    lookup_s=0.6,
+    fetch_floor_s=0.6,
+    abort_ack_s=0.6,
+    pin_ttl_s=1.5,
+    parked_wait_s=1.5,
+)
 POISON = b"\xee" * BLOCK
 
 

@@ -57,24 +57,16 @@ from p2p_kv.protocol import (
     decode,
     encode,
 )
-from p2p_kv.session import Limits, Session, Timeouts
+from p2p_kv.session import Limits, Session
 
-from .memnet import NBLOCKS, Net, identity, key, payload
+from .memnet import FAST_TIMEOUTS, NBLOCKS, Net, identity, key, payload
 from .test_protocol import mutate, random_value
 
 EXAMPLES = int(os.environ.get("P2P_KV_FUZZ_EXAMPLES", "3000"))
 KEYS = [key(i) for i in range(4)]
 SRC_SLOTS = [10, 13, 16, 19]
 LOAD_SLOTS = [5, 6, 7, 8]
-TIMEOUTS = Timeouts(
-    handshake_s=1.0,
-    heartbeat_interval_s=0.3,
-    lookup_s=0.6,
-    fetch_floor_s=0.6,
-    abort_ack_s=0.6,
-    pin_ttl_s=1.5,
-    parked_wait_s=1.5,
-)
+TIMEOUTS = FAST_TIMEOUTS
 LIMITS = Limits(max_serves=64, max_outbox=4096)
 TYPES: tuple[type[Any], ...] = typing.get_args(Message)
 #: Totals over the run, printed at the end (``-s``): proof of what ran.

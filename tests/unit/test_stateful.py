@@ -27,20 +27,11 @@ from hypothesis.stateful import (
 )
 
 from p2p_kv.manager import Answer, Roles
-from p2p_kv.session import Timeouts
 
-from .memnet import NBLOCKS, Net, key
+from .memnet import FAST_TIMEOUTS, NBLOCKS, Net, key
 
 KEYS = [key(i) for i in range(6)]
-TIMEOUTS = Timeouts(
-    handshake_s=1.0,
-    heartbeat_interval_s=0.3,
-    lookup_s=0.6,
-    fetch_floor_s=0.6,
-    abort_ack_s=0.6,
-    pin_ttl_s=1.5,
-    parked_wait_s=1.5,
-)
+TIMEOUTS = FAST_TIMEOUTS
 ENGINES = ("a", "b", "c")
 
 SETTINGS = settings(
