@@ -145,7 +145,9 @@ DEFINITIONS: dict[str, MetricDef] = {
         "gauge", "Live requests whose remote load failed (they recompute)."
     ),
     FENCED_SLOTS: MetricDef(
-        "gauge", "Destination slots a peer's write may still land in.", _PEER
+        "gauge",
+        "Destination slots a transfer (our READ, a peer's WRITE) may still land in.",
+        _PEER,
     ),
     PARKED_STORES: MetricDef("gauge", "Store jobs parked for a remote decoder."),
     SESSIONS: MetricDef("gauge", "Peer sessions, by link state.", ("peer", "state")),
