@@ -94,6 +94,11 @@ class TierConfig:
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"p2p_kv: {name} must be > 0")
+        if self.pin_ttl_s > 3600:
+            raise ConfigError(
+                f"p2p_kv: pin_ttl_s {self.pin_ttl_s} is over 3600: the protocol "
+                "announces pin lifetimes of at most an hour"
+            )
         if not self.host:
             raise ConfigError("p2p_kv: host is empty; set the address peers dial")
 

@@ -307,6 +307,12 @@ class LoadManager:
                 LoadResult(job_id, -1, False, "unknown_request", request_finished=True)
             )
             return
+        if consumer.fetched:
+            # One load per generation: the first one's READ or WRITE ends by
+            # releasing every pin the peer holds for it, so a second job
+            # could only read slots that are no longer ours to trust.
+            self._results.append(LoadResult(job_id, consumer.gen, False, "second_load"))
+            return
         session = self._sessions.get(consumer.source.peer)
         if session is None or session.closed:
             self._results.append(LoadResult(job_id, consumer.gen, False, "peer_down"))
@@ -740,6 +746,15 @@ class LoadManager:
             session.close(reason)
             self._touch(session)
 
+    def close_session(self, peer: str, reason: str) -> bool:
+        """Drop one peer's session (the peer hears Goodbye); False if none."""
+        session = self._sessions.get(peer)
+        if session is None:
+            return False
+        session.close(reason)
+        self._touch(session)
+        return True
+
     # ------------------------------------------------------------------
     # introspection
     # ------------------------------------------------------------------
@@ -760,8 +775,14 @@ class LoadManager:
         return len(waiting)
 
     def has_pending_work(self) -> bool:
-        """Work of ours in flight that needs the engine to keep stepping."""
-        return bool(self._jobs or self._results or self._unsent or self._to_serve) or (
+        """Work of ours in flight that needs the engine to keep stepping.
+
+        Pins and parked stores are not: they end by a peer's message or a
+        deadline, which the poll (or the waker) handles without an engine
+        step, and their result then wakes the engine (``results_ready``).
+        Counting them kept a producer stepping for a pin's whole lifetime.
+        """
+        return bool(self._results or self._unsent or self._to_serve) or (
             self.waiting_requests() > 0
         )
 

@@ -9,8 +9,9 @@ types and counts are checked here, and anything wrong surfaces as a single
 Request-scoped messages carry ``req`` (the orchestrator's ``kv_request_id``)
 *and* ``gen``: the consumer stamps every new use of an id with a fresh
 generation, so a late reply addressed to an earlier use of the same id can
-never complete, fail or suppress a later one. ``job`` names one fetch inside a
-generation (the engine's job id), since one request may load in several jobs.
+never complete, fail or suppress a later one. ``job`` names the fetch of a
+generation (the engine's job id): the manager allows one load per
+generation, since its end releases every pin the producer holds for it.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ MAX_KEY_BYTES: Final = 64
 MAX_REQ_ID_CHARS: Final = 256
 MAX_TEXT_CHARS: Final = 1024
 MAX_BLOB_BYTES: Final = 1024 * 1024
+#: Longest pin lifetime a LookupResp may announce (one hour).
+MAX_TTL_MS: Final = 3_600_000
 
 ReqId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_REQ_ID_CHARS)]
 Gen = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
@@ -96,7 +99,7 @@ class LookupResp(_Msg, tag="lookup_resp", frozen=True):
     seq: Gen
     hits: Annotated[list[bool], msgspec.Meta(max_length=MAX_KEYS)]
     slots: Slots = []
-    ttl_ms: Annotated[int, msgspec.Meta(ge=0, le=3_600_000)] = 0
+    ttl_ms: Annotated[int, msgspec.Meta(ge=0, le=MAX_TTL_MS)] = 0
 
 
 class Fetch(_Msg, tag="fetch", frozen=True):

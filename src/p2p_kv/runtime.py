@@ -156,8 +156,16 @@ class TierRuntime:
         for peer in m.take_closed():
             agent = self._agents.pop(peer, None)
             if agent is not None:
-                self.data.remove_peer(agent)  # fences: no write can land after
-                for xfer_id in [x for x, pw in self._xfers.items() if pw[0] == peer]:
+                mine = [x for x, what in self._xfers.items() if what[0] == peer]
+                if agent in self._agents.values():
+                    # The same engine, other direction (its inbound and our
+                    # outbound session share one NIXL agent): end only this
+                    # session's transfers; the agent stays for the other.
+                    for xfer_id in mine:
+                        self.data.cancel(xfer_id)
+                else:
+                    self.data.remove_peer(agent)  # fences: nothing lands after
+                for xfer_id in mine:
                     del self._xfers[xfer_id]
             self.control.close_conn(peer)
             session = m.session(peer)
@@ -285,8 +293,12 @@ class TierRuntime:
         self.poll(wait)
         return self.manager.get_finished_jobs(self.clock())
 
-    def drain(self, timeout_s: float = 30.0) -> None:
-        """Block until no job is in flight (cache reset); bounded."""
+    def drain(self, timeout_s: float | None = None) -> None:
+        """Block until no job is in flight (cache reset); bounded. Pins a
+        peer may be READing end at their deadline at the latest, so the
+        default bound outlasts it."""
+        if timeout_s is None:
+            timeout_s = max(30.0, self.manager.timeouts.pin_ttl_s + 5.0)
         end = self.clock() + timeout_s
         while self.manager.jobs_in_flight() and self.clock() < end:
             self.poll(wait=not self._xfers)

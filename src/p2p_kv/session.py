@@ -49,6 +49,7 @@ from p2p_kv.lifecycle import (
     Tracked,
 )
 from p2p_kv.protocol import (
+    MAX_TTL_MS,
     Abort,
     AbortAck,
     Error,
@@ -537,6 +538,7 @@ class Session:
         self._offer_heap.clear()
         self._revoked.clear()
         self._reads.clear()  # never posted: nothing to fence
+        self._writes.clear()
         self.cancelled_reads.clear()
         for serve in list(self._serves.values()):
             if serve.offered and serve.pins and serve.can(Event.ORPHAN):
@@ -660,6 +662,10 @@ class Session:
         self._probe_answers.append(ProbeAnswer(msg.gen, probe.keys, list(msg.hits)))
 
     def _take_offer(self, probe: Probe, msg: LookupResp) -> None:
+        if probe.gen not in self._contacted:
+            # We already released (or gave up) what the peer holds for this
+            # generation: a late answer's pins may go any moment.
+            return
         region = self._peer_hello
         assert region is not None
         hit_slots = [s for s, hit in zip(msg.slots, msg.hits, strict=True) if hit]
@@ -754,6 +760,7 @@ class Session:
         load.fire(Event.TRANSFER_OK if ok else Event.TRANSFER_FAILED)
         del self._loads[job_id]
         fetch = load.fetch
+        self._offers.pop(fetch.gen, None)
         if fetch.gen in self._contacted:
             # Nothing of ours reads the pins any more: the peer may drop them.
             self._contacted.discard(fetch.gen)
@@ -765,6 +772,23 @@ class Session:
         reason = "abort" if was_cancelled else "read_late" if late else "read_failed"
         self.counters.bump(self.counters.failures, reason)
         self._load_results.append(self._result(load, False, reason, now))
+
+    def _unqueue_read(self, load: Load, now: float, reason: str) -> bool:
+        """A cancelled READ that was never handed to the data plane: drop
+        its order and fail the load at once (nothing can land)."""
+        job = load.fetch.job
+        for i, order in enumerate(self._reads):
+            if order.job_id == job:
+                del self._reads[i]
+                load.fire(Event.TRANSFER_FAILED)
+                del self._loads[job]
+                fetch = load.fetch
+                if fetch.gen in self._contacted:
+                    self._contacted.discard(fetch.gen)
+                    self._send(Release(fetch.req, fetch.gen, 0))
+                self._load_results.append(self._result(load, False, reason, now))
+                return True
+        return False
 
     def _on_revoke(self, msg: Revoke) -> None:
         offer = self._offers.get(msg.gen)
@@ -804,6 +828,8 @@ class Session:
                 self._load_results.append(self._result(load, False, "abort", now))
                 continue
             if load.state is State.READ_CANCELLING:
+                if self._unqueue_read(load, now, "abort"):
+                    continue
                 self.cancelled_reads.append(job_id)
             self._arm(load, now + self.timeouts.abort_ack_s)
         # The peer pins hits when it answers a lookup and releases them on a
@@ -953,7 +979,8 @@ class Session:
                 # A hit the engine did not pin for us: no READ offer at all.
                 return LookupResp(serve.req, serve.gen, lookup.seq, hits)
         serve.offered = True
-        ttl_ms = int(self.timeouts.pin_ttl_s * 1000)
+        # Announcing less than we hold is always safe; more never happens.
+        ttl_ms = min(int(self.timeouts.pin_ttl_s * 1000), MAX_TTL_MS)
         return LookupResp(serve.req, serve.gen, lookup.seq, hits, slots, ttl_ms)
 
     def _on_release(self, msg: Release) -> None:
@@ -1116,7 +1143,12 @@ class Session:
         parked stores released, bookkeeping dropped."""
         if event is not None and serve.state is not State.RELEASED:
             serve.fire(event)
-        self._drop_pending(serve)
+        for lookup in self._drop_pending(serve):
+            # Answered, not dropped: the consumer need not wait for its
+            # lookup deadline to learn that nothing is held.
+            self._send(
+                LookupResp(serve.req, serve.gen, lookup.seq, [False] * len(lookup.keys))
+            )
         self._serves.pop((serve.req, serve.gen), None)
         if serve.write_id in self._writing:
             del self._writing[serve.write_id]
@@ -1236,8 +1268,9 @@ class Session:
                     del self._loads[item.fetch.job]
                     self._load_results.append(self._result(item, False, "timeout", now))
                 elif item.is_read:  # READ_CANCELLING
-                    self._arm(item, now + self.timeouts.abort_ack_s)
-                    self.cancelled_reads.append(item.fetch.job)
+                    if not self._unqueue_read(item, now, "timeout"):
+                        self._arm(item, now + self.timeouts.abort_ack_s)
+                        self.cancelled_reads.append(item.fetch.job)
                 else:
                     self._arm(item, now + self.timeouts.abort_ack_s)
                     self._send(Abort(item.fetch.req, item.fetch.gen))
@@ -1258,8 +1291,14 @@ class Session:
         if serve.state in (State.WRITING, State.ABORT_WRITING):
             self.counters.bump(self.counters.failures, "write_timeout")
             # The data plane cancels the write (cancelled_writes) before the
-            # peer hears about it, so the fence holds.
-            self.cancelled_writes.append(serve.write_id)
+            # peer hears about it, so the fence holds. A write not handed to
+            # the data plane yet must never be: it would land after our
+            # TransferDone told the peer that nothing can.
+            queued = [w for w in self._writes if w.write_id == serve.write_id]
+            if queued:
+                self._writes.remove(queued[0])
+            else:
+                self.cancelled_writes.append(serve.write_id)
             if serve.state is State.ABORT_WRITING:
                 self._send(AbortAck(serve.req, serve.gen))
             elif fetch is not None:

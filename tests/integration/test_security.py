@@ -568,11 +568,13 @@ def test_producer_offering_slots_outside_its_region_is_refused(
         )
         posts_before = vdata.counts.posts
         answers = []
-        for _ in range(50):
+        end = time.monotonic() + 5
+        while time.monotonic() < end:  # by time: a busy machine is slow
             v.step(wait=False)
             answers = [m.lookup("offer-req", k, rt.clock()) for k in keys]
             if Answer.RETRY not in answers:
                 break
+            time.sleep(0.001)
         hits = [k for k, a in zip(keys, answers, strict=True) if a is Answer.HIT]
         if hits:
             m.submit_load(77, "offer-req", hits, list(range(len(hits))), rt.clock())

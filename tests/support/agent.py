@@ -167,6 +167,12 @@ class Agent:
             "max_step_s": self.max_step_s,
         }
 
+    def close_session(self, peer: str) -> dict[str, Any]:
+        """Drop our session keyed ``peer`` (an outbound one: the address)."""
+        closed = self.peer.manager.close_session(peer, "closed by test")
+        self.peer.runtime.pump()
+        return {"closed": closed}
+
     def idle(self, seconds: float) -> dict[str, Any]:
         self.max_step_s = 0.0
         end = time.monotonic() + seconds

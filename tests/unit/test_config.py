@@ -21,6 +21,12 @@ def test_defaults_and_env_fallback() -> None:
     assert cfg.timeouts().heartbeat_interval_s == 0.5
 
 
+def test_pin_ttl_is_bounded_by_what_the_protocol_can_announce() -> None:
+    assert TierConfig.from_dict({"pin_ttl_s": 3600}, env={}).pin_ttl_s == 3600
+    with pytest.raises(ConfigError, match=r"pin_ttl_s 3601\.0 is over 3600"):
+        TierConfig.from_dict({"pin_ttl_s": 3601}, env={})
+
+
 def test_read_path_switch() -> None:
     assert TierConfig.from_dict({}, env={}).read_path is True
     assert TierConfig.from_dict({"read_path": False}, env={}).read_path is False

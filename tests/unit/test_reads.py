@@ -10,7 +10,15 @@ plane can end a read.
 from __future__ import annotations
 
 from p2p_kv.lifecycle import State
-from p2p_kv.protocol import LookupResp, Release, Revoke, TransferDone, decode, encode
+from p2p_kv.protocol import (
+    Lookup,
+    LookupResp,
+    Release,
+    Revoke,
+    TransferDone,
+    decode,
+    encode,
+)
 from p2p_kv.session import Session, Timeouts
 
 from .memnet import POISON, Net, key, payload
@@ -259,3 +267,95 @@ def test_release_and_revoke_from_a_stranger_change_nothing() -> None:
     a2.receive(Release("kv1", serve2.gen, 4), net2.now)
     assert serve2.state is State.WRITING
     assert a2.counters.protocol_errors == {"illegal": 1}
+
+
+def test_a_second_load_of_one_request_fails_at_once() -> None:
+    """One load per generation: its end releases every pin of the request,
+    so a second job could only read (or be written) from slots that are no
+    longer held. It fails at once; the first job's bytes are right."""
+    for reads in (True, False):
+        net = make_net(reads=reads)
+        probe(net, "r1", "kv1")
+        b = net.engines["b"]
+        net.hold_writes = True
+        j1 = load(net, "r1", [5, 6], KEYS[:2])
+        b.expect[j1] = (KEYS[:2], [5, 6])
+        net.step()
+        j2 = load(net, "r1", [7, 30], KEYS[2:])
+        b.expect[j2] = (KEYS[2:], [7, 30])
+        assert [(r.job_id, r.success) for r in b.collect(net.now)] == [(j2, False)]
+        net.hold_writes = False
+        net.run()
+        assert [(r.job_id, r.success) for r in b.collect(net.now)] == [(j1, True)]
+        assert not b.wrong_bytes and not net.violations
+        b.manager.on_request_finished("r1", net.now)
+        net.run()
+        collect_all(net)
+        assert_drained(net)
+
+
+def test_a_late_answer_after_our_release_offers_nothing() -> None:
+    """A second lookup batch answered after our READ released the request's
+    pins must not become an offer: those pins go with the Release."""
+    net = make_net()
+    b = net.engines["b"]
+    bm = b.manager
+    bm.on_new_request("r1", net.roles("a", "kv1"), net.now)
+    for k in KEYS[:2]:
+        bm.lookup("r1", k, net.now)
+    net.run()
+    for k in KEYS[2:]:
+        bm.lookup("r1", k, net.now)  # a second batch, still unanswered
+    net.hold_writes = True
+    load(net, "r1", [5, 6], KEYS[:2])
+    net.step(deliver=False)  # the second Lookup and the READ leave
+    net.complete_writes()  # the READ ends: Release, no offer kept
+    net.deliver_all()
+    net.serve()
+    net.run()
+    s = session(net, "b")
+    assert s.sizes()["offers"] == 0
+    b.collect(net.now)
+    bm.on_request_finished("r1", net.now)
+    net.run()
+    collect_all(net)
+    assert_drained(net)
+
+
+def test_a_read_cancelled_before_it_was_posted_fails_at_once() -> None:
+    net = make_net()
+    probe(net, "r1", "kv1")
+    b = net.engines["b"]
+    job = load(net, "r1", SLOTS)
+    # vLLM finishes the request before the tier posted the READ.
+    b.manager.on_request_finished("r1", net.now)
+    assert [(r.job_id, r.success) for r in b.collect(net.now)] == [(job, False)]
+    net.run()
+    assert net.reads == [] and "Abort" not in sent(net, "b")
+    collect_all(net)
+    assert_drained(net)
+
+
+def test_a_release_answers_lookups_still_queued() -> None:
+    """The consumer's Release reaches a serve with a lookup queued for the
+    serve window: the lookup is answered (all miss), not dropped."""
+    net = make_net()
+    probe(net, "r1", "kv1")
+    (serve,) = list(session(net, "a").serves())
+    sa = session(net, "a")
+    sa.receive(Lookup("kv1", serve.gen, 99, [key(77)]), net.now)
+    assert serve.state is State.LOOKUP_QUEUED
+    sa.receive(Release("kv1", serve.gen, 0), net.now)
+    assert list(sa.serves()) == []
+    answers = [m for m in sa.take_outbox(net.now) if isinstance(m, LookupResp)]
+    assert [(m.seq, m.hits) for m in answers] == [(99, [False])]
+
+
+def test_pins_alone_ask_for_no_engine_steps() -> None:
+    """A producer holding pins (or orphaned ones) needs no engine steps:
+    their end comes from a message or a deadline that the poll handles."""
+    net = make_net()
+    probe(net, "r1", "kv1")
+    a = net.engines["a"].manager
+    assert session(net, "a").pinned_blocks == 4
+    assert not a.has_pending_work()
