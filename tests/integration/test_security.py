@@ -40,7 +40,7 @@ from tests.support.procs import PeerProc
 from p2p_kv.control import zmq_endpoint
 from p2p_kv.data import NixlDataTransport
 from p2p_kv.handshake import Identity, handshake_mac, make_hello
-from p2p_kv.manager import Answer, Roles
+from p2p_kv.manager import Answer
 from p2p_kv.protocol import (
     MAX_FRAME_BYTES,
     Abort,
@@ -132,6 +132,29 @@ class Raw:
             if until is not None and isinstance(out[-1], until):
                 break
         return out
+
+    def accept(self, v: StandalonePeer, me: Identity) -> None:
+        """As a bound producer: step the dialling victim until its Hello
+        arrives, then answer with our Hello and an HMAC under SECRET."""
+        got: list[Message] = []
+        for _ in range(100):
+            v.step(wait=False)
+            got += self.recv(0.01)
+            if any(isinstance(x, Hello) for x in got):
+                break
+        theirs = next(x for x in got if isinstance(x, Hello))
+        self.hello = make_hello(me, os.urandom(16))
+        self.send(self.hello)
+        self.send(HelloAck(mac=handshake_mac(SECRET, self.hello, theirs)))
+
+    def next_lookup(self, v: StandalonePeer) -> Lookup:
+        """Step the victim until its next Lookup reaches us."""
+        for _ in range(200):
+            v.step(wait=False)
+            lookup = next((x for x in self.recv(0.01) if isinstance(x, Lookup)), None)
+            if lookup is not None:
+                return lookup
+        raise AssertionError("the victim sent no Lookup")
 
     def handshake(self, me: Identity, secret: bytes | None) -> list[Message]:
         """Hello, their Hello, HelloAck with an HMAC under ``secret``."""
@@ -399,40 +422,13 @@ def test_a_reply_for_an_old_generation_does_not_complete_the_new_one(
         for use in range(2):
             m, rt = v.manager, v.runtime
             req = f"reuse-{use}"
-            roles = Roles.parse(
-                {
-                    "remote_kv_source": {
-                        "kv_request_id": "same-kv",
-                        "remote_host": "127.0.0.1",
-                        "remote_port": srv.port,
-                    }
-                }
-            )
-            rt.live_requests += 1
-            m.on_new_request(req, roles, rt.clock())
+            v.open(req, srv.address, "same-kv")
             assert m.lookup(req, KEYS[0], rt.clock()) is Answer.RETRY
             rt.flush()
             if use == 0:
                 srv.ident = None
-                got: list[Message] = []
-                for _ in range(100):
-                    v.step(wait=False)
-                    got += srv.recv(0.01)
-                    if any(isinstance(x, Hello) for x in got):
-                        break
-                theirs = next(x for x in got if isinstance(x, Hello))
-                srv.hello = make_hello(me, os.urandom(16))
-                srv.send(srv.hello)
-                srv.send(HelloAck(mac=handshake_mac(SECRET, srv.hello, theirs)))
-            lookup = None
-            for _ in range(200):
-                v.step(wait=False)
-                lookup = next(
-                    (x for x in srv.recv(0.01) if isinstance(x, Lookup)), lookup
-                )
-                if lookup is not None:
-                    break
-            assert lookup is not None
+                srv.accept(v, me)
+            lookup = srv.next_lookup(v)
             gens.append(lookup.gen)
             srv.send(LookupResp(lookup.req, lookup.gen, lookup.seq, [True]))
             for _ in range(50):
@@ -526,38 +522,12 @@ def test_producer_offering_slots_outside_its_region_is_refused(
     srv = Raw("127.0.0.1:0", bind=True)
     try:
         m, rt = v.manager, v.runtime
-        roles = Roles.parse(
-            {
-                "remote_kv_source": {
-                    "kv_request_id": "offer",
-                    "remote_host": "127.0.0.1",
-                    "remote_port": srv.port,
-                }
-            }
-        )
-        rt.live_requests += 1
-        m.on_new_request("offer-req", roles, rt.clock())
+        v.open("offer-req", srv.address, "offer")
         keys = KEYS[:3]
         assert Answer.RETRY in [m.lookup("offer-req", k, rt.clock()) for k in keys]
         rt.flush()
-        got: list[Message] = []
-        for _ in range(100):
-            v.step(wait=False)
-            got += srv.recv(0.01)
-            if any(isinstance(x, Hello) for x in got):
-                break
-        theirs = next(x for x in got if isinstance(x, Hello))
-        srv.hello = make_hello(me, os.urandom(16))
-        srv.send(srv.hello)
-        srv.send(HelloAck(mac=handshake_mac(SECRET, srv.hello, theirs)))
-        lookup = None
-        for _ in range(200):
-            v.step(wait=False)
-            got = srv.recv(0.01)
-            lookup = next((x for x in got if isinstance(x, Lookup)), lookup)
-            if lookup is not None:
-                break
-        assert lookup is not None
+        srv.accept(v, me)
+        lookup = srv.next_lookup(v)
         kw: dict[str, Any] = {"slots": [0, n, n + 7][: len(lookup.keys)]}
         if "ttl_ms" in LookupResp.__struct_fields__:
             kw["ttl_ms"] = 10_000
