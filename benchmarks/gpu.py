@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
-import inspect
 import itertools
 import json
 import multiprocessing as mp
@@ -497,7 +496,7 @@ def _p2p_producer(
             bs,
             engine_id=f"gpu-prod-{os.getpid()}",
             region=region,
-            **path_kwargs(path),
+            reads=path == "read",
         )
         for slot in range(num_blocks):
             peer.pinner.table[_key(slot)] = slot
@@ -552,8 +551,7 @@ def trace_peer(peer: Any, role: str) -> list[tuple[str, float]]:
 
     _wrap(rt.manager, "on_message", on_message)
     for method in ("post_write", "post_read"):
-        if hasattr(rt.data, method):
-            _wrap(rt.data, method, post)
+        _wrap(rt.data, method, post)
     _wrap(rt.data, "poll_completions", done)
     _wrap(rt.control, "send", lambda t0, t1, a, r: events.append((f"{role}.send", t0)))
     return events
@@ -600,21 +598,9 @@ def phases(
     return {k: round(statistics.median(v), 1) for k, v in legs.items()}
 
 
-def p2p_paths() -> list[str]:
-    """The data paths this p2p_kv offers: ``write`` (the producer WRITEs
-    after a Fetch) and, where StandalonePeer takes ``reads``, ``read`` (the
-    consumer READs the pinned blocks one-sided after the lookup)."""
-    from p2p_kv.standalone import StandalonePeer
-
-    if "reads" in inspect.signature(StandalonePeer).parameters:
-        return ["read", "write"]
-    return ["write"]
-
-
-def path_kwargs(path: str) -> dict[str, Any]:
-    if "read" not in p2p_paths():
-        return {}
-    return {"reads": path == "read"}
+#: ``read``: the consumer READs the pinned blocks one-sided after the
+#: lookup; ``write``: reads off, the producer WRITEs after a Fetch.
+PATHS = ("read", "write")
 
 
 class P2PGpuPair:
@@ -656,7 +642,7 @@ class P2PGpuPair:
             bs,
             engine_id=f"gpu-cons-{os.getpid()}",
             region=self.region,
-            **path_kwargs(path),
+            reads=path == "read",
         )
         self.consumer_mem = self.consumer.runtime.data.local_region().mem_kind
         self._events = trace_peer(self.consumer, "c")
@@ -1076,7 +1062,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cells = list(QUICK) if args.quick else [(b, n) for b in sizes for n in counts]
     base = args.repeats or (5 if args.quick else 20)
     rounds = args.rounds or (1 if args.quick else 3)
-    paths = [p for p in args.paths.split(",") if p in p2p_paths()]
+    paths = [p for p in args.paths.split(",") if p in PATHS]
     result: dict[str, Any] = {"environment": _environment(devices), "rows": []}
     print(f"devices {devices[0]} -> {devices[1]}; {_header(paths)}", flush=True)
 

@@ -837,7 +837,6 @@ class NixlDataTransport:
     ) -> int:
         if not isinstance(notif, bytes):
             raise TypeError("notif must be bytes")
-        src_blocks = local_blocks
         with self._lock:
             self._check_open()
             peer = self._peers.get(agent_name)
@@ -880,7 +879,7 @@ class NixlDataTransport:
                 logger.warning(
                     "%s of %d blocks with %s failed to post: %s",
                     op,
-                    len(src_blocks),
+                    len(local_blocks),
                     agent_name,
                     exc,
                 )

@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, Protocol
 
 from p2p_kv.manager import LoadManager
-from p2p_kv.session import Session
+from p2p_kv.session import Session, SessionCounters
 
 PREFIX = "vllm:kv_offload_p2p_"
 
@@ -179,20 +179,32 @@ class StatsSink(Protocol):
     ) -> None: ...
 
 
-@dataclass(slots=True)
-class _Seen:
-    """What was last exported of one session's counters."""
+#: Session counters exported as per-peer counters: metric -> attribute of
+#: SessionCounters (plain totals, then per-reason tables).
+_TOTALS = {
+    LOOKUPS: "lookups",
+    LOOKUP_HITS: "hits",
+    LOOKUP_MISSES: "misses",
+    LOADED_BYTES: "bytes_loaded",
+    SERVED_BYTES: "bytes_served",
+    LOADS_READ: "loads_read",
+    LOADS_FETCHED: "loads_fetched",
+}
+_TABLES = {
+    REFUSALS: "refused",
+    PROTOCOL_ERRORS: "protocol_errors",
+    FAILURES: "failures",
+}
 
-    lookups: int = 0
-    hits: int = 0
-    misses: int = 0
-    bytes_loaded: int = 0
-    bytes_served: int = 0
-    loads_read: int = 0
-    loads_fetched: int = 0
-    refused: dict[str, int] | None = None
-    protocol_errors: dict[str, int] | None = None
-    failures: dict[str, int] | None = None
+
+def _snapshot(c: SessionCounters) -> SessionCounters:
+    """What was exported: a copy whose tables do not follow the live ones."""
+    return replace(
+        c,
+        refused=dict(c.refused),
+        protocol_errors=dict(c.protocol_errors),
+        failures=dict(c.failures),
+    )
 
 
 _BAD_CHARS = re.compile(r"[^A-Za-z0-9_:.\-\[\]]")
@@ -217,7 +229,7 @@ class MetricsExporter:
         self.max_reasons = max_reasons
         self._peers: set[str] = set()
         self._reasons: dict[str, set[str]] = {}
-        self._seen: dict[Session, _Seen] = {}
+        self._seen: dict[Session, SessionCounters] = {}
         self._manager_errors: dict[str, int] = {}
         self._gauges: dict[tuple[str, tuple[str, ...]], float] = {}
 
@@ -265,9 +277,7 @@ class MetricsExporter:
 
     def _session_deltas(self, session: Session, sink: StatsSink) -> None:
         c = session.counters
-        seen = self._seen.get(session)
-        if seen is None:
-            seen = self._seen[session] = _Seen()
+        seen = self._seen.get(session) or SessionCounters()
         label: tuple[str, ...] | None = None
 
         def peer() -> tuple[str, ...]:
@@ -276,35 +286,20 @@ class MetricsExporter:
                 label = (self.peer(session_peer(session)),)
             return label
 
-        for name, now, before in (
-            (LOOKUPS, c.lookups, seen.lookups),
-            (LOOKUP_HITS, c.hits, seen.hits),
-            (LOOKUP_MISSES, c.misses, seen.misses),
-            (LOADED_BYTES, c.bytes_loaded, seen.bytes_loaded),
-            (SERVED_BYTES, c.bytes_served, seen.bytes_served),
-            (LOADS_READ, c.loads_read, seen.loads_read),
-            (LOADS_FETCHED, c.loads_fetched, seen.loads_fetched),
-        ):
-            if now > before:
-                sink.increase_counter(name, now - before, peer())
-        seen.lookups, seen.hits, seen.misses = c.lookups, c.hits, c.misses
-        seen.bytes_loaded, seen.bytes_served = c.bytes_loaded, c.bytes_served
-        seen.loads_read, seen.loads_fetched = c.loads_read, c.loads_fetched
-        for name, table, attr in (
-            (REFUSALS, c.refused, "refused"),
-            (PROTOCOL_ERRORS, c.protocol_errors, "protocol_errors"),
-            (FAILURES, c.failures, "failures"),
-        ):
-            if not table:
-                continue
-            before_t: dict[str, int] = getattr(seen, attr) or {}
-            if table == before_t:
+        for name, attr in _TOTALS.items():
+            d = getattr(c, attr) - getattr(seen, attr)
+            if d > 0:
+                sink.increase_counter(name, d, peer())
+        for name, attr in _TABLES.items():
+            table: dict[str, int] = getattr(c, attr)
+            before: dict[str, int] = getattr(seen, attr)
+            if table == before:
                 continue
             for raw, n in table.items():
-                d = n - before_t.get(raw, 0)
+                d = n - before.get(raw, 0)
                 if d > 0:
                     sink.increase_counter(name, d, (peer()[0], self.reason(name, raw)))
-            setattr(seen, attr, dict(table))
+        self._seen[session] = _snapshot(c)
 
     def _loads(self, manager: LoadManager, sink: StatsSink) -> None:
         obs = manager.load_observations

@@ -15,7 +15,6 @@ be checked without a GPU (VRAM registration and descriptors) is in
 
 from __future__ import annotations
 
-import inspect
 import multiprocessing as mp
 import traceback
 from collections.abc import Iterator
@@ -32,18 +31,9 @@ PRODUCER_BLOCKS = 32
 CONSUMER_BLOCKS = 64
 
 
-def _paths() -> list[str]:
-    """``write`` (the producer WRITEs after a Fetch) and, where the peer
-    takes ``reads``, ``read`` (the consumer READs the pinned blocks)."""
-    from p2p_kv.standalone import StandalonePeer
-
-    if "reads" in inspect.signature(StandalonePeer).parameters:
-        return ["read", "write"]
-    return ["write"]
-
-
-def _path_kwargs(path: str) -> dict[str, bool]:
-    return {"reads": path == "read"} if "read" in _paths() else {}
+#: ``read``: the consumer READs the pinned blocks; ``write``: the producer
+#: WRITEs after a Fetch.
+PATHS = ("read", "write")
 
 
 def _devices() -> tuple[str, str]:
@@ -92,7 +82,7 @@ def _producer(kind: str, path: str, device: str, conn: Any, stop: Any) -> None:
             BS,
             engine_id=f"gpu-test-{kind}",
             region=region,
-            **_path_kwargs(path),
+            reads=path == "read",
         )
         for slot in range(PRODUCER_BLOCKS):
             peer.pinner.table[_key(slot)] = slot
@@ -104,7 +94,7 @@ def _producer(kind: str, path: str, device: str, conn: Any, stop: Any) -> None:
 
 
 @pytest.fixture(
-    params=[(kind, path) for kind in ("vram", "dram") for path in _paths()],
+    params=[(kind, path) for kind in ("vram", "dram") for path in PATHS],
     ids=lambda p: "-".join(p),
 )
 def pair(request: pytest.FixtureRequest) -> Iterator[tuple[Any, str, str, Any]]:
@@ -133,7 +123,7 @@ def pair(request: pytest.FixtureRequest) -> Iterator[tuple[Any, str, str, Any]]:
             BS,
             engine_id="gpu-test-cons",
             region=region,
-            **_path_kwargs(path),
+            reads=path == "read",
         )
         try:
             yield consumer, msg[1], msg[2], region

@@ -301,6 +301,17 @@ class Net:
     def advance(self, dt: float) -> None:
         self.now += dt
 
+    def settle(self, seconds: float, dt: float) -> None:
+        """Let everything in flight land and every deadline pass: engines
+        step, serve and collect their results every ``dt``."""
+        self.hold_writes = False
+        for _ in range(round(seconds / dt)):
+            self.advance(dt)
+            self.step()
+            self.serve()
+            for eng in self.engines.values():
+                eng.collect(self.now)
+
     def cut(self, a: str, b: str) -> None:
         """Kill the connection between engines a and b (both sides notice)."""
         for link in self.links:

@@ -257,13 +257,7 @@ def check(net: Net, hostile: bool) -> None:
 def drain(net: Net, hostile: bool) -> None:
     b = net.engines["b"]
     b.manager.on_request_finished("r1", net.now)
-    net.hold_writes = False
-    for _ in range(30):  # 6 s: every deadline (TTLs <= 1.5 s) has passed
-        net.advance(0.2)
-        net.step()
-        net.serve()
-        for eng in net.engines.values():
-            eng.collect(net.now)
+    net.settle(6.0, 0.2)  # every deadline (TTLs <= 1.5 s) has passed
     check(net, hostile)
     for name, eng in net.engines.items():
         residue = {k: v for k, v in eng.manager.state_report().items() if v}

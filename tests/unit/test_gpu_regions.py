@@ -249,8 +249,6 @@ def test_vram_read_names_each_sides_gpu(agents: list[FakeAgent]) -> None:
     local_base, remote_base = 0x7F00_0000_0000, 0x7E00_0000_0000
     t = NixlDataTransport(FakeCudaTensor(local_base, 16 * BS, index=1), BS)
     t.add_peer(_peer(MEM_VRAM, 0, remote_base, 32))
-    if not hasattr(t, "post_read"):
-        pytest.fail("NixlDataTransport has no post_read")
     t.post_read("peer-1", [30, 31], [7, 8])  # remote blocks, then ours
     ((op, local, remote, _, _),) = _sent(agents[0])
     assert op == "READ"

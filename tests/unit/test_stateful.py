@@ -247,13 +247,7 @@ class Fleet(RuleBasedStateMachine):
         for name, eng in net.engines.items():
             for req in sorted(set(self.live[name]) | self.producers[name]):
                 eng.manager.on_request_finished(req, net.now)
-        net.hold_writes = False
-        for _ in range(80):  # 8 s: every deadline (TTLs <= 2 s) has passed
-            net.advance(0.1)
-            net.step()
-            net.serve()
-            for eng in net.engines.values():
-                eng.collect(net.now)
+        net.settle(8.0, 0.1)  # every deadline (TTLs <= 2 s) has passed
         assert not net.violations, net.violations
         for name, eng in net.engines.items():
             assert not eng.wrong_bytes, eng.wrong_bytes
