@@ -7,8 +7,8 @@ end: lookup, pin, the NIXL transfer, job result:
 
 * ``vram``: the producer's region is a CUDA tensor on the source GPU
   (GPU to GPU; UCX moves it with cuda_ipc over NVLink);
-* ``dram``: the producer's region is host memory (a numpy array, as a
-  CPU-offloading engine holds it): host to GPU.
+* ``dram``: the producer's region is host memory in a shared file (as a
+  CPU-offloading vLLM engine's primary tier is): host to GPU.
 
 Each path is measured against, in the same run on the same bytes:
 
@@ -27,9 +27,11 @@ descriptor per block: the worst case) and ``contiguous`` (one descriptor).
 Every path's destination bytes are checked byte for byte against a
 position-dependent pattern before timing.
 
-Each p2p_kv data path the tree offers is measured: ``write`` (the producer
-WRITEs after a Fetch) and, where StandalonePeer takes ``reads``, ``read``
-(the consumer READs the pinned blocks one-sided). Both processes timestamp
+Three p2p_kv data paths: ``read`` (the default: the consumer READs the
+pinned blocks one-sided; from a same-host peer's shared host region it
+copies them itself, a DMA from CUDA-registered pages), ``nixl_read`` (every
+READ through NIXL) and ``write`` (the producer WRITEs after a Fetch). Both
+processes timestamp
 a load's events (message received, post, completion, send) on the shared
 monotonic clock, so the output says where a load's time goes, leg by leg.
 
@@ -159,14 +161,17 @@ def clear(region: Any, block_bytes: int, dst: Sequence[int]) -> None:
 
 def make_region(kind: str, nbytes: int, device: str) -> Any:
     """``vram``: a tensor on ``device``; ``pinned``: pinned host tensor;
-    ``dram``: pageable numpy memory, what StandalonePeer holds by default."""
+    ``dram``: host memory in a shared memfd, what StandalonePeer holds by
+    default (and vLLM's primary tier is a shared file too)."""
     torch = _torch()
     if kind == "vram":
         return torch.zeros(nbytes, dtype=torch.uint8, device=device)
     if kind == "pinned":
         return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=device != "cpu")
     if kind == "dram":
-        return np.zeros(nbytes, dtype=np.uint8)
+        from p2p_kv.standalone import shared_region
+
+        return shared_region(nbytes)
     raise ValueError(f"unknown region kind {kind!r}")
 
 
@@ -496,7 +501,8 @@ def _p2p_producer(
             bs,
             engine_id=f"gpu-prod-{os.getpid()}",
             region=region,
-            reads=path == "read",
+            reads=path != "write",
+            same_host=path != "nixl_read",
         )
         for slot in range(num_blocks):
             peer.pinner.table[_key(slot)] = slot
@@ -600,7 +606,10 @@ def phases(
 
 #: ``read``: the consumer READs the pinned blocks one-sided after the
 #: lookup; ``write``: reads off, the producer WRITEs after a Fetch.
-PATHS = ("read", "write")
+#: read: the READ path as configured by default (a same-host peer's host
+#: region is copied straight out of its shared file); nixl_read: READs
+#: through NIXL only (``same_host_copy: false``); write: Fetch + WRITE.
+PATHS = ("read", "nixl_read", "write")
 
 
 class P2PGpuPair:
@@ -642,7 +651,8 @@ class P2PGpuPair:
             bs,
             engine_id=f"gpu-cons-{os.getpid()}",
             region=self.region,
-            reads=path == "read",
+            reads=path != "write",
+            same_host=path != "nixl_read",
         )
         self.consumer_mem = self.consumer.runtime.data.local_region().mem_kind
         self._events = trace_peer(self.consumer, "c")
@@ -965,7 +975,9 @@ def _print_tables(result: dict[str, Any]) -> None:
         "all the bytes (vram: GPU->GPU, dram: pinned host->GPU); t.runs = torch, "
         "one copy per descriptor run; raw = raw NIXL WRITE, same memory and "
         "descriptors; <path> e2e = p2p_kv lookup->result (read: the consumer "
-        "READs one-sided; write: the producer WRITEs after a Fetch); x lim / "
+        "READs one-sided, copying out of a same-host peer's shared host region "
+        "itself; nixl_read: every READ through NIXL; write: the producer WRITEs "
+        "after a Fetch); x lim / "
         "x raw = GB/s ratio to limit / raw NIXL; staged = raw NIXL host->pinned "
         "host + pinned host->GPU copy, medians added (dram only)"
     )
@@ -1039,7 +1051,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--modes", default="vram,dram")
     parser.add_argument("--layouts", default="scattered,contiguous")
     parser.add_argument(
-        "--paths", default="read,write", help="p2p_kv data paths (those it has)"
+        "--paths",
+        default="read,nixl_read,write",
+        help="p2p_kv data paths (those it has)",
     )
     parser.add_argument("--sizes-kib", default="", help="e.g. 64,2048")
     parser.add_argument("--counts", default="", help="e.g. 1,16,256")

@@ -6,8 +6,12 @@ against a producer StandalonePeer in another process (``serve_until``), on
 both load paths:
 
 * ``read`` (the default): lookup over ZeroMQ, the producer pins and answers
-  with its slots, the consumer READs them one-sided with NIXL, job result
-  (the Release to the producer is sent after, off the critical path);
+  with its slots, the consumer READs them one-sided, job result (the
+  Release to the producer is sent after, off the critical path). The
+  producer is on this host, so the READ is a copy out of its shared region
+  (``p2p_kv.same_host``), not a NIXL transfer;
+* ``nixl_read``: the same with ``same_host_copy`` off: the READ goes
+  through NIXL (UCX, CMA here), as it does between hosts;
 * ``write`` (reads off, as for disaggregated prefill): lookup, Fetch, the
   producer WRITEs with NIXL, TransferDone, job result.
 
@@ -71,11 +75,13 @@ BIG_BYTES = 16 * MIB  # throughput target applies from here
 SMALL_BYTES = 1 * MIB  # latency target applies up to here
 TARGET_RATIO = 0.8
 TARGET_LATENCY_X = 2.0
-PATHS = ("read", "write")
+PATHS = ("read", "nixl_read", "write")
 #: p2p_kv cells and the raw NIXL baseline each is compared with
 P2P_CELLS = {
     "submit": ("read", "submit", "raw_read"),
     "e2e": ("read", "e2e", "raw_read"),
+    "n_submit": ("nixl_read", "submit", "raw_read"),
+    "n_e2e": ("nixl_read", "e2e", "raw_read"),
     "w_submit": ("write", "submit", "raw_nixl"),
     "w_e2e": ("write", "e2e", "raw_nixl"),
 }
@@ -152,7 +158,8 @@ class P2PPair:
                 2 * max_blocks,
                 block_bytes,
                 engine_id=f"bench-cons-{path}-{os.getpid()}",
-                reads=path == "read",
+                reads=path != "write",
+                same_host=path != "nixl_read",
             )
             for path in PATHS
         }
@@ -202,11 +209,15 @@ class P2PPair:
         if any(report.values()):
             raise AssertionError(f"p2p_kv consumer state left over: {report}")
         used = sum(
-            s.counters.loads_read if path == "read" else s.counters.loads_fetched
+            s.counters.loads_fetched if path == "write" else s.counters.loads_read
             for s in consumer.manager.sessions()
         )
-        if used == 0:
-            raise AssertionError(f"p2p_kv: no load took the {path} path")
+        copies = consumer.runtime.data.local_reads
+        if used == 0 or (copies > 0) != (path == "read"):
+            raise AssertionError(
+                f"p2p_kv: loads did not take the {path} path "
+                f"({used} loads, {copies} same-host copies)"
+            )
         return {
             "e2e": _median_summary(total, nbytes),
             "submit": _median_summary(submit, nbytes),
@@ -473,7 +484,7 @@ def _verdicts(rows: list[dict[str, Any]]) -> dict[str, Any]:
 HEADER = (
     f"{'block':>6} {'n':>4} {'MiB':>6} | {'memcpy':>6} | "
     f"{'raw RD':>7} {'us':>7} | {'read sub':>8} {'us':>7} {'x raw':>5} | "
-    f"{'read e2e':>8} {'us':>7} | "
+    f"{'read e2e':>8} {'us':>7} | {'nixl sub':>8} {'us':>7} {'x raw':>5} | "
     f"{'raw WR':>7} {'us':>7} | {'write sub':>9} {'us':>7} {'x raw':>5} | "
     f"{'vLLM':>5} {'x raw':>5}"
 )
@@ -482,7 +493,7 @@ HEADER = (
 def _line(row: dict[str, Any]) -> str:
     bs, n = row["block_bytes"], row["num_blocks"]
     block = f"{bs // KIB}K" if bs < MIB else f"{bs // MIB}M"
-    rr, sub, e2e = row["raw_read"], row["submit"], row["e2e"]
+    rr, sub, e2e, nsub = row["raw_read"], row["submit"], row["e2e"], row["n_submit"]
     rw, wsub, vl = row["raw_nixl"], row["w_submit"], row["vllm"]
     vcell = (
         f"{vl['gbps']:>5.2f} {vl['ratio_raw']:>5.2f}"
@@ -494,6 +505,7 @@ def _line(row: dict[str, Any]) -> str:
         f"{rr['gbps']:>7.2f} {rr['latency_us']:>7.1f} | "
         f"{sub['gbps']:>8.2f} {sub['latency_us']:>7.1f} {sub['ratio_raw']:>5.2f} | "
         f"{e2e['gbps']:>8.2f} {e2e['latency_us']:>7.1f} | "
+        f"{nsub['gbps']:>8.2f} {nsub['latency_us']:>7.1f} {nsub['ratio_raw']:>5.2f} | "
         f"{rw['gbps']:>7.2f} {rw['latency_us']:>7.1f} | "
         f"{wsub['gbps']:>9.2f} {wsub['latency_us']:>7.1f} {wsub['ratio_raw']:>5.2f} | "
         f"{vcell}"
@@ -506,6 +518,7 @@ def _print_verdicts(result: dict[str, Any]) -> None:
     for name, label in (
         ("submit", "read path submit->result (vs raw READ)"),
         ("e2e", "read path lookup->result (vs raw READ)"),
+        ("n_submit", "NIXL read submit->result (vs raw READ)"),
         ("w_submit", "write path submit->result (vs raw WRITE)"),
     ):
         v = result["targets"][name]
@@ -544,8 +557,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(result, indent=2))
         return 0
     print("GB/s (median); us = median latency; x raw = GB/s ratio to raw NIXL")
-    print("sub = submit_load->result, e2e = lookup->result; read path vs raw READ,")
-    print(f"write path (reads off) vs raw WRITE\n{HEADER}")
+    print("sub = submit_load->result, e2e = lookup->result; read path (same-host")
+    print("copy) and NIXL read path vs raw READ, write path (reads off) vs raw WRITE")
+    print(HEADER)
     result = run(cells, base, rounds, lambda row: print(_line(row), flush=True))
     _print_verdicts(result)
     return 0

@@ -51,6 +51,11 @@ class TierConfig:
     #: READ. Off: every load is a Fetch that the producer WRITEs (needed
     #: where peers may not read each other's memory, e.g. one-way firewalls).
     read_path: bool = True
+    #: READs from a peer on the same host copy straight out of its shared
+    #: primary region (mapped read-only) instead of going through NIXL:
+    #: memcpy speed for host memory, DMA speed into GPU memory. Off: every
+    #: READ goes through NIXL.
+    same_host_copy: bool = True
 
     @classmethod
     def from_dict(

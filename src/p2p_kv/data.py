@@ -60,6 +60,15 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from p2p_kv.same_host import (
+    CopyInFlight,
+    CudaCopier,
+    HostCopier,
+    PeerMapping,
+    ShmRegion,
+    find_backing,
+)
+
 __all__ = [
     "DEFAULT_DRAIN_TIMEOUT_S",
     "DEFAULT_UCX_ERROR_HANDLING_MODE",
@@ -142,6 +151,9 @@ class RegionInfo(msgspec.Struct, frozen=True):
     block_bytes: int
     mem_kind: str
     device_id: int
+    #: The shared file behind a host region, for same-host peers to map
+    #: (``p2p_kv.same_host``); None when there is none or it is turned off.
+    shm: ShmRegion | None = None
 
     @property
     def region_bytes(self) -> int:
@@ -504,6 +516,8 @@ class _Peer:
     #: Prepared per-block list of the peer's region (made at first use).
     prepped: Any = None
     prep_failed: bool = False
+    #: The peer's region mapped here: its READs are local copies.
+    mapping: PeerMapping | None = None
 
 
 @dataclass
@@ -558,6 +572,7 @@ class NixlDataTransport:
         backends: Sequence[str] = ("UCX",),
         ucx_error_handling_mode: str = DEFAULT_UCX_ERROR_HANDLING_MODE,
         drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+        same_host: bool = True,
     ) -> None:
         if block_bytes <= 0:
             raise ValueError(f"block_bytes must be positive, got {block_bytes}")
@@ -588,6 +603,16 @@ class NixlDataTransport:
         self._agent: Any = None
         self._local_prepped: Any = None
         self._drain_timeout_s = drain_timeout_s
+        self._same_host = same_host
+        self._shm: ShmRegion | None = None
+        if same_host and span.mem_kind == MEM_DRAM:
+            try:
+                self._shm = find_backing(span.addr, span.nbytes)
+            except OSError as exc:
+                logger.info("not offering same-host reads: %s", exc)
+        self._copier: HostCopier | CudaCopier | None = None
+        #: READs done as same-host copies (the rest went through NIXL)
+        self.local_reads = 0
 
         ucx_mode = check_ucx_error_handling_mode(
             ucx_error_handling_mode, os.environ.get("UCX_TLS")
@@ -645,7 +670,14 @@ class NixlDataTransport:
             block_bytes=self._block_bytes,
             mem_kind=self._span.mem_kind,
             device_id=self._span.device_id,
+            shm=self._shm,
         )
+
+    @property
+    def same_host_peers(self) -> int:
+        """Peers whose region we mapped (their READs skip NIXL)."""
+        with self._lock:
+            return sum(p.mapping is not None for p in self._peers.values())
 
     def peers(self) -> list[str]:
         with self._lock:
@@ -681,8 +713,10 @@ class NixlDataTransport:
                     f"peer metadata names agent {loaded_name!r}, "
                     f"but RegionInfo says {info.agent_name!r}"
                 )
-            self._peers[info.agent_name] = _Peer(info)
-        if info.mem_kind != self._span.mem_kind:
+            peer = self._peers[info.agent_name] = _Peer(info)
+            if self._same_host and info.shm is not None:
+                self._map(peer, info.shm)
+        if info.mem_kind != self._span.mem_kind and peer.mapping is None:
             logger.warning(
                 "peer %s holds %s and we hold %s: UCX moves host<->GPU data "
                 "between processes through a slow software path",
@@ -690,6 +724,54 @@ class NixlDataTransport:
                 info.mem_kind,
                 self._span.mem_kind,
             )
+
+    def _map(self, peer: _Peer, shm: ShmRegion) -> None:
+        """Map a same-host peer's region for local copies; on any failure
+        its READs stay on NIXL, which is always correct."""
+        if shm.length != peer.info.region_bytes:
+            logger.warning(
+                "peer %s offers a %d-byte shared region for %d bytes of "
+                "blocks: reading through NIXL",
+                peer.info.agent_name,
+                shm.length,
+                peer.info.region_bytes,
+            )
+            return
+        try:
+            mapping = PeerMapping(shm)
+        except (OSError, ValueError) as exc:
+            logger.info(
+                "peer %s: same-host reads unavailable (%s); reading through NIXL",
+                peer.info.agent_name,
+                exc,
+            )
+            return
+        try:
+            if self._copier is None:
+                span = self._span
+                self._copier = (
+                    HostCopier(span.addr, span.nbytes, self._block_bytes)
+                    if span.mem_kind == MEM_DRAM
+                    else CudaCopier(self._region_obj, self._block_bytes)
+                )
+            self._copier.register(mapping)
+        except Exception as exc:
+            mapping.close()
+            logger.warning(
+                "peer %s: cannot copy from its region (%s); reading through NIXL",
+                peer.info.agent_name,
+                exc,
+            )
+            return
+        peer.mapping = mapping
+
+    def _unmap(self, peer: _Peer) -> None:
+        """After every copy from the peer has ended."""
+        if peer.mapping is not None:
+            if self._copier is not None:
+                self._copier.unregister(peer.mapping)
+            peer.mapping.close()
+            peer.mapping = None
 
     def _check_geometry(self, info: RegionInfo) -> None:
         if info.agent_name == self._name:
@@ -735,6 +817,7 @@ class NixlDataTransport:
         peer = self._peers.pop(agent_name, None)
         if peer is not None:
             self._release_prepped(peer)
+            self._unmap(peer)
             self._invalidate(agent_name)
 
     def _release_prepped(self, peer: _Peer) -> None:
@@ -843,6 +926,8 @@ class NixlDataTransport:
             if peer is None:
                 raise KeyError(f"unknown peer {agent_name!r}: add_peer first")
             info = peer.info
+            if op == "READ" and peer.mapping is not None:
+                return self._copy(peer, local_blocks, remote_blocks)
             # Every index is checked (range, duplicates) before any NIXL
             # call; prepared lists need no coalescing plan (NIXL merges).
             prepped = self._prepare(peer)
@@ -894,6 +979,28 @@ class NixlDataTransport:
                 self._release(handle)
                 self._done.append((tid, state == "DONE"))
             return tid
+
+    def _copy(self, peer: _Peer, local_blocks: Indices, remote_blocks: Indices) -> int:
+        """A READ as a same-host copy; the same contract as a NIXL one."""
+        assert peer.mapping is not None and self._copier is not None
+        plan = plan_write(
+            local_blocks, remote_blocks, self._num_blocks, peer.info.num_blocks
+        )
+        tid = next(self._ids)
+        self.local_reads += 1
+        try:
+            handle = self._copier.copy(peer.mapping, plan.runs())
+        except Exception as exc:
+            logger.warning(
+                "same-host copy from %s failed: %s", peer.info.agent_name, exc
+            )
+            self._done.append((tid, False))
+            return tid
+        if handle is None:
+            self._done.append((tid, True))
+        else:
+            self._inflight[tid] = _Xfer(handle, peer.info.agent_name)
+        return tid
 
     def _descs(self, starts: Any, counts: Any, peer: RegionInfo | None) -> Any:
         """Coalesced descriptors of runs, ours (``peer`` None) or a peer's."""
@@ -973,6 +1080,7 @@ class NixlDataTransport:
                 self._done.clear()
                 for name, peer in self._peers.items():
                     self._release_prepped(peer)
+                    self._unmap(peer)
                     self._invalidate(name)
                 self._peers.clear()
                 if self._local_prepped is not None:
@@ -1003,6 +1111,8 @@ class NixlDataTransport:
             raise RuntimeError("NixlDataTransport is closed")
 
     def _state(self, handle: Any) -> str:
+        if isinstance(handle, CopyInFlight):
+            return handle.state()
         try:
             return str(self._agent.check_xfer_state(handle))
         except Exception:

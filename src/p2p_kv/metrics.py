@@ -42,6 +42,7 @@ LOADED_BYTES = PREFIX + "loaded_bytes"
 SERVED_BYTES = PREFIX + "served_bytes"
 LOADS_READ = PREFIX + "loads_read"
 LOADS_FETCHED = PREFIX + "loads_fetched"
+SAME_HOST_READS = PREFIX + "same_host_reads"
 LOAD_TIME = PREFIX + "load_time_seconds"
 FALLBACKS = PREFIX + "fallbacks"
 FALLBACK_TIME = PREFIX + "fallback_time_seconds"
@@ -107,6 +108,11 @@ DEFINITIONS: dict[str, MetricDef] = {
     ),
     LOADS_FETCHED: MetricDef(
         "counter", "Load jobs done by Fetch (the peer WRITEs).", _PEER
+    ),
+    SAME_HOST_READS: MetricDef(
+        "counter",
+        "READs done as a copy out of a same-host peer's shared region "
+        "instead of through NIXL.",
     ),
     LOAD_TIME: MetricDef(
         "histogram",
@@ -231,6 +237,7 @@ class MetricsExporter:
         self._reasons: dict[str, set[str]] = {}
         self._seen: dict[Session, SessionCounters] = {}
         self._manager_errors: dict[str, int] = {}
+        self._same_host_reads = 0
         self._gauges: dict[tuple[str, tuple[str, ...]], float] = {}
 
     # -- labels -----------------------------------------------------------
@@ -257,9 +264,21 @@ class MetricsExporter:
     # -- collection -------------------------------------------------------
 
     def collect(
-        self, manager: LoadManager, sink: StatsSink, *, live_requests: int = 0
+        self,
+        manager: LoadManager,
+        sink: StatsSink,
+        *,
+        live_requests: int = 0,
+        same_host_reads: int = 0,
     ) -> None:
-        """Add everything new since the last call to ``sink``."""
+        """Add everything new since the last call to ``sink``.
+        ``same_host_reads`` is the data plane's running count (the manager
+        cannot tell a copy from a NIXL READ)."""
+        if same_host_reads > self._same_host_reads:
+            sink.increase_counter(
+                SAME_HOST_READS, same_host_reads - self._same_host_reads, ()
+            )
+            self._same_host_reads = same_host_reads
         while manager.retired_sessions:
             session = manager.retired_sessions.popleft()
             self._session_deltas(session, sink)

@@ -68,6 +68,9 @@ class TierRuntime:
         self._waker: threading.Thread | None = None
         self._stop = threading.Event()
         self._engine_active = False
+        #: False right after a fast return of finished_jobs: the next call
+        #: must sweep the sockets and pump.
+        self._fast_ok = True
 
     # ------------------------------------------------------------------
 
@@ -95,6 +98,7 @@ class TierRuntime:
         heartbeat is answered without ending the wait, so an idle engine is
         not stepped for its peers' keep-alives."""
         self.steps += 1
+        self._fast_ok = True  # the sockets are swept now
         now = self.clock()
         if not (wait if wait is not None else self.may_wait()):
             self._idle_streak = 0
@@ -289,9 +293,43 @@ class TierRuntime:
         self.manager.flush(self.clock())
         self.pump()
 
+    def submit_load(
+        self, job_id: int, req_id: str, keys: list[bytes], slots: list[int]
+    ) -> None:
+        """Start a load job. A READ the peer's offer covers is posted here,
+        before returning: the load's latency is then the READ plus one
+        completion check. Anything else (a Fetch for the peer to WRITE, a
+        refusal) goes through a full pump, so it too leaves at once."""
+        m = self.manager
+        m.submit_load(job_id, req_id, keys, slots, self.clock())
+        reads = m.take_reads()
+        if not reads:
+            self.pump()
+            return
+        posted = False
+        for peer, read in reads:
+            posted |= self._post(peer, "read", read.job_id, read.remote, read.local)
+        if posted:
+            self._take_completions()
+
     def finished_jobs(self, wait: bool | None = None) -> list[JobResult]:
+        """Results since the last call, each exactly once.
+
+        The fast path: when our own READs are what the caller waits for and
+        one has ended, its result is returned after a completion check
+        alone. The messages it produced (the Release) and the socket sweep
+        wait for the next call, which always takes the full poll; so a
+        peer's frames wait at most one call and the load's latency is not
+        the sweep's."""
+        m = self.manager
+        if self._fast_ok:
+            if self._xfers:
+                self._take_completions()
+            if m.results_ready():
+                self._fast_ok = False
+                return m.get_finished_jobs(self.clock())
         self.poll(wait)
-        return self.manager.get_finished_jobs(self.clock())
+        return m.get_finished_jobs(self.clock())
 
     def drain(self, timeout_s: float | None = None) -> None:
         """Block until no job is in flight (cache reset); bounded. Pins a

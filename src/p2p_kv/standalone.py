@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import mmap
+import os
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -80,14 +83,18 @@ class StandalonePeer:
         idle_wait_s: float = 0.01,
         region: object | None = None,
         reads: bool = True,
+        same_host: bool = True,
     ) -> None:
         self.region = (
-            np.zeros(num_blocks * block_bytes, dtype=np.uint8)
-            if region is None
-            else region
+            shared_region(num_blocks * block_bytes) if region is None else region
         )
         self.block_bytes = block_bytes
-        data = NixlDataTransport(self.region, block_bytes, name=engine_id)  # type: ignore[arg-type]
+        data = NixlDataTransport(
+            self.region,  # type: ignore[arg-type]
+            block_bytes,
+            name=engine_id,
+            same_host=same_host,
+        )
         control = ControlTransport(
             host, port, heartbeat_s=(timeouts or Timeouts()).heartbeat_interval_s
         )
@@ -110,6 +117,8 @@ class StandalonePeer:
         )
         self.pinner = TablePinner()
         self.results: dict[int, JobResult] = {}
+        #: when the last step's finished_jobs returned (perf_counter)
+        self.results_at = 0.0
         self._jobs = itertools.count(1)
 
     @property
@@ -133,6 +142,7 @@ class StandalonePeer:
         """What one engine step does to the tier."""
         rt = self.runtime
         results = rt.finished_jobs() if wait is None else self._poll(wait)
+        self.results_at = time.perf_counter()
         rt.serve(self.pinner)
         rt.flush()
         for r in results:
@@ -205,20 +215,17 @@ class StandalonePeer:
             if not hit_idx:
                 return outcome
             job = next(self._jobs)
-            m.submit_load(
-                job,
-                req_id,
-                [keys[i] for i in hit_idx],
-                [slots[i] for i in hit_idx],
-                rt.clock(),
+            rt.submit_load(
+                job, req_id, [keys[i] for i in hit_idx], [slots[i] for i in hit_idx]
             )
-            rt.pump()
             while job not in self.results and time.monotonic() < end:
                 self.step()
             result = self.results.pop(job, None)
             outcome.job_done = result is not None
             outcome.ok = bool(result and result.success)
-            outcome.total_s = time.perf_counter() - t0
+            # The engine has the result when finished_jobs returns it; the
+            # rest of that step (serving, the Release) is not the load's.
+            outcome.total_s = self.results_at - t0
             return outcome
         finally:
             if finish:
@@ -237,6 +244,22 @@ class FetchOutcome:
     ok: bool = False
     job_done: bool = False
     total_s: float = 0.0
+
+
+def shared_region(nbytes: int) -> np.ndarray:
+    """Zeroed bytes in a memfd, as vLLM keeps its primary tier in a shared
+    file: a peer on this host can then read them without NIXL. The fd stays
+    open for the life of the mapping (same-host peers open it through
+    ``/proc``); both go when the array does."""
+    fd = os.memfd_create("p2p_kv-region", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, nbytes)
+        mapped = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+    except BaseException:
+        os.close(fd)
+        raise
+    weakref.finalize(mapped, os.close, fd)
+    return np.frombuffer(mapped, dtype=np.uint8)
 
 
 def block_pattern(key: bytes, nbytes: int) -> np.ndarray:

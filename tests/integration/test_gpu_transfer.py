@@ -31,9 +31,11 @@ PRODUCER_BLOCKS = 32
 CONSUMER_BLOCKS = 64
 
 
-#: ``read``: the consumer READs the pinned blocks; ``write``: the producer
+#: ``read``: the consumer READs the pinned blocks (from a host region on
+#: this host: a copy out of the producer's shared file, DMA from registered
+#: pages); ``nixl_read``: every READ through NIXL; ``write``: the producer
 #: WRITEs after a Fetch.
-PATHS = ("read", "write")
+PATHS = ("read", "nixl_read", "write")
 
 
 def _devices() -> tuple[str, str]:
@@ -76,13 +78,16 @@ def _producer(kind: str, path: str, device: str, conn: Any, stop: Any) -> None:
             torch.cuda.set_device(device)
             region = _pattern(0, nbytes, device)
         else:
-            region = _pattern(0, nbytes, "cpu").numpy().copy()
+            from p2p_kv.standalone import shared_region
+
+            region = shared_region(nbytes)
+            region[:] = _pattern(0, nbytes, "cpu").numpy()
         peer = StandalonePeer(
             PRODUCER_BLOCKS,
             BS,
             engine_id=f"gpu-test-{kind}",
             region=region,
-            reads=path == "read",
+            reads=path != "write",
         )
         for slot in range(PRODUCER_BLOCKS):
             peer.pinner.table[_key(slot)] = slot
@@ -97,8 +102,9 @@ def _producer(kind: str, path: str, device: str, conn: Any, stop: Any) -> None:
     params=[(kind, path) for kind in ("vram", "dram") for path in PATHS],
     ids=lambda p: "-".join(p),
 )
-def pair(request: pytest.FixtureRequest) -> Iterator[tuple[Any, str, str, Any]]:
-    """(consumer, producer address, producer memory kind, consumer region)."""
+def pair(request: pytest.FixtureRequest) -> Iterator[tuple[Any, str, str, Any, str]]:
+    """(consumer, producer address, producer memory kind, consumer region,
+    path)."""
     src_dev, dst_dev = _devices()
     kind, path = request.param
     import torch
@@ -123,10 +129,11 @@ def pair(request: pytest.FixtureRequest) -> Iterator[tuple[Any, str, str, Any]]:
             BS,
             engine_id="gpu-test-cons",
             region=region,
-            reads=path == "read",
+            reads=path != "write",
+            same_host=path != "nixl_read",
         )
         try:
-            yield consumer, msg[1], msg[2], region
+            yield consumer, msg[1], msg[2], region, path
         finally:
             consumer.close()
     finally:
@@ -152,8 +159,8 @@ def _check_region(region: Any, expect: dict[int, int]) -> None:
         )
 
 
-def test_fetch_into_gpu_memory(pair: tuple[Any, str, str, Any]) -> None:
-    consumer, address, producer_mem, region = pair
+def test_fetch_into_gpu_memory(pair: tuple[Any, str, str, Any, str]) -> None:
+    consumer, address, producer_mem, region, path = pair
     assert consumer.runtime.data.local_region().mem_kind == "VRAM"
     assert producer_mem in ("VRAM", "DRAM")
     expect: dict[int, int] = {}
@@ -173,6 +180,10 @@ def test_fetch_into_gpu_memory(pair: tuple[Any, str, str, Any]) -> None:
         _check_region(region, expect)
     report = consumer.manager.state_report()
     assert not any(report.values()), report
+    # Only a same-host host region is copied without NIXL, and only by the
+    # default read path; a GPU producer's READs stay on NIXL (cuda_ipc).
+    copies = consumer.runtime.data.local_reads
+    assert copies == (len(mappings) if (producer_mem, path) == ("DRAM", "read") else 0)
 
 
 def test_pattern_detects_shifted_block() -> None:

@@ -46,6 +46,9 @@ def _peer(
         "fill": fill,
         "timeouts": TIMEOUTS,
         "seed": i,
+        # Namespaces stand in for hosts: bytes must cross the veth links,
+        # not a same-host copy out of the peer's shared region.
+        "same_host": False,
     }
     if events is not None:
         cfg["events_path"] = str(events)

@@ -321,6 +321,13 @@ def engines() -> Iterator[Engines]:
             made.add(
                 f"c{bs}", StandalonePeer(CONSUMER_BLOCKS, bs, engine_id=f"c{bs}-{pid}")
             )
+            # READs through NIXL even from this host's peers
+            made.add(
+                f"n{bs}",
+                StandalonePeer(
+                    CONSUMER_BLOCKS, bs, engine_id=f"n{bs}-{pid}", same_host=False
+                ),
+            )
         made.add(
             "hb",
             StandalonePeer(
@@ -426,29 +433,67 @@ def reset_region(c: StandalonePeer) -> None:
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path", ["read", "write"])
+@pytest.mark.parametrize("path", ["read", "nixl_read", "write"])
 @pytest.mark.parametrize("n", [1, 7, 64])
 @pytest.mark.parametrize("bs", MAIN_SIZES, ids=["4KiB", "64KiB", "1MiB"])
 def test_fetch_is_byte_exact(
     producers: dict[str, Producer], engines: Engines, bs: int, n: int, path: str
 ) -> None:
-    """Both load paths: the producer offers its pins for READ (``main``) or
-    not (``write``: the consumer Fetches and the producer WRITEs)."""
+    """Every load path: the producer offers its pins for READ (``main``),
+    which a consumer on this host copies out of the producer's shared region
+    (``read``) or READs through NIXL (``nixl_read``, ``same_host_copy``
+    off); or it does not (``write``: the consumer Fetches and the producer
+    WRITEs)."""
     prod = producers["main"]
-    name = f"main{bs}" if path == "read" else f"write{bs}"
+    name = f"write{bs}" if path == "write" else f"main{bs}"
     rng = np.random.default_rng(bs + n)
     keys = [make_key(int(k)) for k in rng.permutation(64)[:n]]
     slots = scattered_slots(n, seed=n)
-    with engines.use(f"c{bs}") as c:
+    with engines.use(f"n{bs}" if path == "nixl_read" else f"c{bs}") as c:
         reset_region(c)
         before = path_counts(c)
+        copies = c.runtime.data.local_reads
         out = c.fetch(prod.addr[name], f"exact-{bs}-{n}-{path}", keys, slots)
         assert (out.hits, out.job_done, out.ok) == (n, True, True), out
         after = path_counts(c)
-        used = "read" if after[0] > before[0] else "write"
-        assert used == path and sum(after) == sum(before) + 1
+        used = "write" if after[0] == before[0] else "read"
+        assert used == path.removeprefix("nixl_") and sum(after) == sum(before) + 1
+        assert c.runtime.data.local_reads - copies == (path == "read")
         crcs = prod.crcs[name]
         check_region(c, {s: crcs[k] for k, s in zip(keys, slots, strict=True)}, name)
+        settle(c, prod, name)
+
+
+@pytest.mark.parametrize("same_host", [True, False], ids=["copy", "nixl"])
+def test_read_result_comes_before_the_socket_sweep(
+    producers: dict[str, Producer], engines: Engines, same_host: bool
+) -> None:
+    """A READ done inside submit_load (a same-host copy, or CMA inside the
+    NIXL post) is handed to the engine by the next finished_jobs without a
+    socket sweep; its Release waits for that sweep, which the call after
+    always makes, so the peer hears of it one call later at most."""
+    prod, name, bs = producers["main"], f"main{64 * KIB}", 64 * KIB
+    keys = [make_key(i) for i in (3, 4)]
+    with engines.use(f"c{bs}" if same_host else f"n{bs}") as c:
+        rt, peer = c.runtime, prod.addr[name]
+        reset_region(c)
+        req, answers, _, session = open_request(c, peer, f"sweep-{same_host}", keys)
+        assert answers == [Answer.HIT, Answer.HIT] and session is not None
+        steps = rt.steps
+        rt.submit_load(9_001, req, keys, [5, 9])
+        deadline = time.monotonic() + 2.0
+        results = []
+        while not results:
+            results = rt.finished_jobs()
+            assert time.monotonic() < deadline
+        assert [(r.job_id, r.success) for r in results] == [(9_001, True)]
+        assert rt.steps == steps  # no sweep, no pump: the completion alone
+        assert session.has_output  # the Release, still queued
+        rt.finished_jobs()
+        assert rt.steps == steps + 1 and not session.has_output
+        crcs = prod.crcs[name]
+        check_region(c, {5: crcs[keys[0]], 9: crcs[keys[1]]}, "sweep")
+        finish_request(c, req)
         settle(c, prod, name)
 
 

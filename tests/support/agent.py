@@ -54,6 +54,7 @@ class Agent:
             secret=bytes.fromhex(secret) if secret else None,
             timeouts=Timeouts(**cfg.get("timeouts", {})),
             idle_wait_s=cfg.get("idle_wait_s", 0.01),
+            same_host=cfg.get("same_host", True),
         )
         self.control, self.data = install(
             self.peer.runtime,

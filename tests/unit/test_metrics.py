@@ -27,6 +27,7 @@ from p2p_kv.metrics import (
     PREFIX,
     PROTOCOL_ERRORS,
     REFUSALS,
+    SAME_HOST_READS,
     SERVED_BYTES,
     SESSIONS,
     MetricsExporter,
@@ -108,7 +109,7 @@ def probe_and_load(net: Net, req: str, slots: list[int]) -> int:
 
 
 def test_definitions_are_prometheus_names_with_bounded_labels() -> None:
-    assert len(DEFINITIONS) == 18
+    assert len(DEFINITIONS) == 19
     for name, d in DEFINITIONS.items():
         assert name.startswith(PREFIX) and name.startswith("vllm:kv_offload")
         assert not name.endswith("_total")  # prometheus_client adds it
@@ -261,3 +262,18 @@ def test_undecodable_frames_count_as_protocol_errors() -> None:
     assert collect(exp, net, "b").counters[PROTOCOL_ERRORS] == {
         ("unknown", "decode"): 1
     }
+
+
+def test_same_host_reads_are_sent_as_increments_of_the_data_planes_count() -> None:
+    net = make_net()
+    exp = MetricsExporter()
+    b = net.engines["b"].manager
+    first = Sink()
+    exp.collect(b, first, same_host_reads=3)
+    assert first.counters[SAME_HOST_READS] == {(): 3}
+    again = Sink()
+    exp.collect(b, again, same_host_reads=3)
+    assert SAME_HOST_READS not in again.counters
+    later = Sink()
+    exp.collect(b, later, same_host_reads=5)
+    assert later.counters[SAME_HOST_READS] == {(): 2}

@@ -162,7 +162,9 @@ class P2PKVTier(SecondaryTierManager):
         port = self.cfg.port
         if port:
             port += offloading_spec.config.parallel.data_parallel_index
-        data = NixlDataTransport(region, block_bytes, name="p2p_kv")
+        data = NixlDataTransport(
+            region, block_bytes, name="p2p_kv", same_host=self.cfg.same_host_copy
+        )
         control = ControlTransport(
             self.cfg.host, port, heartbeat_s=self.cfg.heartbeat_ms / 1000
         )
@@ -221,14 +223,13 @@ class P2PKVTier(SecondaryTierManager):
     @_locked
     def submit_load(self, job_metadata: TransferJob) -> None:
         rt = self.runtime
-        rt.manager.submit_load(
+        # The READ (or the Fetch) leaves now, not at the end of the step.
+        rt.submit_load(
             job_metadata.job_id,
             job_metadata.req_context.req_id,
             list(job_metadata.keys),
             job_metadata.chunk_ids.tolist(),
-            rt.clock(),
         )
-        rt.pump()  # the Fetch leaves now, not at the end of the step
 
     @_locked
     def submit_store(self, job_metadata: TransferJob) -> None:
@@ -333,7 +334,12 @@ class P2PKVTier(SecondaryTierManager):
             exporter = self._metrics = MetricsExporter()
         rt = self.runtime
         stats = OffloadingConnectorStats()
-        exporter.collect(rt.manager, stats, live_requests=rt.live_requests)
+        exporter.collect(
+            rt.manager,
+            stats,
+            live_requests=rt.live_requests,
+            same_host_reads=rt.data.local_reads,
+        )
         return None if stats.is_empty() else stats
 
     def touch(self, keys: Collection[Any], req_context: ReqContext) -> None:

@@ -1,0 +1,121 @@
+"""Same-host READs without NIXL: finding a region's shared file, mapping a
+peer's, refusing the wrong one, copying runs."""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+import numpy as np
+import pytest
+
+from p2p_kv.data import plan_write
+from p2p_kv.same_host import (
+    HostCopier,
+    PeerMapping,
+    ShmRegion,
+    boot_id,
+    find_backing,
+)
+from p2p_kv.standalone import shared_region
+
+BB = 4096
+
+
+def _addr(a: np.ndarray) -> int:
+    return int(a.ctypes.data)
+
+
+def test_shared_region_is_found_with_an_open_fd() -> None:
+    region = shared_region(64 * BB)
+    found = find_backing(_addr(region) + 8 * BB, 16 * BB)
+    assert found is not None
+    assert found.pid == os.getpid() and found.boot_id == boot_id()
+    assert found.offset == 8 * BB and found.length == 16 * BB
+    st = os.stat(f"/proc/self/fd/{found.fd}")
+    assert (st.st_dev, st.st_ino) == (found.dev, found.ino)
+
+
+def test_anonymous_or_private_memory_has_no_backing() -> None:
+    assert find_backing(_addr(np.zeros(64 * BB, dtype=np.uint8)), 64 * BB) is None
+    fd = os.memfd_create("private")
+    try:
+        os.ftruncate(fd, 4 * BB)
+        private = mmap.mmap(fd, 4 * BB, flags=mmap.MAP_PRIVATE)
+        view = np.frombuffer(private, dtype=np.uint8)
+        assert find_backing(_addr(view), 4 * BB) is None
+        del view
+        private.close()
+    finally:
+        os.close(fd)
+
+
+def test_region_running_past_its_mapping_has_no_backing() -> None:
+    region = shared_region(4 * BB)
+    assert find_backing(_addr(region), 5 * BB) is None
+
+
+def test_peer_mapping_reads_the_owners_bytes_read_only() -> None:
+    region = shared_region(32 * BB)
+    region[:] = np.arange(region.size, dtype=np.uint64).astype(np.uint8)
+    info = find_backing(_addr(region) + 3 * BB, 20 * BB)
+    assert info is not None
+    peer = PeerMapping(info)
+    try:
+        assert np.array_equal(peer.view, region[3 * BB : 23 * BB])
+        with pytest.raises((TypeError, ValueError)):
+            peer.view[0] = 1  # a read-only map: we cannot write the owner's memory
+        region[3 * BB] ^= 0xFF  # shared: the owner's later writes show
+        assert peer.view[0] == region[3 * BB]
+    finally:
+        peer.close()
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        ({"boot_id": "another-boot"}, "another host"),
+        ({"ino": 1}, "not the peer's region"),
+        ({"length": 1 << 40}, "region ends at"),
+        ({"offset": -1}, "bad region span"),
+    ],
+)
+def test_a_wrong_description_is_refused_saying_why(
+    change: dict[str, object], why: str
+) -> None:
+    region = shared_region(8 * BB)
+    info = find_backing(_addr(region), 8 * BB)
+    assert info is not None
+    fields = {f: getattr(info, f) for f in ShmRegion.__struct_fields__}
+    with pytest.raises(ValueError, match=why):
+        PeerMapping(ShmRegion(**{**fields, **change}))  # type: ignore[arg-type]
+
+
+def test_a_dead_pid_is_an_os_error() -> None:
+    region = shared_region(8 * BB)
+    info = find_backing(_addr(region), 8 * BB)
+    assert info is not None
+    fields = {f: getattr(info, f) for f in ShmRegion.__struct_fields__}
+    with pytest.raises(OSError):
+        PeerMapping(ShmRegion(**{**fields, "pid": 2**22 + 1}))  # type: ignore[arg-type]
+
+
+def test_host_copier_moves_exactly_the_mapped_runs() -> None:
+    src = shared_region(16 * BB)
+    src[:] = np.repeat(np.arange(16, dtype=np.uint8) + 1, BB)
+    info = find_backing(_addr(src), src.size)
+    assert info is not None
+    dst = np.zeros(16 * BB, dtype=np.uint8)
+    peer = PeerMapping(info)
+    try:
+        local, remote = [0, 1, 2, 9, 5], [7, 8, 9, 3, 15]
+        HostCopier(_addr(dst), dst.size, BB).copy(
+            peer, plan_write(local, remote, 16, 16).runs()
+        )
+        rows = dst.reshape(16, BB)
+        for lb, rb in zip(local, remote, strict=True):
+            assert (rows[lb] == rb + 1).all()
+        untouched = set(range(16)) - set(local)
+        assert all((rows[b] == 0).all() for b in untouched)
+    finally:
+        peer.close()
