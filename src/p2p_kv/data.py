@@ -518,6 +518,7 @@ class _Peer:
     prep_failed: bool = False
     #: The peer's region mapped here: its READs are local copies.
     mapping: PeerMapping | None = None
+    map_tried: bool = False
 
 
 @dataclass
@@ -690,12 +691,17 @@ class NixlDataTransport:
 
     # -- peers --------------------------------------------------------------
 
-    def add_peer(self, info: RegionInfo) -> None:
+    def add_peer(self, info: RegionInfo, dialled_port: int | None = None) -> None:
         """Load a peer's NIXL metadata so we can write into its region.
 
-        Idempotent per agent name: the same info again is a no-op; a
-        different info under a known name replaces the old one (after the
-        same fencing as :meth:`remove_peer`).
+        ``dialled_port``: the TCP port we reached the peer at (our outbound
+        session). Only then may a same-host peer's region be mapped for
+        copies, once the pid it names proves to hold that port's listener.
+
+        Idempotent per agent name: the same info again is a no-op (but for
+        mapping, if now we have the port); a different info under a known
+        name replaces the old one (after the same fencing as
+        :meth:`remove_peer`).
         """
         self._check_geometry(info)
         with self._lock:
@@ -703,6 +709,7 @@ class NixlDataTransport:
             known = self._peers.get(info.agent_name)
             if known is not None:
                 if known.info == info:
+                    self._maybe_map(known, dialled_port)
                     return
                 self._remove_peer_locked(info.agent_name)
             loaded = self._agent.add_remote_agent(info.agent_metadata)
@@ -714,8 +721,7 @@ class NixlDataTransport:
                     f"but RegionInfo says {info.agent_name!r}"
                 )
             peer = self._peers[info.agent_name] = _Peer(info)
-            if self._same_host and info.shm is not None:
-                self._map(peer, info.shm)
+            self._maybe_map(peer, dialled_port)
         if info.mem_kind != self._span.mem_kind and peer.mapping is None:
             logger.warning(
                 "peer %s holds %s and we hold %s: UCX moves host<->GPU data "
@@ -725,7 +731,14 @@ class NixlDataTransport:
                 self._span.mem_kind,
             )
 
-    def _map(self, peer: _Peer, shm: ShmRegion) -> None:
+    def _maybe_map(self, peer: _Peer, port: int | None) -> None:
+        shm = peer.info.shm
+        if not self._same_host or shm is None or port is None or peer.map_tried:
+            return
+        peer.map_tried = True
+        self._map(peer, shm, port)
+
+    def _map(self, peer: _Peer, shm: ShmRegion, port: int) -> None:
         """Map a same-host peer's region for local copies; on any failure
         its READs stay on NIXL, which is always correct."""
         if shm.length != peer.info.region_bytes:
@@ -738,7 +751,7 @@ class NixlDataTransport:
             )
             return
         try:
-            mapping = PeerMapping(shm)
+            mapping = PeerMapping(shm, port)
         except (OSError, ValueError) as exc:
             logger.info(
                 "peer %s: same-host reads unavailable (%s); reading through NIXL",

@@ -20,6 +20,10 @@ mapped (another pid namespace, a closed file, a changed inode).
 Access control is the kernel's: opening ``/proc/<pid>/fd/<n>`` needs the
 same ptrace-read permission over the producer that CMA already needs. The
 map is read-only, so a consumer cannot write into the producer's memory.
+And a peer cannot make us its deputy: the pid it names must hold the socket
+listening on the port we dialled, so it can only point us at its own files
+(else a peer could have us copy another process's memory into our cache
+and then look those blocks up).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ __all__ = [
     "ShmRegion",
     "boot_id",
     "find_backing",
+    "holds_listener",
     "host_view",
 ]
 
@@ -128,15 +133,61 @@ def host_view(addr: int, nbytes: int) -> npt.NDArray[np.uint8]:
     return view
 
 
+def listening_inodes(port: int) -> set[str]:
+    """Socket inodes listening on TCP ``port`` in our network namespace."""
+    out: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f)  # the header
+                for line in f:
+                    fields = line.split()
+                    # local "ADDR:PORT" (hex), state "0A" = LISTEN, inode
+                    if (
+                        fields[3] == "0A"
+                        and int(fields[1].rsplit(":", 1)[1], 16) == port
+                    ):
+                        out.add(fields[9])
+        except (OSError, StopIteration):
+            continue
+    return out
+
+
+def holds_listener(pid: int, port: int) -> bool:
+    """Whether process ``pid`` holds a socket listening on TCP ``port``:
+    proof that it is the peer we dialled there."""
+    wanted = {f"socket:[{inode}]" for inode in listening_inodes(port)}
+    if not wanted:
+        return False
+    try:
+        names = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for name in names:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{name}") in wanted:
+                return True
+        except OSError:
+            continue
+    return False
+
+
 class PeerMapping:
     """A peer's region mapped read-only into our address space."""
 
-    def __init__(self, info: ShmRegion) -> None:
-        """Map it, or raise ``ValueError``/``OSError`` saying why not."""
+    def __init__(self, info: ShmRegion, port: int) -> None:
+        """Map the region of the peer we dialled at TCP ``port``, or raise
+        ``ValueError``/``OSError`` saying why not."""
         if info.boot_id != boot_id():
             raise ValueError("peer is on another host (boot id differs)")
         if info.length <= 0 or info.offset < 0:
             raise ValueError(f"bad region span {info.offset}+{info.length}")
+        if not holds_listener(info.pid, port):
+            raise ValueError(
+                f"pid {info.pid} does not hold the socket listening on port "
+                f"{port}: not the peer we dialled (or in another network "
+                "namespace)"
+            )
         fd = os.open(f"/proc/{info.pid}/fd/{info.fd}", os.O_RDONLY | os.O_CLOEXEC)
         try:
             st = os.fstat(fd)

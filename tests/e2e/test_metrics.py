@@ -71,6 +71,10 @@ def test_per_peer_series_in_vllm_metrics() -> None:
     assert series(mb, p + "load_time_seconds_sum", **peer_a) > 0, mb
     assert series(mb, p + "sessions", state="ready", **peer_a) == 1, mb
     assert series(mb, p + "fallbacks") == 0, mb
+    # B's one load was a READ copied out of A's primary tier: vLLM keeps it
+    # in a shared file, which A offered and B mapped (same host)
+    assert series(mb, p + "same_host_reads") == 1, mb
+    assert series(ma, p + "same_host_reads") == 0, ma
     assert series(mb, p + "failed_ids") == 0, mb
     # A labels its inbound session by B's Hello engine_id (B's address)
     served = series(ma, p + "served_bytes", peer=f"127.0.0.1:{pb}")

@@ -14,6 +14,7 @@ their failure is reported as a test failure.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import time
@@ -548,3 +549,60 @@ def test_dead_peer_fails_the_transfer_not_the_process(pair: Pair) -> None:
     ok, _, _ = pair.transfer(bs, [2], [5], b"still-serving")
     assert ok
     pair.check_consumer(bs)
+
+
+# ---------------------------------------------------------------------------
+# Same-host copies: the data plane maps a peer's shared region itself
+# ---------------------------------------------------------------------------
+
+
+def _read_all(t: Any, agent: str, remote: list[int], local: list[int]) -> bool:
+    tid = t.post_read(agent, remote, local)
+    end = time.monotonic() + STEP_TIMEOUT_S
+    while time.monotonic() < end:
+        for done, ok in t.poll_completions():
+            assert done == tid
+            return bool(ok)
+    raise AssertionError("READ not reported")
+
+
+def test_same_host_copy_only_from_the_process_we_dialled() -> None:
+    """A peer's region is mapped only when the pid it names holds the
+    listener we dialled; otherwise, or with no port (an inbound session),
+    its READs go through NIXL. Both movers land the same bytes."""
+    import socket
+
+    from p2p_kv.data import NixlDataTransport
+    from p2p_kv.standalone import shared_region
+
+    bs, n = 4 * KIB, 32
+    src = shared_region(n * bs)
+    src[:] = np.random.default_rng(5).integers(0, 256, src.size, dtype=np.uint8)
+    rows = src.reshape(n, bs)
+    with contextlib.ExitStack() as stack:
+        listener = stack.enter_context(socket.socket())
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        idle = stack.enter_context(socket.socket())
+        idle.bind(("127.0.0.1", 0))
+        producer = stack.enter_context(NixlDataTransport(src, bs, name="sh-prod"))
+        info = producer.local_region()
+        assert info.shm is not None and info.shm.length == n * bs
+        ports = {
+            "inbound": None,
+            "impostor": idle.getsockname()[1],
+            "dialled": listener.getsockname()[1],
+        }
+        for case, port in ports.items():
+            dst = shared_region(n * bs)
+            c = stack.enter_context(NixlDataTransport(dst, bs, name=f"sh-{case}"))
+            c.add_peer(info, dialled_port=port)
+            assert c.same_host_peers == (case == "dialled"), case
+            remote, local = [3, 4, 5, 20, 9], [0, 1, 2, 30, 11]
+            assert _read_all(c, info.agent_name, remote, local)
+            assert c.local_reads == (case == "dialled"), case
+            got = dst.reshape(n, bs)
+            for r, ll in zip(remote, local, strict=True):
+                assert np.array_equal(got[ll], rows[r]), (case, r, ll)
+            c.remove_peer(info.agent_name)
+            assert c.same_host_peers == 0

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import mmap
 import os
+import socket
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -16,6 +18,7 @@ from p2p_kv.same_host import (
     ShmRegion,
     boot_id,
     find_backing,
+    holds_listener,
 )
 from p2p_kv.standalone import shared_region
 
@@ -24,6 +27,23 @@ BB = 4096
 
 def _addr(a: np.ndarray) -> int:
     return int(a.ctypes.data)
+
+
+@pytest.fixture(scope="module")
+def port() -> Iterator[int]:
+    """A port this process listens on, as a peer's control socket does."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+def test_the_listener_proves_which_process_we_dialled(port: int) -> None:
+    assert holds_listener(os.getpid(), port)
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))  # bound, not listening
+        assert not holds_listener(os.getpid(), other.getsockname()[1])
+    assert not holds_listener(2**22 + 1, port)  # no such process
 
 
 def test_shared_region_is_found_with_an_open_fd() -> None:
@@ -55,12 +75,12 @@ def test_region_running_past_its_mapping_has_no_backing() -> None:
     assert find_backing(_addr(region), 5 * BB) is None
 
 
-def test_peer_mapping_reads_the_owners_bytes_read_only() -> None:
+def test_peer_mapping_reads_the_owners_bytes_read_only(port: int) -> None:
     region = shared_region(32 * BB)
     region[:] = np.arange(region.size, dtype=np.uint64).astype(np.uint8)
     info = find_backing(_addr(region) + 3 * BB, 20 * BB)
     assert info is not None
-    peer = PeerMapping(info)
+    peer = PeerMapping(info, port)
     try:
         assert np.array_equal(peer.view, region[3 * BB : 23 * BB])
         with pytest.raises((TypeError, ValueError)):
@@ -78,35 +98,46 @@ def test_peer_mapping_reads_the_owners_bytes_read_only() -> None:
         ({"ino": 1}, "not the peer's region"),
         ({"length": 1 << 40}, "region ends at"),
         ({"offset": -1}, "bad region span"),
+        ({"pid": 1}, "not the peer we dialled"),
     ],
 )
 def test_a_wrong_description_is_refused_saying_why(
-    change: dict[str, object], why: str
+    change: dict[str, object], why: str, port: int
 ) -> None:
     region = shared_region(8 * BB)
     info = find_backing(_addr(region), 8 * BB)
     assert info is not None
     fields = {f: getattr(info, f) for f in ShmRegion.__struct_fields__}
     with pytest.raises(ValueError, match=why):
-        PeerMapping(ShmRegion(**{**fields, **change}))  # type: ignore[arg-type]
+        PeerMapping(ShmRegion(**{**fields, **change}), port)  # type: ignore[arg-type]
 
 
-def test_a_dead_pid_is_an_os_error() -> None:
+def test_a_port_nobody_listens_on_is_refused(port: int) -> None:
+    region = shared_region(8 * BB)
+    info = find_backing(_addr(region), 8 * BB)
+    assert info is not None
+    with socket.socket() as idle:
+        idle.bind(("127.0.0.1", 0))
+        with pytest.raises(ValueError, match="not the peer we dialled"):
+            PeerMapping(info, idle.getsockname()[1])
+
+
+def test_a_closed_fd_is_an_os_error(port: int) -> None:
     region = shared_region(8 * BB)
     info = find_backing(_addr(region), 8 * BB)
     assert info is not None
     fields = {f: getattr(info, f) for f in ShmRegion.__struct_fields__}
     with pytest.raises(OSError):
-        PeerMapping(ShmRegion(**{**fields, "pid": 2**22 + 1}))  # type: ignore[arg-type]
+        PeerMapping(ShmRegion(**{**fields, "fd": 2**20}), port)  # type: ignore[arg-type]
 
 
-def test_host_copier_moves_exactly_the_mapped_runs() -> None:
+def test_host_copier_moves_exactly_the_mapped_runs(port: int) -> None:
     src = shared_region(16 * BB)
     src[:] = np.repeat(np.arange(16, dtype=np.uint8) + 1, BB)
     info = find_backing(_addr(src), src.size)
     assert info is not None
     dst = np.zeros(16 * BB, dtype=np.uint8)
-    peer = PeerMapping(info)
+    peer = PeerMapping(info, port)
     try:
         local, remote = [0, 1, 2, 9, 5], [7, 8, 9, 3, 15]
         HostCopier(_addr(dst), dst.size, BB).copy(
