@@ -1099,6 +1099,9 @@ class NixlDataTransport:
                 if self._local_prepped is not None:
                     self._release(self._local_prepped)
                     self._local_prepped = None
+                if self._copier is not None:
+                    self._copier.close()
+                    self._copier = None
                 if self._reg_descs is not None:
                     try:
                         self._agent.deregister_memory(self._reg_descs)

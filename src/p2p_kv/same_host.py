@@ -33,6 +33,7 @@ import logging
 import mmap
 import os
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from typing import Any
 
@@ -230,14 +231,48 @@ class PeerMapping:
         self._mmap = None
 
 
+#: Copies this large are split across threads (numpy drops the GIL while
+#: it copies). Below it a thread hand-off costs more than it saves.
+PARALLEL_MIN_BYTES = 8 << 20
+
+
+def split_segments(
+    segments: list[tuple[int, int, int]], parts: int
+) -> list[list[tuple[int, int, int]]]:
+    """Cut ``(dst offset, src offset, bytes)`` segments into at most
+    ``parts`` lists of about equal bytes, splitting segments where needed;
+    together they cover every byte exactly once."""
+    total = sum(n for _, _, n in segments)
+    share = max(1, -(-total // max(1, parts)))
+    out: list[list[tuple[int, int, int]]] = [[]]
+    room = share
+    for d, s, n in segments:
+        while n:
+            take = min(n, room)
+            out[-1].append((d, s, take))
+            d, s, n, room = d + take, s + take, n - take, room - take
+            if room == 0 and len(out) < parts:
+                out.append([])
+                room = share
+    return [chunk for chunk in out if chunk]
+
+
 class HostCopier:
     """Copies a peer's blocks into our host-memory region, synchronously:
     the load is done when :meth:`copy` returns, like a CMA READ is done
-    when NIXL's post returns."""
+    when NIXL's post returns. Large loads are split across ``threads``
+    (the calling one included): one thread does not saturate a server's
+    memory bandwidth (11.5 GB/s against 47.6 with 32, ``shared/notes``)."""
 
-    def __init__(self, addr: int, nbytes: int, block_bytes: int) -> None:
+    def __init__(
+        self, addr: int, nbytes: int, block_bytes: int, threads: int = 0
+    ) -> None:
         self._dst = host_view(addr, nbytes)
         self._bb = block_bytes
+        if threads <= 0:
+            threads = min(4, len(os.sched_getaffinity(0)))
+        self._threads = threads
+        self._pool: ThreadPoolExecutor | None = None
 
     def register(self, src: PeerMapping) -> None:
         """Nothing to do for host memory."""
@@ -247,9 +282,33 @@ class HostCopier:
 
     def copy(self, src: PeerMapping, runs: list[tuple[int, int, int]]) -> None:
         """``runs`` of ``(our start, their start, count)``; returns when done."""
-        bb, dst, view = self._bb, self._dst, src.view
-        for ls, rs, n in runs:
-            dst[ls * bb : (ls + n) * bb] = view[rs * bb : (rs + n) * bb]
+        bb = self._bb
+        segments = [(ls * bb, rs * bb, n * bb) for ls, rs, n in runs]
+        nbytes = sum(n for _, _, n in segments)
+        if self._threads < 2 or nbytes < PARALLEL_MIN_BYTES:
+            self._copy(src.view, segments)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(
+                self._threads - 1, thread_name_prefix="p2p_kv-copy"
+            )
+        first, *rest = split_segments(segments, self._threads)
+        futures = [self._pool.submit(self._copy, src.view, part) for part in rest]
+        self._copy(src.view, first)
+        for future in futures:
+            future.result()
+
+    def _copy(
+        self, view: npt.NDArray[np.uint8], segments: list[tuple[int, int, int]]
+    ) -> None:
+        dst = self._dst
+        for d, s, n in segments:
+            dst[d : d + n] = view[s : s + n]
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
 
 #: cudaHostRegisterReadOnly: the peer's pages are mapped read-only here.
@@ -314,6 +373,9 @@ class CudaCopier:
         if id(src) in self._registered:
             self._registered.discard(id(src))
             self._torch.cuda.cudart().cudaHostUnregister(src.addr)
+
+    def close(self) -> None:
+        """Copies end by their events, which the transport has waited for."""
 
     def copy(self, src: PeerMapping, runs: list[tuple[int, int, int]]) -> CopyInFlight:
         torch, bb, dst = self._torch, self._bb, self._dst

@@ -13,12 +13,14 @@ import pytest
 
 from p2p_kv.data import plan_write
 from p2p_kv.same_host import (
+    PARALLEL_MIN_BYTES,
     HostCopier,
     PeerMapping,
     ShmRegion,
     boot_id,
     find_backing,
     holds_listener,
+    split_segments,
 )
 from p2p_kv.standalone import shared_region
 
@@ -149,4 +151,41 @@ def test_host_copier_moves_exactly_the_mapped_runs(port: int) -> None:
         untouched = set(range(16)) - set(local)
         assert all((rows[b] == 0).all() for b in untouched)
     finally:
+        peer.close()
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 4, 7])
+def test_split_covers_every_byte_once_in_balanced_parts(parts: int) -> None:
+    segments = [(0, 100, 10), (50, 0, 7), (200, 300, 1), (400, 10, 25)]
+    chunks = split_segments(segments, parts)
+    assert 1 <= len(chunks) <= parts
+    flat = [(d + i, s + i) for chunk in chunks for d, s, n in chunk for i in range(n)]
+    want = [(d + i, s + i) for d, s, n in segments for i in range(n)]
+    assert flat == want
+    sizes = [sum(n for _, _, n in chunk) for chunk in chunks]
+    assert max(sizes) - min(sizes) <= -(-sum(sizes) // parts)
+
+
+def test_threaded_copy_of_a_large_load_is_byte_exact(port: int) -> None:
+    """Above PARALLEL_MIN_BYTES the runs are cut across threads: every
+    destination block gets its source block, whole, and nothing else."""
+    bb, n = 256 * 1024, 2 * PARALLEL_MIN_BYTES // (256 * 1024)
+    src = shared_region(n * bb)
+    src[:] = np.random.default_rng(3).integers(0, 256, src.size, dtype=np.uint8)
+    info = find_backing(_addr(src), src.size)
+    assert info is not None
+    dst = np.zeros(2 * n * bb, dtype=np.uint8)
+    peer = PeerMapping(info, port)
+    copier = HostCopier(_addr(dst), dst.size, bb, threads=3)
+    try:
+        remote = list(range(n))[::-1]
+        local = [2 * i for i in range(n)]
+        copier.copy(peer, plan_write(local, remote, 2 * n, n).runs())
+        assert copier._pool is not None  # the threads did take part
+        rows, srows = dst.reshape(2 * n, bb), src.reshape(n, bb)
+        for lb, rb in zip(local, remote, strict=True):
+            assert np.array_equal(rows[lb], srows[rb])
+        assert not rows[1::2].any()
+    finally:
+        copier.close()
         peer.close()
