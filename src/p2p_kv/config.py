@@ -52,9 +52,9 @@ class TierConfig:
     #: where peers may not read each other's memory, e.g. one-way firewalls).
     read_path: bool = True
     #: READs from a peer on the same host copy straight out of its shared
-    #: primary region (mapped read-only) instead of going through NIXL:
-    #: memcpy speed for host memory, DMA speed into GPU memory. Off: every
-    #: READ goes through NIXL.
+    #: primary region (opened read-only) instead of going through NIXL:
+    #: parallel reads into host memory, DMA speed into GPU memory. Off:
+    #: every READ goes through NIXL.
     same_host_copy: bool = True
 
     @classmethod

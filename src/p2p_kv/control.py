@@ -27,6 +27,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from p2p_kv.protocol import MAX_FRAME_BYTES
+from p2p_kv.same_host import socket_inode
 
 HWM: Final = 10_000
 
@@ -104,6 +105,7 @@ class ControlTransport:
         self.host, self.port = host, port
         self._dealers: dict[str, zmq.Socket[bytes]] = {}
         self._monitors: dict[zmq.Socket[bytes], str] = {}
+        self._conn_inodes: dict[str, str] = {}
         self._by_socket: dict[zmq.Socket[bytes], str] = {}
         self._known_inbound: set[bytes] = set()
         self._poller = zmq.Poller()
@@ -153,7 +155,7 @@ class ControlTransport:
         self._dealers[peer] = sock
         self._by_socket[sock] = peer
         self._poller.register(sock, zmq.POLLIN)
-        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self._monitors[monitor] = peer
         self._poller.register(monitor, zmq.POLLIN)
 
@@ -208,7 +210,15 @@ class ControlTransport:
                     event = recv_monitor_message(monitor, flags=zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                lost = lost or event["event"] == zmq.EVENT_DISCONNECTED
+                if event["event"] == zmq.EVENT_CONNECTED:
+                    # The fd is libzmq's, in this process, and live now:
+                    # name its socket before it can be closed and reused.
+                    inode = socket_inode(int(event["value"]))
+                    if inode is not None:
+                        self._conn_inodes[peer] = inode
+                elif event["event"] == zmq.EVENT_DISCONNECTED:
+                    lost = True
+                    self._conn_inodes.pop(peer, None)
             if lost:
                 out.append(Inbound(peer, b"", False, lost=True))
         for sock, peer in list(self._by_socket.items()):
@@ -221,6 +231,11 @@ class ControlTransport:
                     break
                 out.append(Inbound(peer, frame, False))
         return out
+
+    def connection_inode(self, peer: str) -> str | None:
+        """Socket inode of our live TCP connection to ``peer`` (outbound
+        only; None before it connects or after it drops)."""
+        return self._conn_inodes.get(peer)
 
     def take_woken(self) -> bool:
         """Whether :meth:`wake` was called since the last check."""
@@ -237,6 +252,7 @@ class ControlTransport:
             self._known_inbound.discard(bytes.fromhex(conn[3:]))
             return
         sock = self._dealers.pop(conn, None)
+        self._conn_inodes.pop(conn, None)
         if sock is not None:
             for monitor in [m for m, p in self._monitors.items() if p == conn]:
                 self._poller.unregister(monitor)

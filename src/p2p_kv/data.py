@@ -1,4 +1,7 @@
-"""NIXL data transport: moves KV blocks between peers with one-sided WRITEs.
+"""NIXL data transport: moves KV blocks between peers, one-sided.
+
+A READ from a peer on the same host whose region lives in a shared file is
+a plain copy instead (``p2p_kv.same_host``), with the same contract.
 
 This module is deliberately thin. The sans-IO session decides *what* to move
 (which of our blocks go into which of the peer's slots, and when); this file
@@ -691,16 +694,16 @@ class NixlDataTransport:
 
     # -- peers --------------------------------------------------------------
 
-    def add_peer(self, info: RegionInfo, dialled_port: int | None = None) -> None:
+    def add_peer(self, info: RegionInfo, conn_inode: str | None = None) -> None:
         """Load a peer's NIXL metadata so we can write into its region.
 
-        ``dialled_port``: the TCP port we reached the peer at (our outbound
-        session). Only then may a same-host peer's region be mapped for
-        copies, once the pid it names proves to hold that port's listener.
+        ``conn_inode``: the socket inode of our TCP connection to the peer
+        (our outbound session). Only then may a same-host peer's region be
+        opened for copies, once the pid it names proves to hold the far end.
 
         Idempotent per agent name: the same info again is a no-op (but for
-        mapping, if now we have the port); a different info under a known
-        name replaces the old one (after the same fencing as
+        same-host copies, if now we have the connection); a different info
+        under a known name replaces the old one (after the same fencing as
         :meth:`remove_peer`).
         """
         self._check_geometry(info)
@@ -709,7 +712,7 @@ class NixlDataTransport:
             known = self._peers.get(info.agent_name)
             if known is not None:
                 if known.info == info:
-                    self._maybe_map(known, dialled_port)
+                    self._maybe_map(known, conn_inode)
                     return
                 self._remove_peer_locked(info.agent_name)
             loaded = self._agent.add_remote_agent(info.agent_metadata)
@@ -721,7 +724,7 @@ class NixlDataTransport:
                     f"but RegionInfo says {info.agent_name!r}"
                 )
             peer = self._peers[info.agent_name] = _Peer(info)
-            self._maybe_map(peer, dialled_port)
+            self._maybe_map(peer, conn_inode)
         if info.mem_kind != self._span.mem_kind and peer.mapping is None:
             logger.warning(
                 "peer %s holds %s and we hold %s: UCX moves host<->GPU data "
@@ -731,14 +734,14 @@ class NixlDataTransport:
                 self._span.mem_kind,
             )
 
-    def _maybe_map(self, peer: _Peer, port: int | None) -> None:
+    def _maybe_map(self, peer: _Peer, conn: str | None) -> None:
         shm = peer.info.shm
-        if not self._same_host or shm is None or port is None or peer.map_tried:
+        if not self._same_host or shm is None or conn is None or peer.map_tried:
             return
         peer.map_tried = True
-        self._map(peer, shm, port)
+        self._map(peer, shm, conn)
 
-    def _map(self, peer: _Peer, shm: ShmRegion, port: int) -> None:
+    def _map(self, peer: _Peer, shm: ShmRegion, conn: str) -> None:
         """Map a same-host peer's region for local copies; on any failure
         its READs stay on NIXL, which is always correct."""
         if shm.length != peer.info.region_bytes:
@@ -751,7 +754,7 @@ class NixlDataTransport:
             )
             return
         try:
-            mapping = PeerMapping(shm, port)
+            mapping = PeerMapping(shm, conn)
         except (OSError, ValueError) as exc:
             logger.info(
                 "peer %s: same-host reads unavailable (%s); reading through NIXL",

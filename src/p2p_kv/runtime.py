@@ -271,12 +271,12 @@ class TierRuntime:
         session = self.manager.session(peer)
         if session is None or not session.ready or session.peer_hello is None:
             return
-        # Outbound sessions dialled the peer's port: what a same-host copy
-        # checks the peer's pid against.
-        port = None if peer.startswith("in:") else int(peer.rpartition(":")[2])
+        # Our outbound connection: a same-host peer proves its pid holds
+        # the far end before we open its region.
+        conn = self.control.connection_inode(peer)
         try:
             info = msgspec.msgpack.decode(session.peer_hello.region, type=RegionInfo)
-            self.data.add_peer(info, dialled_port=port)
+            self.data.add_peer(info, conn_inode=conn)
         except Exception as exc:
             log.warning("p2p_kv: refusing %s: bad data-plane region: %s", peer, exc)
             session.close(f"bad data-plane region: {exc}")

@@ -8,32 +8,37 @@ But a vLLM engine's primary tier already lives in a shared file
 (``SharedOffloadRegion`` maps ``/dev/shm/vllm_offload_*``), and a
 :class:`~p2p_kv.standalone.StandalonePeer` puts its region in a memfd. So a
 producer can tell a consumer on the same host *which open file* backs its
-region, and the consumer maps it read-only and copies the blocks itself: a
-memcpy into host memory, a DMA from registered memory into GPU memory.
+region, and the consumer opens it read-only and copies the blocks itself:
+``preadv`` into host memory (in parallel for large loads), a DMA from
+CUDA-registered pages into GPU memory.
 
 Nothing about the protocol changes: these are the READ path's READs (the
 producer pins, the consumer copies inside the pin window, then Releases),
 done by a different mover. NIXL stays for everything else: other hosts, the
 write path, GPU-resident producers, and any peer whose region cannot be
-mapped (another pid namespace, a closed file, a changed inode).
+opened (another pid or network namespace, a closed file, a changed inode).
 
 Access control is the kernel's: opening ``/proc/<pid>/fd/<n>`` needs the
 same ptrace-read permission over the producer that CMA already needs. The
 map is read-only, so a consumer cannot write into the producer's memory.
-And a peer cannot make us its deputy: the pid it names must hold the socket
-listening on the port we dialled, so it can only point us at its own files
+And a peer cannot make us its deputy: the pid it names must hold the far
+end of our TCP connection to it, so it can only point us at its own files
 (else a peer could have us copy another process's memory into our cache
-and then look those blocks up).
+and then look those blocks up). Host copies read the file with ``preadv``
+rather than through a map, so a peer that shrinks its file fails our
+load instead of killing us with SIGBUS.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import ipaddress
 import logging
 import mmap
 import os
 import warnings
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from functools import cache
 from typing import Any
 
@@ -49,8 +54,9 @@ __all__ = [
     "ShmRegion",
     "boot_id",
     "find_backing",
-    "holds_listener",
-    "host_view",
+    "holds_connection",
+    "host_buffer",
+    "socket_inode",
 ]
 
 log = logging.getLogger(__name__)
@@ -126,38 +132,67 @@ def find_backing(addr: int, nbytes: int) -> ShmRegion | None:
     return None
 
 
-def host_view(addr: int, nbytes: int) -> npt.NDArray[np.uint8]:
-    """A writable byte view of our own host memory at ``addr``: whatever
-    object the region came as (memoryview, numpy, CPU tensor)."""
-    buf = (ctypes.c_uint8 * nbytes).from_address(addr)
-    view: npt.NDArray[np.uint8] = np.frombuffer(memoryview(buf), dtype=np.uint8)
-    return view
+def host_buffer(addr: int, nbytes: int) -> memoryview:
+    """Writable bytes of our own host memory at ``addr``: whatever object
+    the region came as (memoryview, numpy, CPU tensor)."""
+    return memoryview((ctypes.c_uint8 * nbytes).from_address(addr)).cast("B")
 
 
-def listening_inodes(port: int) -> set[str]:
-    """Socket inodes listening on TCP ``port`` in our network namespace."""
-    out: set[str] = set()
+def _endpoint(
+    hexaddr: str,
+) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]:
+    """``/proc/net/tcp*``'s ``ADDR:PORT`` (hex, address in host order per
+    32-bit word) as (address, port); IPv4-mapped IPv6 becomes IPv4, so the
+    two ends of one connection compare equal across the two tables."""
+    addr, _, port = hexaddr.rpartition(":")
+    raw = b"".join(
+        int(addr[i : i + 8], 16).to_bytes(4, "little") for i in range(0, len(addr), 8)
+    )
+    ip = ipaddress.ip_address(raw)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip, int(port, 16)
+
+
+def _tcp_sockets() -> list[tuple[str, str, str]]:
+    """``(local, remote, inode)`` of every TCP socket in our network
+    namespace, endpoints as raw ``/proc/net/tcp*`` fields."""
+    out: list[tuple[str, str, str]] = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             with open(table) as f:
                 next(f)  # the header
-                for line in f:
-                    fields = line.split()
-                    # local "ADDR:PORT" (hex), state "0A" = LISTEN, inode
-                    if (
-                        fields[3] == "0A"
-                        and int(fields[1].rsplit(":", 1)[1], 16) == port
-                    ):
-                        out.add(fields[9])
+                out.extend((row[1], row[2], row[9]) for row in map(str.split, f))
         except (OSError, StopIteration):
             continue
     return out
 
 
-def holds_listener(pid: int, port: int) -> bool:
-    """Whether process ``pid`` holds a socket listening on TCP ``port``:
-    proof that it is the peer we dialled there."""
-    wanted = {f"socket:[{inode}]" for inode in listening_inodes(port)}
+def socket_inode(fd: int) -> str | None:
+    """The inode of our socket ``fd`` (``socket:[N]`` in ``/proc``)."""
+    try:
+        link = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return None
+    if not (link.startswith("socket:[") and link.endswith("]")):
+        return None
+    return link[8:-1]
+
+
+def holds_connection(pid: int, ours: str) -> bool:
+    """Whether process ``pid`` holds the far end of our TCP connection
+    (socket inode ``ours``): proof that it is the peer we talk to, which
+    a listener on the same port number elsewhere is not."""
+    sockets = _tcp_sockets()
+    mine = [(_endpoint(lo), _endpoint(re)) for lo, re, ino in sockets if ino == ours]
+    if not mine:
+        return False
+    local, remote = mine[0]
+    wanted = {
+        f"socket:[{ino}]"
+        for lo, re, ino in sockets
+        if ino != "0" and _endpoint(lo) == remote and _endpoint(re) == local
+    }
     if not wanted:
         return False
     try:
@@ -173,21 +208,43 @@ def holds_listener(pid: int, port: int) -> bool:
     return False
 
 
-class PeerMapping:
-    """A peer's region mapped read-only into our address space."""
+@cache
+def _shm_devices() -> frozenset[int]:
+    """Devices of memory-backed files: ``/dev/shm`` and memfds. A file
+    anywhere else (a FUSE or network filesystem) could stall a read."""
+    devs = set()
+    with contextlib.suppress(OSError):
+        devs.add(os.stat("/dev/shm").st_dev)
+    with contextlib.suppress(OSError):
+        probe = os.memfd_create("p2p_kv-probe", os.MFD_CLOEXEC)
+        try:
+            devs.add(os.fstat(probe).st_dev)
+        finally:
+            os.close(probe)
+    return frozenset(devs)
 
-    def __init__(self, info: ShmRegion, port: int) -> None:
-        """Map the region of the peer we dialled at TCP ``port``, or raise
-        ``ValueError``/``OSError`` saying why not."""
+
+class PeerMapping:
+    """A peer's region, opened read-only through its owner's fd.
+
+    Host copies read it with ``preadv`` on that fd, never through a map:
+    should the peer shrink its file, a read comes up short and the load
+    fails, where a load from a mapping would kill us with SIGBUS. A GPU
+    consumer maps it (:meth:`map`) for CUDA to pin and DMA from; pinned
+    pages stay valid even if the file shrinks."""
+
+    def __init__(self, info: ShmRegion, conn_inode: str) -> None:
+        """Open the region of the peer at the far end of our TCP
+        connection ``conn_inode``, or raise ``ValueError``/``OSError``
+        saying why not."""
         if info.boot_id != boot_id():
             raise ValueError("peer is on another host (boot id differs)")
         if info.length <= 0 or info.offset < 0:
             raise ValueError(f"bad region span {info.offset}+{info.length}")
-        if not holds_listener(info.pid, port):
+        if not holds_connection(info.pid, conn_inode):
             raise ValueError(
-                f"pid {info.pid} does not hold the socket listening on port "
-                f"{port}: not the peer we dialled (or in another network "
-                "namespace)"
+                f"pid {info.pid} does not hold the far end of our connection: "
+                "not the peer we talk to (or in another network namespace)"
             )
         fd = os.open(f"/proc/{info.pid}/fd/{info.fd}", os.O_RDONLY | os.O_CLOEXEC)
         try:
@@ -197,42 +254,58 @@ class PeerMapping:
                     f"/proc/{info.pid}/fd/{info.fd} is not the peer's region "
                     "(another pid namespace, or the pid or fd was reused)"
                 )
+            if st.st_dev not in _shm_devices():
+                raise ValueError("peer's region is not in shared memory (tmpfs)")
             if st.st_size < info.offset + info.length:
                 raise ValueError(
                     f"peer's file holds {st.st_size} bytes, region ends at "
                     f"{info.offset + info.length}"
                 )
-            lead = info.offset % mmap.ALLOCATIONGRANULARITY
-            self._mmap: mmap.mmap | None = mmap.mmap(
-                fd,
-                info.length + lead,
-                flags=mmap.MAP_SHARED,
-                prot=mmap.PROT_READ,
-                offset=info.offset - lead,
-            )
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
         self.info = info
+        self.fd: int | None = fd
+        self._mmap: mmap.mmap | None = None
+        self.view: npt.NDArray[np.uint8] = np.empty(0, dtype=np.uint8)
+        self.addr = 0
+
+    def map(self) -> None:
+        """Map the region read-only (for CUDA); ``view``/``addr`` then
+        address it."""
+        info = self.info
+        if self._mmap is not None or self.fd is None:
+            return
+        lead = info.offset % mmap.ALLOCATIONGRANULARITY
+        self._mmap = mmap.mmap(
+            self.fd,
+            info.length + lead,
+            flags=mmap.MAP_SHARED,
+            prot=mmap.PROT_READ,
+            offset=info.offset - lead,
+        )
         flat = np.frombuffer(self._mmap, dtype=np.uint8)
-        self.view: npt.NDArray[np.uint8] = flat[lead : lead + info.length]
+        self.view = flat[lead : lead + info.length]
         self.addr = int(self.view.ctypes.data)
 
     def close(self) -> None:
-        """Unmap; callers first make sure no copy still reads it."""
-        if self._mmap is None:
-            return
-        self.view = np.empty(0, dtype=np.uint8)
-        try:
-            self._mmap.close()
-        except BufferError:
-            # A view escaped (a caller kept a slice): the mapping goes when
-            # the last view does, which is still read-only and harmless.
-            log.debug("peer mapping still referenced; left to the GC")
-        self._mmap = None
+        """Unmap and close; callers first make sure no copy still reads."""
+        if self._mmap is not None:
+            self.view = np.empty(0, dtype=np.uint8)
+            try:
+                self._mmap.close()
+            except BufferError:
+                # A view escaped (a caller kept a slice): the mapping goes
+                # when the last view does, still read-only and harmless.
+                log.debug("peer mapping still referenced; left to the GC")
+            self._mmap = None
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
-#: Copies this large are split across threads (numpy drops the GIL while
-#: it copies). Below it a thread hand-off costs more than it saves.
+#: Copies this large are split across threads (``preadv`` drops the GIL).
+#: Below it a thread hand-off costs more than it saves.
 PARALLEL_MIN_BYTES = 8 << 20
 
 
@@ -267,7 +340,7 @@ class HostCopier:
     def __init__(
         self, addr: int, nbytes: int, block_bytes: int, threads: int = 0
     ) -> None:
-        self._dst = host_view(addr, nbytes)
+        self._mv = host_buffer(addr, nbytes)
         self._bb = block_bytes
         if threads <= 0:
             threads = min(4, len(os.sched_getaffinity(0)))
@@ -281,29 +354,40 @@ class HostCopier:
         """Nothing to do for host memory."""
 
     def copy(self, src: PeerMapping, runs: list[tuple[int, int, int]]) -> None:
-        """``runs`` of ``(our start, their start, count)``; returns when done."""
-        bb = self._bb
-        segments = [(ls * bb, rs * bb, n * bb) for ls, rs, n in runs]
+        """``runs`` of ``(our start, their start, count)``; returns when
+        done, or raises (the load fails) once no part of it still runs."""
+        bb, base = self._bb, src.info.offset
+        segments = [(ls * bb, base + rs * bb, n * bb) for ls, rs, n in runs]
         nbytes = sum(n for _, _, n in segments)
+        fd = src.fd
+        if fd is None:
+            raise OSError("peer region closed")
         if self._threads < 2 or nbytes < PARALLEL_MIN_BYTES:
-            self._copy(src.view, segments)
+            self._copy(fd, segments)
             return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(
                 self._threads - 1, thread_name_prefix="p2p_kv-copy"
             )
         first, *rest = split_segments(segments, self._threads)
-        futures = [self._pool.submit(self._copy, src.view, part) for part in rest]
-        self._copy(src.view, first)
+        futures = [self._pool.submit(self._copy, fd, part) for part in rest]
+        try:
+            self._copy(fd, first)
+        finally:
+            # Even on an error here: no thread may still write our slots
+            # once the load is reported.
+            wait(futures)
         for future in futures:
             future.result()
 
-    def _copy(
-        self, view: npt.NDArray[np.uint8], segments: list[tuple[int, int, int]]
-    ) -> None:
-        dst = self._dst
+    def _copy(self, fd: int, segments: list[tuple[int, int, int]]) -> None:
+        dst = self._mv
         for d, s, n in segments:
-            dst[d : d + n] = view[s : s + n]
+            while n:
+                got = os.preadv(fd, [dst[d : d + n]], s)
+                if got <= 0:
+                    raise OSError(f"short read at offset {s}: the peer's file shrank")
+                d, s, n = d + got, s + got, n - got
 
     def close(self) -> None:
         if self._pool is not None:
@@ -336,7 +420,9 @@ class CudaCopier:
     region: the peer's pages are registered with CUDA once (page-locked,
     read-only), so each run is one DMA at the pinned host-to-device rate,
     queued on a side stream and finished by a CUDA event. Registration that
-    fails leaves a pageable copy (about a sixth of the rate), not an error."""
+    fails refuses the mapping (the peer stays on NIXL): a pageable copy
+    would read through the map, which a shrinking file turns into SIGBUS;
+    pinned pages outlive a truncation."""
 
     def __init__(self, region: Any, block_bytes: int) -> None:
         import torch
@@ -352,18 +438,14 @@ class CudaCopier:
     def register(self, src: PeerMapping) -> None:
         torch = self._torch
         cudart = torch.cuda.cudart()
+        src.map()
         with torch.cuda.device(self._device):
             rc = cudart.cudaHostRegister(
                 src.addr, src.info.length, _CUDA_HOST_REGISTER_READ_ONLY
             )
-        if rc == cudart.cudaError.success:
-            self._registered.add(id(src))
-        else:
-            log.warning(
-                "cudaHostRegister of a peer's region failed (%s): copying "
-                "from pageable memory",
-                rc,
-            )
+        if rc != cudart.cudaError.success:
+            raise OSError(f"cudaHostRegister of the peer's region failed: {rc}")
+        self._registered.add(id(src))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # read-only source: never written
             self._src[id(src)] = torch.frombuffer(src.view, dtype=torch.uint8)
@@ -381,10 +463,16 @@ class CudaCopier:
         torch, bb, dst = self._torch, self._bb, self._dst
         view = self._src[id(src)]
         with torch.cuda.stream(self._stream):
-            for ls, rs, n in runs:
-                dst[ls * bb : (ls + n) * bb].copy_(
-                    view[rs * bb : (rs + n) * bb], non_blocking=True
-                )
+            try:
+                for ls, rs, n in runs:
+                    dst[ls * bb : (ls + n) * bb].copy_(
+                        view[rs * bb : (rs + n) * bb], non_blocking=True
+                    )
+            except BaseException:
+                # The caller fails the load and may reuse its slots at once:
+                # nothing queued before the error may land after it.
+                self._stream.synchronize()
+                raise
             event = torch.cuda.Event()
             event.record(self._stream)
         return CopyInFlight(event)

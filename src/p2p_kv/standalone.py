@@ -223,9 +223,11 @@ class StandalonePeer:
             result = self.results.pop(job, None)
             outcome.job_done = result is not None
             outcome.ok = bool(result and result.success)
-            # The engine has the result when finished_jobs returns it; the
-            # rest of that step (serving, the Release) is not the load's.
-            outcome.total_s = self.results_at - t0
+            if outcome.job_done:
+                # The engine has the result when finished_jobs returns it;
+                # the rest of that step (serving, the Release) is not the
+                # load's.
+                outcome.total_s = self.results_at - t0
             return outcome
         finally:
             if finish:

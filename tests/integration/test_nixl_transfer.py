@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import multiprocessing.connection as mpc
+import sys
 import time
 import traceback
 import zlib
@@ -566,13 +567,16 @@ def _read_all(t: Any, agent: str, remote: list[int], local: list[int]) -> bool:
     raise AssertionError("READ not reported")
 
 
-def test_same_host_copy_only_from_the_process_we_dialled() -> None:
-    """A peer's region is mapped only when the pid it names holds the
-    listener we dialled; otherwise, or with no port (an inbound session),
-    its READs go through NIXL. Both movers land the same bytes."""
+def test_same_host_copy_only_from_the_process_we_talk_to() -> None:
+    """A peer's region is opened for copies only when the pid it names holds
+    the far end of our control connection; with another connection's far
+    end held elsewhere, or none (an inbound session), its READs go through
+    NIXL. Both movers land the same bytes."""
     import socket
+    import subprocess
 
     from p2p_kv.data import NixlDataTransport
+    from p2p_kv.same_host import socket_inode
     from p2p_kv.standalone import shared_region
 
     bs, n = 4 * KIB, 32
@@ -583,24 +587,43 @@ def test_same_host_copy_only_from_the_process_we_dialled() -> None:
         listener = stack.enter_context(socket.socket())
         listener.bind(("127.0.0.1", 0))
         listener.listen()
-        idle = stack.enter_context(socket.socket())
-        idle.bind(("127.0.0.1", 0))
+        ours = stack.enter_context(socket.socket())
+        ours.connect(listener.getsockname())
+        far = stack.enter_context(listener.accept()[0])  # we play the producer
+        # A connection whose far end another process holds.
+        elsewhere = stack.enter_context(socket.socket())
+        elsewhere.bind(("127.0.0.1", 0))
+        elsewhere.listen()
+        nc = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                "import socket,sys,time;"
+                "s=socket.create_connection(('127.0.0.1',int(sys.argv[1])));"
+                "time.sleep(30)",
+                str(elsewhere.getsockname()[1]),
+            ]
+        )
+        stack.callback(nc.wait)
+        stack.callback(nc.kill)
+        theirs = stack.enter_context(elsewhere.accept()[0])
+        assert far.fileno() > 0
         producer = stack.enter_context(NixlDataTransport(src, bs, name="sh-prod"))
         info = producer.local_region()
         assert info.shm is not None and info.shm.length == n * bs
-        ports = {
+        conns = {
             "inbound": None,
-            "impostor": idle.getsockname()[1],
-            "dialled": listener.getsockname()[1],
+            "impostor": socket_inode(theirs.fileno()),  # far end: the child
+            "ours": socket_inode(ours.fileno()),
         }
-        for case, port in ports.items():
+        for case, conn in conns.items():
             dst = shared_region(n * bs)
             c = stack.enter_context(NixlDataTransport(dst, bs, name=f"sh-{case}"))
-            c.add_peer(info, dialled_port=port)
-            assert c.same_host_peers == (case == "dialled"), case
+            c.add_peer(info, conn_inode=conn)
+            assert c.same_host_peers == (case == "ours"), case
             remote, local = [3, 4, 5, 20, 9], [0, 1, 2, 30, 11]
             assert _read_all(c, info.agent_name, remote, local)
-            assert c.local_reads == (case == "dialled"), case
+            assert c.local_reads == (case == "ours"), case
             got = dst.reshape(n, bs)
             for r, ll in zip(remote, local, strict=True):
                 assert np.array_equal(got[ll], rows[r]), (case, r, ll)

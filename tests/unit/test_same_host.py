@@ -6,7 +6,9 @@ from __future__ import annotations
 import mmap
 import os
 import socket
+import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,7 +21,8 @@ from p2p_kv.same_host import (
     ShmRegion,
     boot_id,
     find_backing,
-    holds_listener,
+    holds_connection,
+    socket_inode,
     split_segments,
 )
 from p2p_kv.standalone import shared_region
@@ -31,21 +34,71 @@ def _addr(a: np.ndarray) -> int:
     return int(a.ctypes.data)
 
 
+def _connection(host: str) -> tuple[socket.socket, socket.socket, socket.socket]:
+    """(listener, our end, the accepted far end) of one TCP connection."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family)
+    listener.bind((host, 0))
+    listener.listen()
+    ours = socket.socket(family)
+    ours.connect(listener.getsockname()[:2])
+    far, _ = listener.accept()
+    return listener, ours, far
+
+
 @pytest.fixture(scope="module")
-def port() -> Iterator[int]:
-    """A port this process listens on, as a peer's control socket does."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen()
-        yield sock.getsockname()[1]
+def conn() -> Iterator[str]:
+    """Socket inode of a connection whose far end this process holds, as a
+    peer holds the far end of our control connection."""
+    sockets = _connection("127.0.0.1")
+    try:
+        inode = socket_inode(sockets[1].fileno())
+        assert inode is not None
+        yield inode
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
-def test_the_listener_proves_which_process_we_dialled(port: int) -> None:
-    assert holds_listener(os.getpid(), port)
-    with socket.socket() as other:
-        other.bind(("127.0.0.1", 0))  # bound, not listening
-        assert not holds_listener(os.getpid(), other.getsockname()[1])
-    assert not holds_listener(2**22 + 1, port)  # no such process
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+def test_the_far_end_proves_which_process_we_talk_to(host: str) -> None:
+    listener, ours, far = _connection(host)
+    try:
+        inode = socket_inode(ours.fileno())
+        assert inode is not None
+        assert holds_connection(os.getpid(), inode)
+        assert not holds_connection(2**22 + 1, inode)  # no such process
+        child = subprocess.Popen(["sleep", "30"])
+        try:
+            assert not holds_connection(child.pid, inode)  # not its socket
+        finally:
+            child.kill()
+            child.wait()
+        far.close()  # the far end gone: nothing proves anything
+        assert not holds_connection(os.getpid(), inode)
+    finally:
+        for sock in (listener, ours, far):
+            sock.close()
+
+
+def test_a_listener_on_the_same_port_is_no_proof() -> None:
+    """A socket listening on the port we dialled, on another address, does
+    not hold our connection: a peer cannot name such a process as itself."""
+    listener, ours, far = _connection("127.0.0.1")
+    port = listener.getsockname()[1]
+    try:
+        other = socket.socket(socket.AF_INET6)
+        other.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        other.bind(("::1", port))
+        other.listen()
+        child_conn = socket_inode(ours.fileno())
+        assert child_conn is not None
+        far.close()  # only the same-port listener is left here
+        assert not holds_connection(os.getpid(), child_conn)
+        other.close()
+    finally:
+        for sock in (listener, ours, far):
+            sock.close()
 
 
 def test_shared_region_is_found_with_an_open_fd() -> None:
@@ -77,13 +130,16 @@ def test_region_running_past_its_mapping_has_no_backing() -> None:
     assert find_backing(_addr(region), 5 * BB) is None
 
 
-def test_peer_mapping_reads_the_owners_bytes_read_only(port: int) -> None:
+def test_peer_mapping_reads_the_owners_bytes_read_only(conn: str) -> None:
+    """The map a GPU consumer registers with CUDA (host copies read the fd)."""
     region = shared_region(32 * BB)
     region[:] = np.arange(region.size, dtype=np.uint64).astype(np.uint8)
     info = find_backing(_addr(region) + 3 * BB, 20 * BB)
     assert info is not None
-    peer = PeerMapping(info, port)
+    peer = PeerMapping(info, conn)
     try:
+        assert peer.view.size == 0  # nothing mapped until asked
+        peer.map()
         assert np.array_equal(peer.view, region[3 * BB : 23 * BB])
         with pytest.raises((TypeError, ValueError)):
             peer.view[0] = 1  # a read-only map: we cannot write the owner's memory
@@ -100,46 +156,48 @@ def test_peer_mapping_reads_the_owners_bytes_read_only(port: int) -> None:
         ({"ino": 1}, "not the peer's region"),
         ({"length": 1 << 40}, "region ends at"),
         ({"offset": -1}, "bad region span"),
-        ({"pid": 1}, "not the peer we dialled"),
+        ({"pid": 1}, "not the peer we talk to"),
     ],
 )
 def test_a_wrong_description_is_refused_saying_why(
-    change: dict[str, object], why: str, port: int
+    change: dict[str, object], why: str, conn: str
 ) -> None:
     region = shared_region(8 * BB)
     info = find_backing(_addr(region), 8 * BB)
     assert info is not None
     fields = {f: getattr(info, f) for f in ShmRegion.__struct_fields__}
     with pytest.raises(ValueError, match=why):
-        PeerMapping(ShmRegion(**{**fields, **change}), port)  # type: ignore[arg-type]
+        PeerMapping(ShmRegion(**{**fields, **change}), conn)  # type: ignore[arg-type]
 
 
-def test_a_port_nobody_listens_on_is_refused(port: int) -> None:
+def test_an_unconnected_socket_proves_nothing() -> None:
     region = shared_region(8 * BB)
     info = find_backing(_addr(region), 8 * BB)
     assert info is not None
     with socket.socket() as idle:
         idle.bind(("127.0.0.1", 0))
-        with pytest.raises(ValueError, match="not the peer we dialled"):
-            PeerMapping(info, idle.getsockname()[1])
+        inode = socket_inode(idle.fileno())
+        assert inode is not None
+        with pytest.raises(ValueError, match="not the peer we talk to"):
+            PeerMapping(info, inode)
 
 
-def test_a_closed_fd_is_an_os_error(port: int) -> None:
+def test_a_closed_fd_is_an_os_error(conn: str) -> None:
     region = shared_region(8 * BB)
     info = find_backing(_addr(region), 8 * BB)
     assert info is not None
     fields = {f: getattr(info, f) for f in ShmRegion.__struct_fields__}
     with pytest.raises(OSError):
-        PeerMapping(ShmRegion(**{**fields, "fd": 2**20}), port)  # type: ignore[arg-type]
+        PeerMapping(ShmRegion(**{**fields, "fd": 2**20}), conn)  # type: ignore[arg-type]
 
 
-def test_host_copier_moves_exactly_the_mapped_runs(port: int) -> None:
+def test_host_copier_moves_exactly_the_mapped_runs(conn: str) -> None:
     src = shared_region(16 * BB)
     src[:] = np.repeat(np.arange(16, dtype=np.uint8) + 1, BB)
     info = find_backing(_addr(src), src.size)
     assert info is not None
     dst = np.zeros(16 * BB, dtype=np.uint8)
-    peer = PeerMapping(info, port)
+    peer = PeerMapping(info, conn)
     try:
         local, remote = [0, 1, 2, 9, 5], [7, 8, 9, 3, 15]
         HostCopier(_addr(dst), dst.size, BB).copy(
@@ -166,7 +224,7 @@ def test_split_covers_every_byte_once_in_balanced_parts(parts: int) -> None:
     assert max(sizes) - min(sizes) <= -(-sum(sizes) // parts)
 
 
-def test_threaded_copy_of_a_large_load_is_byte_exact(port: int) -> None:
+def test_threaded_copy_of_a_large_load_is_byte_exact(conn: str) -> None:
     """Above PARALLEL_MIN_BYTES the runs are cut across threads: every
     destination block gets its source block, whole, and nothing else."""
     bb, n = 256 * 1024, 2 * PARALLEL_MIN_BYTES // (256 * 1024)
@@ -175,7 +233,7 @@ def test_threaded_copy_of_a_large_load_is_byte_exact(port: int) -> None:
     info = find_backing(_addr(src), src.size)
     assert info is not None
     dst = np.zeros(2 * n * bb, dtype=np.uint8)
-    peer = PeerMapping(info, port)
+    peer = PeerMapping(info, conn)
     copier = HostCopier(_addr(dst), dst.size, bb, threads=3)
     try:
         remote = list(range(n))[::-1]
@@ -189,3 +247,46 @@ def test_threaded_copy_of_a_large_load_is_byte_exact(port: int) -> None:
     finally:
         copier.close()
         peer.close()
+
+
+def test_a_shrunk_file_fails_the_copy_instead_of_killing_us(conn: str) -> None:
+    """Host copies read the peer's file, never a map of it: a peer that
+    truncates its file after we opened it costs us a failed load (a map
+    would raise SIGBUS, which no Python code survives)."""
+    fd = os.memfd_create("shrinks", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, 8 * BB)
+        mapped = mmap.mmap(fd, 8 * BB)
+        src = np.frombuffer(mapped, dtype=np.uint8)
+        src[:] = 9
+        info = find_backing(_addr(src), src.size)
+        assert info is not None
+        peer = PeerMapping(info, conn)
+        dst = np.zeros(8 * BB, dtype=np.uint8)
+        copier = HostCopier(_addr(dst), dst.size, BB, threads=1)
+        copier.copy(peer, [(0, 0, 8)])
+        assert (dst == 9).all()
+        os.ftruncate(fd, 2 * BB)
+        with pytest.raises(OSError, match="shrank"):
+            copier.copy(peer, [(0, 4, 2)])
+        peer.close()
+        del src
+        mapped.close()
+    finally:
+        os.close(fd)
+
+
+def test_a_file_outside_shared_memory_is_refused(conn: str, tmp_path: Path) -> None:
+    """Only tmpfs-backed files (``/dev/shm``, memfds): a read from a FUSE or
+    network file could stall the engine."""
+    path = tmp_path / "region"
+    path.write_bytes(bytes(8 * BB))
+    with open(path, "r+b") as f:
+        mapped = mmap.mmap(f.fileno(), 8 * BB)
+        view = np.frombuffer(mapped, dtype=np.uint8)
+        info = find_backing(_addr(view), view.size)
+        assert info is not None
+        with pytest.raises(ValueError, match="not in shared memory"):
+            PeerMapping(info, conn)
+        del view
+        mapped.close()
