@@ -151,11 +151,13 @@ class ControlTransport:
             return
         host, port = parse_peer(peer)
         sock = self._socket(zmq.DEALER)
+        # The monitor first: on loopback the connection can be up before
+        # connect() returns, and its CONNECTED event names our socket.
+        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         sock.connect(zmq_endpoint(host, port))
         self._dealers[peer] = sock
         self._by_socket[sock] = peer
         self._poller.register(sock, zmq.POLLIN)
-        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self._monitors[monitor] = peer
         self._poller.register(monitor, zmq.POLLIN)
 

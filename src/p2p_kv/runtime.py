@@ -55,6 +55,9 @@ class TierRuntime:
         self.busy_wait_s = min(idle_wait_s, 0.02)
         self.clock = clock
         self._agents: dict[str, str] = {}  # session peer -> NIXL agent name
+        #: outbound peers offering same-host copies, added before our
+        #: connection's socket was known (retried on their next frame)
+        self._unproven: dict[str, RegionInfo] = {}
         #: nixl id -> (peer, "write" | "read", write id or job id)
         self._xfers: dict[int, tuple[str, str, int]] = {}
         self.live_requests = 0
@@ -159,6 +162,7 @@ class TierRuntime:
                 self._send(peer, msgs, now)
         for peer in m.take_closed():
             agent = self._agents.pop(peer, None)
+            self._unproven.pop(peer, None)
             if agent is not None:
                 mine = [x for x, what in self._xfers.items() if what[0] == peer]
                 if agent in self._agents.values():
@@ -267,6 +271,13 @@ class TierRuntime:
 
     def _maybe_add_agent(self, peer: str) -> None:
         if peer in self._agents:
+            unproven = self._unproven.get(peer)
+            conn = self.control.connection_inode(peer) if unproven else None
+            if unproven is not None and conn is not None:
+                # Our connection's CONNECTED event came after its first
+                # frame: a same-host peer can prove itself now.
+                del self._unproven[peer]
+                self.data.add_peer(unproven, conn_inode=conn)
             return
         session = self.manager.session(peer)
         if session is None or not session.ready or session.peer_hello is None:
@@ -282,6 +293,8 @@ class TierRuntime:
             session.close(f"bad data-plane region: {exc}")
             return
         self._agents[peer] = info.agent_name
+        if conn is None and info.shm is not None and not peer.startswith("in:"):
+            self._unproven[peer] = info
 
     # ------------------------------------------------------------------
 

@@ -3,6 +3,7 @@ two peers in one process; the data plane is the same as in test_transport)."""
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 
@@ -52,8 +53,39 @@ def test_fetch_over_each_address_family(host: str) -> None:
         assert outcome.hits == 4 and outcome.ok, outcome
         for src, dst in zip([1, 3, 5, 7], [0, 2, 4, 6], strict=True):
             assert bytes(consumer.block(dst)) == bytes(producer.block(src))
+        # The producer proved, over this family, that it holds the far end
+        # of the consumer's first connection: the load was a same-host copy.
+        assert consumer.runtime.data.local_reads == 1
     finally:
         stop.set()
         server.join(5)
         consumer.close()
         producer.close()
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+def test_our_connection_names_its_socket_from_the_first_poll(host: str) -> None:
+    """The dialling side learns its connection's socket from ZeroMQ's
+    monitor, attached before connecting (on loopback the connection can be
+    up before connect() returns); the far end is the listener's process."""
+    from p2p_kv.control import ControlTransport
+    from p2p_kv.same_host import holds_connection
+
+    server = ControlTransport(host, 0, heartbeat_s=0.5)
+    client = ControlTransport("127.0.0.1", 0, heartbeat_s=0.5)
+    try:
+        client.connect(server.address)
+        inode = None
+        for _ in range(200):
+            client.poll(0.01)
+            server.poll(0.0)
+            inode = client.connection_inode(server.address)
+            if inode is not None:
+                break
+        assert inode is not None, "CONNECTED never reported"
+        assert holds_connection(os.getpid(), inode)
+        client.close_conn(server.address)
+        assert client.connection_inode(server.address) is None
+    finally:
+        client.close()
+        server.close()

@@ -290,3 +290,35 @@ def test_a_file_outside_shared_memory_is_refused(conn: str, tmp_path: Path) -> N
             PeerMapping(info, conn)
         del view
         mapped.close()
+
+
+def test_blocks_side_by_side_at_the_peer_take_one_read_each_stretch(
+    conn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Source blocks 2..5 and 9..10 are two stretches of the peer's file:
+    two reads, into six scattered slots, byte for byte."""
+    src = shared_region(16 * BB)
+    src[:] = np.repeat(np.arange(16, dtype=np.uint8) + 1, BB)
+    info = find_backing(_addr(src), src.size)
+    assert info is not None
+    dst = np.zeros(16 * BB, dtype=np.uint8)
+    peer = PeerMapping(info, conn)
+    calls: list[int] = []
+    real = os.preadv
+
+    def counted(fd: int, bufs: list[memoryview], offset: int) -> int:
+        calls.append(len(bufs))
+        return real(fd, bufs, offset)
+
+    monkeypatch.setattr(os, "preadv", counted)
+    try:
+        local, remote = [15, 1, 7, 3, 11, 0], [2, 3, 4, 5, 9, 10]
+        HostCopier(_addr(dst), dst.size, BB, threads=1).copy(
+            peer, plan_write(local, remote, 16, 16).runs()
+        )
+        assert calls == [4, 2]
+        rows = dst.reshape(16, BB)
+        for lb, rb in zip(local, remote, strict=True):
+            assert (rows[lb] == rb + 1).all()
+    finally:
+        peer.close()
