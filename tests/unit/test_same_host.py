@@ -191,13 +191,18 @@ def test_a_closed_fd_is_an_os_error(conn: str) -> None:
         PeerMapping(ShmRegion(**{**fields, "fd": 2**20}), conn)  # type: ignore[arg-type]
 
 
-def test_host_copier_moves_exactly_the_mapped_runs(conn: str) -> None:
+def _numbered(conn: str) -> tuple[PeerMapping, np.ndarray, np.ndarray]:
+    """A peer's 16-block region whose block i holds byte i + 1 (kept alive
+    by the caller), opened, and a zeroed destination."""
     src = shared_region(16 * BB)
     src[:] = np.repeat(np.arange(16, dtype=np.uint8) + 1, BB)
     info = find_backing(_addr(src), src.size)
     assert info is not None
-    dst = np.zeros(16 * BB, dtype=np.uint8)
-    peer = PeerMapping(info, conn)
+    return PeerMapping(info, conn), src, np.zeros(16 * BB, dtype=np.uint8)
+
+
+def test_host_copier_moves_exactly_the_mapped_runs(conn: str) -> None:
+    peer, _src, dst = _numbered(conn)
     try:
         local, remote = [0, 1, 2, 9, 5], [7, 8, 9, 3, 15]
         HostCopier(_addr(dst), dst.size, BB).copy(
@@ -297,12 +302,7 @@ def test_blocks_side_by_side_at_the_peer_take_one_read_each_stretch(
 ) -> None:
     """Source blocks 2..5 and 9..10 are two stretches of the peer's file:
     two reads, into six scattered slots, byte for byte."""
-    src = shared_region(16 * BB)
-    src[:] = np.repeat(np.arange(16, dtype=np.uint8) + 1, BB)
-    info = find_backing(_addr(src), src.size)
-    assert info is not None
-    dst = np.zeros(16 * BB, dtype=np.uint8)
-    peer = PeerMapping(info, conn)
+    peer, _src, dst = _numbered(conn)
     calls: list[int] = []
     real = os.preadv
 
