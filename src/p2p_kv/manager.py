@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -48,6 +49,8 @@ from p2p_kv.session import (
     Timeouts,
     WriteOrder,
 )
+
+log = logging.getLogger("vllm.p2p_kv")
 
 
 class Answer(Enum):
@@ -392,6 +395,16 @@ class LoadManager:
                 if not result.success:
                     self.fallbacks[result.reason] = (
                         self.fallbacks.get(result.reason, 0) + 1
+                    )
+                    # One line per fallback: the operator's (and a failed
+                    # test's) answer to "why did this request recompute".
+                    log.info(
+                        "p2p_kv: load job %d of request %s from %s failed (%s): "
+                        "recomputing",
+                        result.job_id,
+                        job.req_id,
+                        job.peer or "-",
+                        result.reason,
                     )
                     consumer = self._by_gen.get(result.gen)
                     if (

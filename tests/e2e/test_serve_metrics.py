@@ -175,7 +175,13 @@ def test_remote_hit_through_openai_api_and_metrics_endpoint(
         if lines and float(lines[0].rsplit(" ", 1)[1]) > 0:
             break
         time.sleep(1)
-    assert lines and float(lines[0].rsplit(" ", 1)[1]) > 0, lines
+    if not (lines and float(lines[0].rsplit(" ", 1)[1]) > 0):
+        p2p = [ln for ln in text.splitlines() if ln.startswith("vllm:kv_offload_p2p_")]
+        raise AssertionError(
+            "B loaded nothing from A; B's p2p metrics:\n"
+            + "\n".join(p2p)
+            + f"\n--- A's log tail ---\n{a.tail()}\n--- B's log tail ---\n{b.tail()}"
+        )
     hits = [
         ln
         for ln in text.splitlines()
