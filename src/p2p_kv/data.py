@@ -92,7 +92,8 @@ __all__ = [
     "ucx_tls_allows_peer_mode",
 ]
 
-logger = logging.getLogger(__name__)
+# Under vllm.p2p_kv: vLLM's logging setup shows it with the rest of the tier.
+logger = logging.getLogger("vllm.p2p_kv.data")
 
 MEM_DRAM: Final = "DRAM"
 MEM_VRAM: Final = "VRAM"
@@ -780,6 +781,12 @@ class NixlDataTransport:
             )
             return
         peer.mapping = mapping
+        logger.info(
+            "peer %s: same-host copies from its region (pid %d, fd %d)",
+            peer.info.agent_name,
+            shm.pid,
+            shm.fd,
+        )
 
     def _unmap(self, peer: _Peer) -> None:
         """After every copy from the peer has ended."""

@@ -71,9 +71,6 @@ class TierRuntime:
         self._waker: threading.Thread | None = None
         self._stop = threading.Event()
         self._engine_active = False
-        #: False right after a fast return of finished_jobs: the next call
-        #: must sweep the sockets and pump.
-        self._fast_ok = True
 
     # ------------------------------------------------------------------
 
@@ -101,7 +98,6 @@ class TierRuntime:
         heartbeat is answered without ending the wait, so an idle engine is
         not stepped for its peers' keep-alives."""
         self.steps += 1
-        self._fast_ok = True  # the sockets are swept now
         now = self.clock()
         if not (wait if wait is not None else self.may_wait()):
             self._idle_streak = 0
@@ -329,23 +325,8 @@ class TierRuntime:
             self._take_completions()
 
     def finished_jobs(self, wait: bool | None = None) -> list[JobResult]:
-        """Results since the last call, each exactly once.
-
-        The fast path: when our own READs are what the caller waits for and
-        one has ended, its result is returned after a completion check
-        alone. The messages it produced (the Release) and the socket sweep
-        wait for the next call, which always takes the full poll; so a
-        peer's frames wait at most one call and the load's latency is not
-        the sweep's."""
-        m = self.manager
-        if self._fast_ok:
-            if self._xfers:
-                self._take_completions()
-            if m.results_ready():
-                self._fast_ok = False
-                return m.get_finished_jobs(self.clock())
         self.poll(wait)
-        return m.get_finished_jobs(self.clock())
+        return self.manager.get_finished_jobs(self.clock())
 
     def drain(self, timeout_s: float | None = None) -> None:
         """Block until no job is in flight (cache reset); bounded. Pins a

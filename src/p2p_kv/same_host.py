@@ -59,7 +59,7 @@ __all__ = [
     "socket_inode",
 ]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("vllm.p2p_kv.same_host")
 
 
 class ShmRegion(msgspec.Struct, frozen=True):

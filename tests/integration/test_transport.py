@@ -464,39 +464,6 @@ def test_fetch_is_byte_exact(
         settle(c, prod, name)
 
 
-@pytest.mark.parametrize("same_host", [True, False], ids=["copy", "nixl"])
-def test_read_result_comes_before_the_socket_sweep(
-    producers: dict[str, Producer], engines: Engines, same_host: bool
-) -> None:
-    """A READ done inside submit_load (a same-host copy, or CMA inside the
-    NIXL post) is handed to the engine by the next finished_jobs without a
-    socket sweep; its Release waits for that sweep, which the call after
-    always makes, so the peer hears of it one call later at most."""
-    prod, name, bs = producers["main"], f"main{64 * KIB}", 64 * KIB
-    keys = [make_key(i) for i in (3, 4)]
-    with engines.use(f"c{bs}" if same_host else f"n{bs}") as c:
-        rt, peer = c.runtime, prod.addr[name]
-        reset_region(c)
-        req, answers, _, session = open_request(c, peer, f"sweep-{same_host}", keys)
-        assert answers == [Answer.HIT, Answer.HIT] and session is not None
-        steps = rt.steps
-        rt.submit_load(9_001, req, keys, [5, 9])
-        deadline = time.monotonic() + 2.0
-        results = []
-        while not results:
-            results = rt.finished_jobs()
-            assert time.monotonic() < deadline
-        assert [(r.job_id, r.success) for r in results] == [(9_001, True)]
-        assert rt.steps == steps  # no sweep, no pump: the completion alone
-        assert session.has_output  # the Release, still queued
-        rt.finished_jobs()
-        assert rt.steps == steps + 1 and not session.has_output
-        crcs = prod.crcs[name]
-        check_region(c, {5: crcs[keys[0]], 9: crcs[keys[1]]}, "sweep")
-        finish_request(c, req)
-        settle(c, prod, name)
-
-
 # ---------------------------------------------------------------------------
 # 2. partial hits
 # ---------------------------------------------------------------------------

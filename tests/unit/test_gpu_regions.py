@@ -266,7 +266,7 @@ def test_host_to_gpu_descriptors_mix_memory_types(
     host = np.zeros(8 * BS, dtype=np.uint8)
     t = NixlDataTransport(host, BS)
     remote_base = 0x7E00_0000_0000
-    with caplog.at_level(logging.WARNING, logger="p2p_kv.data"):
+    with caplog.at_level(logging.WARNING, logger="vllm.p2p_kv.data"):
         t.add_peer(_peer(MEM_VRAM, 3, remote_base, 8))
     assert "slow software path" in caplog.text
     t.post_write("peer-1", [0, 1], [6, 7])
@@ -298,7 +298,7 @@ def test_same_kind_peer_is_not_warned_about(
     agents: list[FakeAgent], caplog: pytest.LogCaptureFixture
 ) -> None:
     t = NixlDataTransport(FakeCudaTensor(0x7F00_0000_0000, 8 * BS, index=0), BS)
-    with caplog.at_level(logging.WARNING, logger="p2p_kv.data"):
+    with caplog.at_level(logging.WARNING, logger="vllm.p2p_kv.data"):
         t.add_peer(_peer(MEM_VRAM, 1, 0x7E00_0000_0000, 8))
     assert "slow software path" not in caplog.text
 
