@@ -71,7 +71,12 @@ for _var, _val in (
     os.environ.setdefault(_var, _val)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from raw_nixl import WorkerPair, keep_stepping, scattered_mapping  # noqa: E402
+from raw_nixl import (  # noqa: E402
+    ProducerProcess,
+    WorkerPair,
+    keep_stepping,
+    scattered_mapping,
+)
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -484,10 +489,10 @@ def _p2p_producer(
     device: str,
     bs: int,
     num_blocks: int,
-    out: Any,
-    stop: Any,
     trace_conn: Any,
     path: str,
+    out: Any,
+    stop: Any,
 ) -> None:
     try:
         from p2p_kv.standalone import StandalonePeer
@@ -627,21 +632,19 @@ class P2PGpuPair:
     ) -> None:
         from p2p_kv.standalone import StandalonePeer
 
-        ctx = mp.get_context("spawn")
         self.bs = bs
-        self._out, self._stop = ctx.Queue(), ctx.Event()
-        self._trace, child = ctx.Pipe()
-        self._proc = ctx.Process(
-            target=_here()._p2p_producer,
-            args=(kind, src_dev, bs, max_blocks, self._out, self._stop, child, path),
-            daemon=True,
+        self._trace, child = mp.get_context("spawn").Pipe()
+        self._producer = ProducerProcess(
+            _here()._p2p_producer,
+            kind,
+            src_dev,
+            bs,
+            max_blocks,
+            child,
+            path,
+            timeout_s=_TIMEOUT_S,
         )
-        self._proc.start()
-        msg = self._out.get(timeout=_TIMEOUT_S)
-        if msg[0] != "ready":
-            self._proc.join(5)
-            raise RuntimeError(f"p2p_kv producer failed:\n{msg[1]}")
-        _, self.peer, self.producer_mem = msg
+        self.peer, self.producer_mem = self._producer.ready
         _set_device(dst_dev)
         self.region = make_region(
             "vram" if dst_dev != "cpu" else "pinned", 2 * max_blocks * bs, dst_dev
@@ -720,10 +723,7 @@ class P2PGpuPair:
 
     def close(self) -> None:
         self.consumer.close()
-        self._stop.set()
-        self._proc.join(10)
-        if self._proc.is_alive():
-            self._proc.kill()
+        self._producer.close()
         self.region = None
         _empty_cache()
 

@@ -297,6 +297,31 @@ def _timed(
     return seconds
 
 
+class ProducerProcess:
+    """A p2p_kv producer in a spawned process: ``target(*args, out, stop)``
+    puts ``("ready", ...)`` (or ``("error", traceback)``) on ``out``, then
+    serves until ``stop`` is set. ``ready`` holds the rest of that message."""
+
+    def __init__(self, target: Any, *args: Any, timeout_s: float = 180.0) -> None:
+        ctx = mp.get_context("spawn")
+        self._out, self._stop = ctx.Queue(), ctx.Event()
+        self._proc = ctx.Process(
+            target=target, args=(*args, self._out, self._stop), daemon=True
+        )
+        self._proc.start()
+        msg = self._out.get(timeout=timeout_s)
+        if msg[0] != "ready":
+            self._proc.join(5)
+            raise RuntimeError(f"p2p_kv producer failed:\n{msg[1]}")
+        self.ready: tuple[Any, ...] = tuple(msg[1:])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._proc.join(10)
+        if self._proc.is_alive():
+            self._proc.kill()
+
+
 @contextlib.contextmanager
 def keep_stepping(peers: Sequence[Any]) -> Iterator[None]:
     """Step StandalonePeers from a thread, as idle engines would, while the

@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import multiprocessing as mp
 import os
 import platform
 import statistics
@@ -59,6 +58,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from raw_nixl import (
+    ProducerProcess,
     RawNixlPair,
     WorkerPair,
     keep_stepping,
@@ -139,20 +139,11 @@ class P2PPair:
     def __init__(self, block_bytes: int, max_blocks: int) -> None:
         from p2p_kv.standalone import StandalonePeer
 
-        ctx = mp.get_context("spawn")
         self.block_bytes = block_bytes
-        self._out, self._stop = ctx.Queue(), ctx.Event()
-        self._proc = ctx.Process(
-            target=_p2p_producer,
-            args=(block_bytes, max_blocks, self._out, self._stop),
-            daemon=True,
+        self._producer = ProducerProcess(
+            _p2p_producer, block_bytes, max_blocks, timeout_s=_TIMEOUT_S
         )
-        self._proc.start()
-        msg = self._out.get(timeout=_TIMEOUT_S)
-        if msg[0] != "ready":
-            self._proc.join(5)
-            raise RuntimeError(f"p2p_kv producer failed:\n{msg[1]}")
-        _, self.peer, self.crcs = msg
+        self.peer, self.crcs = self._producer.ready
         self.consumers = {
             path: StandalonePeer(
                 2 * max_blocks,
@@ -235,10 +226,7 @@ class P2PPair:
     def close(self) -> None:
         for consumer in self.consumers.values():
             consumer.close()
-        self._stop.set()
-        self._proc.join(10)
-        if self._proc.is_alive():
-            self._proc.kill()
+        self._producer.close()
 
     def __enter__(self) -> P2PPair:
         return self

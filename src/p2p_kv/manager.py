@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import logging
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -49,8 +48,6 @@ from p2p_kv.session import (
     Timeouts,
     WriteOrder,
 )
-
-log = logging.getLogger("vllm.p2p_kv")
 
 
 class Answer(Enum):
@@ -130,6 +127,8 @@ class JobResult:
     success: bool
     transfer_time: float | None = None
     transfer_bytes: int | None = None
+    #: why a load failed (the fallback reason); empty on success
+    reason: str = ""
 
 
 @dataclass(slots=True)
@@ -396,16 +395,6 @@ class LoadManager:
                     self.fallbacks[result.reason] = (
                         self.fallbacks.get(result.reason, 0) + 1
                     )
-                    # One line per fallback: the operator's (and a failed
-                    # test's) answer to "why did this request recompute".
-                    log.info(
-                        "p2p_kv: load job %d of request %s from %s failed (%s): "
-                        "recomputing",
-                        result.job_id,
-                        job.req_id,
-                        job.peer or "-",
-                        result.reason,
-                    )
                     consumer = self._by_gen.get(result.gen)
                     if (
                         not result.request_finished
@@ -429,6 +418,7 @@ class LoadManager:
                         result.success,
                         result.elapsed_s if result.success else None,
                         result.nbytes if result.success else None,
+                        result.reason,
                     )
                 )
             else:

@@ -139,11 +139,9 @@ class TierRuntime:
             for xfer_id, what in list(self._xfers.items()):
                 if what == cancel:
                     self.data.cancel(xfer_id)
-        posted = False
         # Reads first: they need nothing from the peer, so they start the
         # moment the engine asks, ahead of this step's messages.
-        for peer, read in m.take_reads():
-            posted |= self._post(peer, "read", read.job_id, read.remote, read.local)
+        posted = self._post_reads()
         for peer, msgs in m.take_outgoing(now):
             self._send(peer, msgs, now)
         for peer, order in m.take_writes():
@@ -177,6 +175,14 @@ class TierRuntime:
                 log.info("p2p_kv: session %s closed: %s", peer, session.close_reason)
             m.on_invalidated(peer, now)
         m.end_step(now)
+
+    def _post_reads(self) -> bool:
+        """Post every READ the manager holds; True if any reached the data
+        plane (a refusal ends its load at once instead)."""
+        posted = False
+        for peer, read in self.manager.take_reads():
+            posted |= self._post(peer, "read", read.job_id, read.remote, read.local)
+        return posted
 
     def _post(
         self,
@@ -312,21 +318,23 @@ class TierRuntime:
         before returning: the load's latency is then the READ plus one
         completion check. Anything else (a Fetch for the peer to WRITE, a
         refusal) goes through a full pump, so it too leaves at once."""
-        m = self.manager
-        m.submit_load(job_id, req_id, keys, slots, self.clock())
-        reads = m.take_reads()
-        if not reads:
-            self.pump()
-            return
-        posted = False
-        for peer, read in reads:
-            posted |= self._post(peer, "read", read.job_id, read.remote, read.local)
-        if posted:
+        self.manager.submit_load(job_id, req_id, keys, slots, self.clock())
+        if self._post_reads():
             self._take_completions()
+        else:
+            self.pump()
 
     def finished_jobs(self, wait: bool | None = None) -> list[JobResult]:
         self.poll(wait)
-        return self.manager.get_finished_jobs(self.clock())
+        results = self.manager.get_finished_jobs(self.clock())
+        for r in results:
+            if r.reason:
+                # One line per fallback: the operator's (and a failed
+                # test's) answer to "why did this request recompute".
+                log.info(
+                    "p2p_kv: load job %d failed (%s): recomputing", r.job_id, r.reason
+                )
+        return results
 
     def drain(self, timeout_s: float | None = None) -> None:
         """Block until no job is in flight (cache reset); bounded. Pins a

@@ -283,10 +283,14 @@ def test_a_second_load_of_one_request_fails_at_once() -> None:
         net.step()
         j2 = load(net, "r1", [7, 30], KEYS[2:])
         b.expect[j2] = (KEYS[2:], [7, 30])
-        assert [(r.job_id, r.success) for r in b.collect(net.now)] == [(j2, False)]
+        assert [(r.job_id, r.success, r.reason) for r in b.collect(net.now)] == [
+            (j2, False, "second_load")  # the reason the runtime logs
+        ]
         net.hold_writes = False
         net.run()
-        assert [(r.job_id, r.success) for r in b.collect(net.now)] == [(j1, True)]
+        assert [(r.job_id, r.success, r.reason) for r in b.collect(net.now)] == [
+            (j1, True, "")
+        ]
         assert not b.wrong_bytes and not net.violations
         b.manager.on_request_finished("r1", net.now)
         net.run()
