@@ -22,6 +22,9 @@ The four machines
            go back to the engine only from DONE or FAILED, and FAILED is
            reached only once nothing can land in them any more (our READ
            ended; TransferDone or AbortAck; or the peer's agent invalidated).
+           A READ waits in READ_QUEUED until the data plane takes it, as a
+           Fetch waits in QUEUED until the session is up: given up there,
+           it fails at once, for nothing was started that could land.
 ``SERVE``  (producer, one per peer x (req, gen)) -- pins blocks for a peer's
            lookup (which it may READ until it releases them) or binds parked
            stores to its fetch, writes them, releases.
@@ -50,6 +53,7 @@ class State(Enum):
     # LOAD
     QUEUED = "queued"  # session not ready yet: the Fetch waits in our outbox
     FETCH_POSTED = "fetch_posted"
+    READ_QUEUED = "read_queued"  # our READ, not yet handed to the data plane
     READING = "reading"  # our one-sided READ of the peer's pinned blocks
     READ_CANCELLING = "read_cancelling"  # given up; waiting for the READ to end
     ABORTING = "aborting"  # Abort sent; slots quarantined until fenced
@@ -82,6 +86,7 @@ class Event(Enum):
     RELEASE = "release"
     REVOKE = "revoke"
     ORPHAN = "orphan"  # the session ended while the peer may still READ
+    POSTED = "posted"  # the data plane took our READ: bytes may land now
     TRANSFER_OK = "transfer_ok"
     TRANSFER_FAILED = "transfer_failed"
     ABORT = "abort"
@@ -118,6 +123,13 @@ TABLE: Final[dict[Machine, dict[State, dict[Event, State]]]] = {
             E.ABORT: S.ABORTING,
             E.TIMEOUT: S.ABORTING,
             # The session invalidates the peer's agent before results leave.
+            E.PEER_LOST: S.FAILED,
+        },
+        S.READ_QUEUED: {
+            E.POSTED: S.READING,
+            # Not posted yet: nothing can land, so failing at once is fenced.
+            E.ABORT: S.FAILED,
+            E.TIMEOUT: S.FAILED,
             E.PEER_LOST: S.FAILED,
         },
         S.READING: {
@@ -231,7 +243,7 @@ TABLE: Final[dict[Machine, dict[State, dict[Event, State]]]] = {
 #: (a Fetch for parked stores arrived with no lookup before it).
 INITIAL: Final[dict[Machine, frozenset[State]]] = {
     Machine.PROBE: frozenset({S.PROBING}),
-    Machine.LOAD: frozenset({S.QUEUED, S.FETCH_POSTED, S.READING}),
+    Machine.LOAD: frozenset({S.QUEUED, S.FETCH_POSTED, S.READ_QUEUED}),
     Machine.SERVE: frozenset({S.LOOKUP_QUEUED, S.FETCH_WAITING}),
     Machine.PARKED: frozenset({S.STORED}),
 }

@@ -456,7 +456,11 @@ class Session:
         return out
 
     def take_reads(self) -> list[ReadOrder]:
+        """READs for the data plane to post now: from here on their bytes
+        may land, so their loads are fenced until the data plane ends them."""
         out, self._reads = self._reads, []
+        for order in out:
+            self._loads[order.job_id].fire(Event.POSTED)
         return out
 
     def _refuse(self, err: HandshakeRefused) -> None:
@@ -731,7 +735,7 @@ class Session:
                 nbytes,
                 now,
                 min(deadline, offer.valid_until),
-                State.READING,
+                State.READ_QUEUED,
                 read_until=offer.valid_until,
             )
             self._loads[job_id] = load
@@ -773,22 +777,14 @@ class Session:
         self.counters.bump(self.counters.failures, reason)
         self._load_results.append(self._result(load, False, reason, now))
 
-    def _unqueue_read(self, load: Load, now: float, reason: str) -> bool:
-        """A cancelled READ that was never handed to the data plane: drop
-        its order and fail the load at once (nothing can land)."""
-        job = load.fetch.job
-        for i, order in enumerate(self._reads):
-            if order.job_id == job:
-                del self._reads[i]
-                load.fire(Event.TRANSFER_FAILED)
-                del self._loads[job]
-                fetch = load.fetch
-                if fetch.gen in self._contacted:
-                    self._contacted.discard(fetch.gen)
-                    self._send(Release(fetch.req, fetch.gen, 0))
-                self._load_results.append(self._result(load, False, reason, now))
-                return True
-        return False
+    def _drop_unposted_read(self, load: Load) -> None:
+        """A READ that failed in READ_QUEUED: the data plane never saw it,
+        so forget its order and let the peer drop the pins now."""
+        job, fetch = load.fetch.job, load.fetch
+        self._reads = [order for order in self._reads if order.job_id != job]
+        if fetch.gen in self._contacted:
+            self._contacted.discard(fetch.gen)
+            self._send(Release(fetch.req, fetch.gen, 0))
 
     def _on_revoke(self, msg: Revoke) -> None:
         offer = self._offers.get(msg.gen)
@@ -824,12 +820,12 @@ class Session:
                 continue
             load.fire(Event.ABORT)
             if load.state is State.FAILED:  # was only queued: nothing to fence
+                if load.is_read:
+                    self._drop_unposted_read(load)
                 del self._loads[job_id]
                 self._load_results.append(self._result(load, False, "abort", now))
                 continue
             if load.state is State.READ_CANCELLING:
-                if self._unqueue_read(load, now, "abort"):
-                    continue
                 self.cancelled_reads.append(job_id)
             self._arm(load, now + self.timeouts.abort_ack_s)
         # The peer pins hits when it answers a lookup and releases them on a
@@ -1264,13 +1260,14 @@ class Session:
                     return
                 item.fire(Event.TIMEOUT)
                 self.counters.bump(self.counters.failures, "timeout")
-                if item.state is State.FAILED:
+                if item.state is State.FAILED:  # was only queued
+                    if item.is_read:
+                        self._drop_unposted_read(item)
                     del self._loads[item.fetch.job]
                     self._load_results.append(self._result(item, False, "timeout", now))
                 elif item.is_read:  # READ_CANCELLING
-                    if not self._unqueue_read(item, now, "timeout"):
-                        self._arm(item, now + self.timeouts.abort_ack_s)
-                        self.cancelled_reads.append(item.fetch.job)
+                    self._arm(item, now + self.timeouts.abort_ack_s)
+                    self.cancelled_reads.append(item.fetch.job)
                 else:
                     self._arm(item, now + self.timeouts.abort_ack_s)
                     self._send(Abort(item.fetch.req, item.fetch.gen))

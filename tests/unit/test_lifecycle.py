@@ -299,6 +299,11 @@ def test_load_slots_leave_only_from_done_or_failed() -> None:
                 S.ABORTING,
                 S.READING,
             )
-    # A queued load never had its Fetch sent, so failing it at once is safe.
-    assert step(Machine.LOAD, S.QUEUED, E.ABORT) is S.FAILED
-    assert S.QUEUED not in reachable(Machine.LOAD, [S.FETCH_POSTED])
+    # A queued load never had its Fetch sent, nor a queued READ its post,
+    # so failing either at once is safe; neither is re-entered once started.
+    for queued, started in ((S.QUEUED, S.FETCH_POSTED), (S.READ_QUEUED, S.READING)):
+        for event in (E.ABORT, E.TIMEOUT, E.PEER_LOST):
+            assert step(Machine.LOAD, queued, event) is S.FAILED
+        assert queued not in reachable(Machine.LOAD, [started])
+    # A READ becomes fenced only by being posted.
+    assert [e for s, e, d in edges(Machine.LOAD) if d is S.READING] == [E.POSTED]

@@ -9,6 +9,8 @@ plane can end a read.
 
 from __future__ import annotations
 
+import pytest
+
 from p2p_kv.lifecycle import State
 from p2p_kv.protocol import (
     Lookup,
@@ -326,16 +328,32 @@ def test_a_late_answer_after_our_release_offers_nothing() -> None:
     assert_drained(net)
 
 
-def test_a_read_cancelled_before_it_was_posted_fails_at_once() -> None:
-    net = make_net()
+@pytest.mark.parametrize("how", ["abort", "timeout"])
+def test_a_read_given_up_before_it_was_posted_fails_at_once(how: str) -> None:
+    """READ_QUEUED: the data plane has not seen the READ, so nothing can
+    land; giving it up fails the load at once, drops its order and
+    releases the peer's pins (no Abort round trip)."""
+    net = make_net(timeouts=Timeouts(pin_ttl_s=1.0, fetch_floor_s=10.0))
     probe(net, "r1", "kv1")
     b = net.engines["b"]
     job = load(net, "r1", SLOTS)
-    # vLLM finishes the request before the tier posted the READ.
-    b.manager.on_request_finished("r1", net.now)
-    assert [(r.job_id, r.success) for r in b.collect(net.now)] == [(job, False)]
+    assert load_state(net) is State.READ_QUEUED
+    if how == "abort":  # vLLM finishes the request before the post
+        b.manager.on_request_finished("r1", net.now)
+    else:  # the engine stalls past the read window before the post
+        net.advance(0.8)
+        b.manager.tick(net.now)
+    results = b.collect(net.now)
+    assert [(r.job_id, r.success, r.reason) for r in results] == [(job, False, how)]
+    assert session(net, "b").sizes()["loads"] == 0
+    net.step(deliver=False)
+    assert net.reads == [], "a given-up READ reached the data plane"
+    assert sent(net, "b") == ["Release"]
     net.run()
-    assert net.reads == [] and "Abort" not in sent(net, "b")
+    if how == "timeout":  # still live: recomputed, then finished
+        assert b.manager.failed_ids() == {"r1"}
+        b.manager.on_request_finished("r1", net.now)
+    assert b.manager.failed_ids() == frozenset()
     collect_all(net)
     assert_drained(net)
 
