@@ -38,6 +38,7 @@ from p2p_kv.lifecycle import Event, State
 from p2p_kv.protocol import Message
 from p2p_kv.session import (
     Limits,
+    Link,
     LoadResult,
     ParkedStore,
     Pinner,
@@ -48,6 +49,9 @@ from p2p_kv.session import (
     Timeouts,
     WriteOrder,
 )
+
+#: ``Consumer.keys`` default: a key not asked about yet (None: asked)
+_UNASKED: Any = object()
 
 
 class Answer(Enum):
@@ -253,26 +257,31 @@ class LoadManager:
             entry.producer_seen = True
 
     def lookup(self, req_id: str, key: bytes, now: float) -> Answer:
+        # vLLM calls this once per block, twice per block for a remote hit
+        # (RETRY, then the answer): the common case, an answered key of a
+        # live request, is tested first and costs a few dict reads.
         consumer = self._consumers.get(req_id)
         if consumer is None or req_id in self._failed:
             return Answer.MISS
         session = self._sessions.get(consumer.source.peer)
-        if session is None or session.closed:
+        if session is None or session.link is Link.CLOSED:
+            return Answer.MISS
+        if consumer.fetched:
+            # One fetch per generation: the peer released its pins with it
+            # (a prefiller's blocks were all loaded by it).
             return Answer.MISS
         if not consumer.source.probe:
-            return Answer.MISS if consumer.fetched else Answer.HIT
-        if consumer.fetched:
-            # One fetch per generation: the peer released its pins with it.
+            return Answer.HIT
+        known = consumer.keys.get(key, _UNASKED)
+        if known is True:
+            return Answer.HIT
+        if known is False:
             return Answer.MISS
-        if key not in consumer.keys:
+        if known is _UNASKED:
             consumer.keys[key] = None
             consumer.unsent.append(key)
             self._unsent.add(req_id)
-            return Answer.RETRY
-        known = consumer.keys[key]
-        if known is None:
-            return Answer.RETRY
-        return Answer.HIT if known else Answer.MISS
+        return Answer.RETRY
 
     def flush(self, now: float) -> None:
         """Send the lookups gathered this step, one message per request."""
@@ -682,9 +691,10 @@ class LoadManager:
             consumer = self._by_gen.get(answer.gen)
             if consumer is None:
                 continue
-            hits = answer.hits or [False] * len(answer.keys)
-            for key, hit in zip(answer.keys, hits, strict=True):
-                consumer.keys[key] = hit
+            if answer.hits is None:
+                consumer.keys.update(dict.fromkeys(answer.keys, False))
+            else:
+                consumer.keys.update(zip(answer.keys, answer.hits, strict=True))
 
     # ------------------------------------------------------------------
     # parked stores

@@ -31,6 +31,7 @@ import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from itertools import compress
 from typing import Protocol
 
 from p2p_kv.handshake import (
@@ -321,16 +322,18 @@ class Serve(Tracked):
         #: For FETCH_WAITING: the producer request finished, no more stores.
         self.complete = False
 
-    def slot_of(self, key: bytes) -> int | None:
-        for pin in self.pins:
-            slot = pin.slots.get(key)
-            if slot is not None:
-                return slot
-        for store in self.parked:
-            slot = store.slots.get(key)
-            if slot is not None:
-                return slot
-        return None
+    def slot_table(self) -> dict[bytes, int]:
+        """Key -> our slot over every pin, then every parked store (the
+        first holder of a key wins). Built once per answer or write, so the
+        per-key work is a dict read. Read-only: it may be a pin's own."""
+        if len(self.pins) == 1 and not self.parked:
+            return self.pins[0].slots
+        table: dict[bytes, int] = {}
+        for store in reversed(self.parked):
+            table.update(store.slots)
+        for pin in reversed(self.pins):
+            table.update(pin.slots)
+        return table
 
     @property
     def pinned_blocks(self) -> int:
@@ -648,10 +651,12 @@ class Session:
             # id: count it, change nothing.
             self.counters.bump(self.counters.protocol_errors, "stale_lookup_resp")
             return
-        if len(msg.hits) != len(probe.keys):
+        # (``decode`` already checked that ``slots`` is empty or parallel.)
+        n = len(probe.keys)
+        if len(msg.hits) != n:
             self._protocol_error(
                 "bad_lookup_resp",
-                f"{len(msg.hits)} answers for {len(probe.keys)} keys",
+                f"{len(msg.hits)} answers for {n} keys",
                 msg.req,
                 msg.gen,
             )
@@ -662,8 +667,8 @@ class Session:
             self._take_offer(probe, msg)
         nhit = sum(msg.hits)
         self.counters.hits += nhit
-        self.counters.misses += len(msg.hits) - nhit
-        self._probe_answers.append(ProbeAnswer(msg.gen, probe.keys, list(msg.hits)))
+        self.counters.misses += n - nhit
+        self._probe_answers.append(ProbeAnswer(msg.gen, probe.keys, msg.hits))
 
     def _take_offer(self, probe: Probe, msg: LookupResp) -> None:
         if probe.gen not in self._contacted:
@@ -672,8 +677,10 @@ class Session:
             return
         region = self._peer_hello
         assert region is not None
-        hit_slots = [s for s, hit in zip(msg.slots, msg.hits, strict=True) if hit]
-        if any(s >= region.num_blocks for s in hit_slots):
+        # Per-key work in C (compress, max, dict.update): a 256-key answer
+        # is on the request's critical path.
+        hit_slots = list(compress(msg.slots, msg.hits))
+        if hit_slots and max(hit_slots) >= region.num_blocks:
             # Never read outside the region the peer registered: the Fetch
             # path (which the peer range-checks itself) still works.
             self.counters.bump(self.counters.protocol_errors, "offer_out_of_range")
@@ -685,9 +692,7 @@ class Session:
         # Every lookup answer re-arms all of the generation's pins.
         offer.valid_until = max(offer.valid_until, until)
         heapq.heappush(self._offer_heap, (offer.valid_until, probe.gen))
-        for key, slot, hit in zip(probe.keys, msg.slots, msg.hits, strict=True):
-            if hit:
-                offer.slots[key] = slot
+        offer.slots.update(zip(compress(probe.keys, msg.hits), hit_slots, strict=True))
 
     def send_fetch(
         self,
@@ -967,13 +972,14 @@ class Session:
     def _answer(self, serve: Serve, lookup: Lookup, hits: list[bool]) -> LookupResp:
         if not self.reads or not any(hits):
             return LookupResp(serve.req, serve.gen, lookup.seq, hits)
-        slots = []
-        for key, hit in zip(lookup.keys, hits, strict=True):
-            slot = serve.slot_of(key) if hit else None
-            slots.append(0 if slot is None else slot)
-            if hit and slot is None:
-                # A hit the engine did not pin for us: no READ offer at all.
-                return LookupResp(serve.req, serve.gen, lookup.seq, hits)
+        table = serve.slot_table()
+        slots = [
+            table.get(key, -1) if hit else 0
+            for key, hit in zip(lookup.keys, hits, strict=True)
+        ]
+        if -1 in slots:
+            # A hit the engine did not pin for us: no READ offer at all.
+            return LookupResp(serve.req, serve.gen, lookup.seq, hits)
         serve.offered = True
         # Announcing less than we hold is always safe; more never happens.
         ttl_ms = min(int(self.timeouts.pin_ttl_s * 1000), MAX_TTL_MS)
@@ -1054,7 +1060,8 @@ class Session:
         serve.complete = serve.complete or complete
         fetch = serve.fetch
         assert fetch is not None
-        if all(serve.slot_of(k) is not None for k in fetch.keys):
+        table = serve.slot_table()
+        if all(k in table for k in fetch.keys):
             self._start_writes(serve, Event.STORES_READY, now)
         elif serve.complete:
             self._send(
@@ -1067,18 +1074,14 @@ class Session:
     def _start_writes(self, serve: Serve, event: Event, now: float) -> None:
         fetch = serve.fetch
         assert fetch is not None
-        src: list[int] = []
-        for key in fetch.keys:
-            slot = serve.slot_of(key)
-            if slot is None:
-                self._send(
-                    TransferDone(
-                        serve.req, serve.gen, fetch.job, False, "block not pinned"
-                    )
-                )
-                self._release_serve(serve, Event.ABORT, ok=False, reason="not_pinned")
-                return
-            src.append(slot)
+        table = serve.slot_table()
+        src = [table.get(key, -1) for key in fetch.keys]
+        if -1 in src:
+            self._send(
+                TransferDone(serve.req, serve.gen, fetch.job, False, "block not pinned")
+            )
+            self._release_serve(serve, Event.ABORT, ok=False, reason="not_pinned")
+            return
         serve.fire(event)
         self._next_write += 1
         serve.write_id = self._next_write
