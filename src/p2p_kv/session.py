@@ -948,12 +948,17 @@ class Session:
     def serve_lookups(self, pinner: Pinner, now: float) -> None:
         """Answer queued lookups against the engine (its serve window)."""
         queue, self._serve_queue = self._serve_queue, []
+        if not queue:
+            return
+        # Counted once per window, not per lookup: with thousands of serves
+        # a per-lookup sum made a busy window quadratic.
+        pinned = self.pinned_blocks
         for serve in queue:
             pending = self._drop_pending(serve)
             if serve.state is not State.LOOKUP_QUEUED:
                 continue
             for lookup in pending:
-                budget = self.limits.max_pinned_blocks - self.pinned_blocks
+                budget = self.limits.max_pinned_blocks - pinned
                 keys = lookup.keys if len(lookup.keys) <= budget else []
                 if len(keys) < len(lookup.keys):
                     self.counters.bump(self.counters.refused, "limit_pinned_blocks")
@@ -961,6 +966,7 @@ class Session:
                 result = pinner.pin(label, keys) if keys else PinResult([], [])
                 hits = result.hits or [False] * len(lookup.keys)
                 for job_id, pkeys, pslots in result.pins:
+                    pinned += len(pkeys)
                     self.new_pin_jobs.append(job_id)
                     serve.pins.append(
                         Pin(job_id, dict(zip(pkeys, pslots, strict=True)))

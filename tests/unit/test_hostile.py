@@ -458,6 +458,32 @@ def test_lookups_for_one_request_cannot_queue_unbounded_keys() -> None:
     assert_drained(net)
 
 
+def test_pins_stay_under_max_pinned_blocks_within_one_serve_window() -> None:
+    """Lookups answered in one window share the pin budget: the one that
+    would go over it is answered all-miss and counted; pins come back."""
+    limits = Limits(max_pinned_blocks=10)
+    net = make_net(limits=limits, timeouts=Timeouts(pin_ttl_s=1.0))
+    probe(net, "r1", "kv1")  # 4 pinned
+    sa = session(net, "a")
+    assert sa.pinned_blocks == 4
+    inject(net, "a", Lookup("g1", 1, 1, KEYS))  # fits: 8 pinned
+    inject(net, "a", Lookup("g2", 1, 2, KEYS))  # would make 12: refused
+    net.serve()
+    assert sa.pinned_blocks == 8
+    assert sa.counters.refused == {"limit_pinned_blocks": 1}
+    answers = {
+        m.req: m.hits for m in sa.take_outbox(net.now) if isinstance(m, LookupResp)
+    }
+    assert answers == {"g1": [True] * 4, "g2": [False] * 4}
+    finish(net, "r1")
+    for _ in range(20):  # g1's pins end at their deadline
+        net.advance(0.1)
+        net.run(1)
+    assert sa.pinned_blocks == 0
+    healthy_request(net, "r2", "kv2", [30, 31, 32, 33])
+    assert_drained(net)
+
+
 def test_peer_over_max_serves_gets_refusals_and_state_stays_bounded() -> None:
     limits = Limits(max_serves=4)
     net = make_net(limits=limits, timeouts=Timeouts(pin_ttl_s=1.0))
