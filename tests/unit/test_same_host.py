@@ -22,6 +22,7 @@ from p2p_kv.same_host import (
     boot_id,
     find_backing,
     holds_connection,
+    loaded_library,
     socket_inode,
     split_segments,
 )
@@ -322,3 +323,26 @@ def test_blocks_side_by_side_at_the_peer_take_one_read_each_stretch(
             assert (rows[lb] == rb + 1).all()
     finally:
         peer.close()
+
+
+def test_the_cuda_runtime_is_found_among_what_is_loaded() -> None:
+    """CUDA copies bind the runtime torch already loaded, whatever the wheel
+    named it; nothing loaded, nothing found (the copier then uses torch)."""
+    maps = "\n".join(
+        [
+            "7f00-7f10 r-xp 00000000 08:01 123 /usr/lib/libc.so.6",
+            "7f10-7f20 r-xp 00000000 08:01 124 /x/nvidia/cu13/lib/libcudart.so.13",
+            "7f20-7f30 rw-p 00000000 00:00 0 ",
+            "7f30-7f40 r-xp 00000000 08:01 125 /t/lib/libcudart-d0da41ae.so.12",
+        ]
+    )
+    assert loaded_library("libcudart", maps) == "/x/nvidia/cu13/lib/libcudart.so.13"
+    assert loaded_library("libcudart", maps.split("\n", 2)[2]) == (
+        "/t/lib/libcudart-d0da41ae.so.12"
+    )
+    assert (
+        loaded_library("libcudart", "7f00-7f10 r-xp 0 08:01 9 /l/libcudartx.so") is None
+    )
+    assert loaded_library("libcudart", "") is None
+    # This process: libc is mapped, a CUDA runtime is not (no torch.cuda).
+    assert loaded_library("libc") is not None
