@@ -278,7 +278,7 @@ def _raw_worker(conn: Any) -> None:
     notifications (consumer), verify, copy staged bytes to the GPU."""
     try:
         import raw_nixl
-        from p2p_kv.data import build_descs, describe_region
+        from p2p_kv.data import describe_region
 
         agent: Any = None
         region: Any = None
@@ -303,22 +303,19 @@ def _raw_worker(conn: Any) -> None:
                 conn.send(("ok", agent.add_remote_agent(msg[1])))
             elif cmd == "run":
                 _, remote, rspan, bs, runs, reps, stop = msg
-                conn.send(
-                    (
-                        "ok",
-                        _timed_writes(
-                            agent,
-                            span,
-                            remote,
-                            rspan,
-                            bs,
-                            runs,
-                            reps,
-                            stop,
-                            build_descs,
-                        ),
-                    )
+                seconds = raw_nixl.timed_transfers(
+                    agent,
+                    (span.addr, span.device_id, span.mem_kind),
+                    remote,
+                    (rspan.addr, rspan.device_id, rspan.mem_kind),
+                    bs,
+                    runs,
+                    reps,
+                    "WRITE",
+                    timeout_s=_TIMEOUT_S / 2,
                 )
+                agent.send_notif(remote, stop)
+                conn.send(("ok", seconds))
             elif cmd == "serve":
                 stop = msg[1]
                 while not any(stop in v for v in agent.get_new_notifs().values()):
@@ -368,47 +365,6 @@ def _empty_cache() -> None:
     torch = _torch()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-
-
-def _timed_writes(
-    agent: Any,
-    span: Any,
-    remote: Any,
-    rspan: Any,
-    bs: int,
-    runs: list[tuple[int, int, int]],
-    reps: int,
-    stop: bytes,
-    build_descs: Any,
-) -> list[float]:
-    """The NIXL calls ``post_write`` + ``poll_completions`` make, timed."""
-    starts = np.array([r[0] for r in runs], dtype=np.int64)
-    dsts = np.array([r[1] for r in runs], dtype=np.int64)
-    counts = np.array([r[2] for r in runs], dtype=np.int64)
-    local = agent.get_xfer_descs(
-        build_descs(span.addr, bs, span.device_id, starts, counts), span.mem_kind
-    )
-    remote_descs = agent.get_xfer_descs(
-        build_descs(rspan.addr, bs, rspan.device_id, dsts, counts), rspan.mem_kind
-    )
-    seconds: list[float] = []
-    for i in range(reps + 2):
-        t0 = time.perf_counter()
-        handle = agent.initialize_xfer("WRITE", local, remote_descs, remote, b"x")
-        state = agent.transfer(handle)
-        deadline = time.monotonic() + _TIMEOUT_S / 2
-        while state == "PROC":
-            state = agent.check_xfer_state(handle)
-            if time.monotonic() > deadline:
-                raise TimeoutError("raw NIXL write did not complete")
-        elapsed = time.perf_counter() - t0
-        handle.release()
-        if state != "DONE":
-            raise RuntimeError(f"raw NIXL write ended in state {state}")
-        if i >= 2:
-            seconds.append(elapsed)
-    agent.send_notif(remote, stop)
-    return seconds
 
 
 class RawGpuPair(WorkerPair):

@@ -199,8 +199,15 @@ def _consumer(conn: Any) -> None:
                 # process does nothing, as with p2p_kv's read path.
                 assert agent is not None
                 _, remote, remote_base, block_bytes, runs, repeats = msg
-                seconds = _timed(
-                    agent, buf, remote, remote_base, block_bytes, runs, repeats, "READ"
+                seconds = timed_transfers(
+                    agent,
+                    (int(buf.ctypes.data), 0, "DRAM"),
+                    remote,
+                    (remote_base, 0, "DRAM"),
+                    block_bytes,
+                    runs,
+                    repeats,
+                    "READ",
                 )
                 conn.send(("ok", seconds))
             elif cmd == "serve":
@@ -253,8 +260,15 @@ def _producer(conn: Any) -> None:
             elif cmd == "run":
                 assert agent is not None
                 _, remote, remote_base, block_bytes, runs, repeats, stop = msg
-                seconds = _timed(
-                    agent, buf, remote, remote_base, block_bytes, runs, repeats, "WRITE"
+                seconds = timed_transfers(
+                    agent,
+                    (int(buf.ctypes.data), 0, "DRAM"),
+                    remote,
+                    (remote_base, 0, "DRAM"),
+                    block_bytes,
+                    runs,
+                    repeats,
+                    "WRITE",
                 )
                 agent.send_notif(remote, stop)
                 conn.send(("ok", seconds))
@@ -270,35 +284,43 @@ def _producer(conn: Any) -> None:
         conn.send(("err", traceback.format_exc()))
 
 
-def _timed(
+#: Where a worker's blocks are: (base address, device id, NIXL memory kind).
+Place = tuple[int, int, str]
+
+
+def timed_transfers(
     agent: Any,
-    buf: np.ndarray[Any, Any],
-    remote: Any,
-    remote_base: int,
+    local: Place,
+    remote_agent: Any,
+    remote: Place,
     block_bytes: int,
     runs: list[tuple[int, int, int]],
     repeats: int,
     op: str,
+    timeout_s: float = _STEP_TIMEOUT_S,
 ) -> list[float]:
     """Post ``op`` over ``runs`` (local start, remote start, count) and time
-    each transfer from post to DONE."""
+    each transfer from post to DONE: the NIXL calls ``post_write`` /
+    ``post_read`` and ``poll_completions`` make, for any memory kinds."""
     data = _data_module()
     starts = np.array([r[0] for r in runs], dtype=np.int64)
     dsts = np.array([r[1] for r in runs], dtype=np.int64)
     counts = np.array([r[2] for r in runs], dtype=np.int64)
-    local = agent.get_xfer_descs(
-        data.build_descs(int(buf.ctypes.data), block_bytes, 0, starts, counts), "DRAM"
+    local_descs = agent.get_xfer_descs(
+        data.build_descs(local[0], block_bytes, local[1], starts, counts), local[2]
     )
     remote_descs = agent.get_xfer_descs(
-        data.build_descs(remote_base, block_bytes, 0, dsts, counts), "DRAM"
+        data.build_descs(remote[0], block_bytes, remote[1], dsts, counts), remote[2]
     )
     seconds: list[float] = []
     for i in range(repeats + 2):  # two warm-ups: connection wire-up, caches
         t0 = time.perf_counter()
         notif = b"x" if op == "WRITE" else b""
-        handle = agent.initialize_xfer(op, local, remote_descs, remote, notif)
+        handle = agent.initialize_xfer(
+            op, local_descs, remote_descs, remote_agent, notif
+        )
         state = agent.transfer(handle)
-        deadline = time.monotonic() + _STEP_TIMEOUT_S
+        deadline = time.monotonic() + timeout_s
         while state == "PROC":
             state = agent.check_xfer_state(handle)
             if time.monotonic() > deadline:
