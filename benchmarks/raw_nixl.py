@@ -179,27 +179,33 @@ def _region(
     return buf, reg
 
 
-def _consumer(conn: Any) -> None:
-    """Receiver: registers its slots, then only drains notifications."""
+def _worker(conn: Any) -> None:
+    """Either side of a raw NIXL pair, as told: register a memfd region,
+    READ the peer's blocks (the consumer: the producer's process does
+    nothing, as on p2p_kv's read path), WRITE into the peer's (the
+    producer), drain notifications until a stop word, verify."""
+    agent: Any = None
+    buf: Any = None
+    reg: Any = None
     try:
-        agent = None
         while True:
-            msg = conn.recv()
-            cmd = msg[0]
+            cmd, *args = conn.recv()
+            out: Any = None
+            if cmd == "exit":
+                conn.send(("ok", None))
+                return
             if cmd == "setup":
-                _, name, nbytes = msg
+                name, nbytes, block_bytes, seed = args
                 agent = _make_agent(name)
-                buf, reg = _region(agent, nbytes, None)
-                conn.send(("ok", (agent.get_agent_metadata(), int(buf.ctypes.data))))
+                buf, reg = _region(agent, nbytes, seed)
+                rows = buf.reshape(-1, block_bytes)
+                crcs = [] if seed is None else [zlib.crc32(r.data) for r in rows]
+                out = (agent.get_agent_metadata(), int(buf.ctypes.data), crcs)
             elif cmd == "peer":
-                assert agent is not None
-                conn.send(("ok", agent.add_remote_agent(msg[1])))
-            elif cmd == "read":
-                # One-sided READs of the producer's blocks: the producer's
-                # process does nothing, as with p2p_kv's read path.
-                assert agent is not None
-                _, remote, remote_base, block_bytes, runs, repeats = msg
-                seconds = timed_transfers(
+                out = agent.add_remote_agent(args[0])
+            elif cmd in ("read", "write"):
+                remote, remote_base, block_bytes, runs, repeats, stop = args
+                out = timed_transfers(
                     agent,
                     (int(buf.ctypes.data), 0, "DRAM"),
                     remote,
@@ -207,79 +213,27 @@ def _consumer(conn: Any) -> None:
                     block_bytes,
                     runs,
                     repeats,
-                    "READ",
+                    cmd.upper(),
                 )
-                conn.send(("ok", seconds))
+                if stop:
+                    agent.send_notif(remote, stop)
             elif cmd == "serve":
                 # Poll like a consumer expecting data: regularly, sleeping.
-                assert agent is not None
-                _, stop, poll_s = msg
-                while True:
-                    notifs = agent.get_new_notifs()
-                    if any(stop in v for v in notifs.values()):
-                        break
+                stop, poll_s = args
+                while not any(stop in v for v in agent.get_new_notifs().values()):
                     if poll_s > 0:
                         time.sleep(poll_s)
-                conn.send(("ok", None))
             elif cmd == "verify":
-                _, block_bytes, dst, want = msg
+                block_bytes, dst, want = args
                 rows = buf.reshape(-1, block_bytes)
-                got = [zlib.crc32(rows[d].data) for d in dst]
-                conn.send(("ok", got == want))
+                out = [zlib.crc32(rows[d].data) for d in dst] == want
             elif cmd == "teardown":
                 if agent is not None:
                     agent.deregister_memory(reg)
-                agent = None
-                conn.send(("ok", None))
-            elif cmd == "exit":
-                conn.send(("ok", None))
-                return
-    except BaseException:
-        conn.send(("err", traceback.format_exc()))
-
-
-def _producer(conn: Any) -> None:
-    """Initiator: posts the WRITEs and times them until NIXL says DONE."""
-    try:
-        agent = None
-        while True:
-            msg = conn.recv()
-            cmd = msg[0]
-            if cmd == "setup":
-                _, name, nbytes, block_bytes = msg
-                agent = _make_agent(name)
-                buf, reg = _region(agent, nbytes, 7)
-                rows = buf.reshape(-1, block_bytes)
-                crcs = [zlib.crc32(r.data) for r in rows]
-                base = int(buf.ctypes.data)
-                conn.send(("ok", (agent.get_agent_metadata(), crcs, base)))
-            elif cmd == "peer":
-                assert agent is not None
-                remote = agent.add_remote_agent(msg[1])
-                conn.send(("ok", remote))
-            elif cmd == "run":
-                assert agent is not None
-                _, remote, remote_base, block_bytes, runs, repeats, stop = msg
-                seconds = timed_transfers(
-                    agent,
-                    (int(buf.ctypes.data), 0, "DRAM"),
-                    remote,
-                    (remote_base, 0, "DRAM"),
-                    block_bytes,
-                    runs,
-                    repeats,
-                    "WRITE",
-                )
-                agent.send_notif(remote, stop)
-                conn.send(("ok", seconds))
-            elif cmd == "teardown":
-                if agent is not None:
-                    agent.deregister_memory(reg)
-                agent = None
-                conn.send(("ok", None))
-            elif cmd == "exit":
-                conn.send(("ok", None))
-                return
+                agent = buf = reg = None
+            else:
+                raise ValueError(f"unknown command {cmd!r}")
+            conn.send(("ok", out))
     except BaseException:
         conn.send(("err", traceback.format_exc()))
 
@@ -437,7 +391,7 @@ class RawNixlPair(WorkerPair):
     consumer that READs from an idle producer (``op="READ"``)."""
 
     def __init__(self) -> None:
-        super().__init__((_producer, _consumer), _STEP_TIMEOUT_S + 60)
+        super().__init__((_worker, _worker), _STEP_TIMEOUT_S + 60)
 
     def measure(
         self,
@@ -454,28 +408,34 @@ class RawNixlPair(WorkerPair):
         runs = _runs(src_blocks, dst_blocks)
         self._cell += 1
         tag = f"{os.getpid()}-{self._cell}"
-        p_md, crcs, p_base = self._call(
+        p_md, p_base, crcs = self._call(
             0,
             "setup",
             f"raw-prod-{tag}",
             (max(src_blocks) + 1) * block_bytes,
             block_bytes,
+            7,
         )
-        c_md, c_base = self._call(
-            1, "setup", f"raw-cons-{tag}", (max(dst_blocks) + 1) * block_bytes
+        c_md, c_base, _ = self._call(
+            1,
+            "setup",
+            f"raw-cons-{tag}",
+            (max(dst_blocks) + 1) * block_bytes,
+            block_bytes,
+            None,
         )
         remote = self._call(0, "peer", c_md)
         producer = self._call(1, "peer", p_md)
         if op == "READ":
             back = [(d, s, n) for s, d, n in runs]
             seconds = self._call(
-                1, "read", producer, p_base, block_bytes, back, repeats
+                1, "read", producer, p_base, block_bytes, back, repeats, b""
             )
         else:
             stop = f"stop-{tag}".encode()
             self._conns[1].send(("serve", stop, consumer_poll_s))
             seconds = self._call(
-                0, "run", remote, c_base, block_bytes, runs, repeats, stop
+                0, "write", remote, c_base, block_bytes, runs, repeats, stop
             )
             self._reply(1)
         ok = self._call(
