@@ -10,7 +10,7 @@ doctor`` checks a machine and a peer before serving.
 from __future__ import annotations
 
 import argparse
-import runpy
+import importlib
 import sys
 from pathlib import Path
 
@@ -23,8 +23,11 @@ def _bench(name: str, rest: list[str]) -> int:
         print(f"p2p-kv: {path} not found: run from a source checkout", file=sys.stderr)
         return 2
     sys.argv = [str(path), *rest]
-    module = runpy.run_path(str(path), run_name="p2p_kv_bench")
-    main = module.get("main")
+    # Imported under its own name from benchmarks/ (not run as a script):
+    # the benchmarks start worker processes, and a spawned child finds a
+    # worker function only through an importable module.
+    sys.path.insert(0, str(path.parent))
+    main = getattr(importlib.import_module(name), "main", None)
     if main is None:
         print(f"p2p-kv: {path} has no main()", file=sys.stderr)
         return 2
