@@ -123,8 +123,10 @@ class Cluster:
         ids = itertools.count(1_000_000_000).__next__
         timeouts = Timeouts()
         for name in ["c", *self.producers]:
+            # The write path: its loads stay in flight while their writes
+            # are held (a READ would end inside its post).
             self.managers[name] = LoadManager(
-                identity(name), timeouts=timeouts, limits=LIMITS
+                identity(name), timeouts=timeouts, limits=LIMITS, reads=False
             )
             self.pinners[name] = Pinner(ids)
             self.finished[name] = []

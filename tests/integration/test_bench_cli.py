@@ -25,3 +25,19 @@ def test_a_benchmark_with_worker_processes_runs_from_the_cli(tmp_path: Path) -> 
     assert [(r[0], r[1]) for r in rows] == [("64Ki", "1"), ("64Ki", "4")], out.stdout
     for r in rows:
         assert float(r[7]) > 0, r  # NIXL GB/s, measured and verified
+
+
+def test_the_step_benchmark_settles_on_the_default_manager(tmp_path: Path) -> None:
+    """benchmarks/step.py drives LoadManagers by hand; when the READ path
+    became the default its loads never finished ("cluster did not
+    settle") until the harness asked for the write path it measures."""
+    exe = Path(sys.executable).with_name("p2p-kv")
+    out = subprocess.run(
+        [str(exe), "bench", "step", "--steps", "300", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    assert "idle after 10k served" in out.stdout, out.stdout[-2000:]
