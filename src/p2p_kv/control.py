@@ -130,13 +130,20 @@ class ControlTransport:
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
         # ZMTP heartbeats run on libzmq's I/O thread: a dead or hung peer is
         # found even while our engine step is blocked. A link that goes dark
-        # (no FIN, no RST) is noticed only through a PING left unanswered:
-        # PINGs every half interval and one interval's wait put that at 1.5
-        # intervals at most, inside the two-interval target with room for
-        # the poll loop. (PING every interval with a two-interval wait took
-        # 2.5-2.9 intervals in the netns partition test.)
-        sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, self._heartbeat_ms // 2))
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, self._heartbeat_ms)
+        # (no FIN, no RST) is noticed only through a PING left unanswered,
+        # so detection takes at most one PING interval plus the wait: kept
+        # at 1.5 intervals, inside the two-interval target with room for
+        # the poll loop. Frequent PINGs leave most of that to the wait, and
+        # the wait is what a live peer must answer within: a process stalled
+        # longer (a VM pause, a starved I/O thread) loses its sessions and
+        # its loads fall back. PING every 1/8 interval, wait 11/8: a stall
+        # of 1.375 intervals is survived (0.69 s at the default 0.5 s; with
+        # a PING every 1/2 and a wait of 1, one interval).
+        # (PING every interval with a two-interval wait took 2.5-2.9
+        # intervals in the netns partition test.)
+        ping_ms = max(1, self._heartbeat_ms // 8)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, ping_ms)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * self._heartbeat_ms // 2 - ping_ms)
         sock.setsockopt(zmq.HEARTBEAT_TTL, 2 * self._heartbeat_ms)
         return sock
 
