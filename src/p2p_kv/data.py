@@ -735,6 +735,15 @@ class NixlDataTransport:
                 self._span.mem_kind,
             )
 
+    def prove_peer(self, agent_name: str, conn_inode: str) -> None:
+        """Our connection to a known peer is now named (``conn_inode``):
+        open its region for same-host copies if it offers one and the
+        proof holds (once per peer)."""
+        with self._lock:
+            peer = self._peers.get(agent_name)
+            if peer is not None:
+                self._maybe_map(peer, conn_inode)
+
     def _maybe_map(self, peer: _Peer, conn: str | None) -> None:
         shm = peer.info.shm
         if not self._same_host or shm is None or conn is None or peer.map_tried:

@@ -57,7 +57,7 @@ class TierRuntime:
         self._agents: dict[str, str] = {}  # session peer -> NIXL agent name
         #: outbound peers offering same-host copies, added before our
         #: connection's socket was known (retried on their next frame)
-        self._unproven: dict[str, RegionInfo] = {}
+        self._unproven: set[str] = set()
         #: nixl id -> (peer, "write" | "read", write id or job id)
         self._xfers: dict[int, tuple[str, str, int]] = {}
         self.live_requests = 0
@@ -156,7 +156,7 @@ class TierRuntime:
                 self._send(peer, msgs, now)
         for peer in m.take_closed():
             agent = self._agents.pop(peer, None)
-            self._unproven.pop(peer, None)
+            self._unproven.discard(peer)
             if agent is not None:
                 mine = [x for x, what in self._xfers.items() if what[0] == peer]
                 if agent in self._agents.values():
@@ -273,13 +273,13 @@ class TierRuntime:
 
     def _maybe_add_agent(self, peer: str) -> None:
         if peer in self._agents:
-            unproven = self._unproven.get(peer)
-            conn = self.control.connection_inode(peer) if unproven else None
-            if unproven is not None and conn is not None:
-                # Our connection's CONNECTED event came after its first
-                # frame: a same-host peer can prove itself now.
-                del self._unproven[peer]
-                self.data.add_peer(unproven, conn_inode=conn)
+            if peer in self._unproven:
+                conn = self.control.connection_inode(peer)
+                if conn is not None:
+                    # Our connection's CONNECTED event came after its first
+                    # frame: a same-host peer can prove itself now.
+                    self._unproven.discard(peer)
+                    self.data.prove_peer(self._agents[peer], conn)
             return
         session = self.manager.session(peer)
         if session is None or not session.ready or session.peer_hello is None:
@@ -296,7 +296,7 @@ class TierRuntime:
             return
         self._agents[peer] = info.agent_name
         if conn is None and info.shm is not None and not peer.startswith("in:"):
-            self._unproven[peer] = info
+            self._unproven.add(peer)
 
     # ------------------------------------------------------------------
 

@@ -38,6 +38,7 @@ import logging
 import mmap
 import os
 import warnings
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
 from functools import cache
 from typing import Any
@@ -86,18 +87,40 @@ def boot_id() -> str:
         return ""
 
 
+def _maps(
+    text: str | None = None,
+) -> Iterator[tuple[int, int, str, int, int, int, str]]:
+    """Our mappings, from ``/proc/self/maps`` (or ``text`` in its format):
+    ``(start, end, perms, file offset, dev, inode, path)``."""
+    if text is None:
+        try:
+            with open("/proc/self/maps") as f:
+                text = f.read()
+        except OSError:
+            return
+    for line in text.splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) < 5:
+            continue
+        lo, _, hi = fields[0].partition("-")
+        major, _, minor = fields[3].partition(":")
+        yield (
+            int(lo, 16),
+            int(hi, 16),
+            fields[1],
+            int(fields[2], 16),
+            os.makedev(int(major, 16), int(minor, 16)),
+            int(fields[4]),
+            fields[5].strip() if len(fields) > 5 else "",
+        )
+
+
 def _mapping_of(addr: int) -> tuple[int, int, str, int, int, int] | None:
     """``(start, end, perms, file offset, dev, ino)`` of our mapping at
-    ``addr``, from ``/proc/self/maps``."""
-    with open("/proc/self/maps") as f:
-        for line in f:
-            fields = line.split(maxsplit=5)
-            lo, _, hi = fields[0].partition("-")
-            start, end = int(lo, 16), int(hi, 16)
-            if start <= addr < end:
-                major, _, minor = fields[3].partition(":")
-                dev = os.makedev(int(major, 16), int(minor, 16))
-                return start, end, fields[1], int(fields[2], 16), dev, int(fields[4])
+    ``addr``."""
+    for start, end, perms, offset, dev, ino, _ in _maps():
+        if start <= addr < end:
+            return start, end, perms, offset, dev, ino
     return None
 
 
@@ -445,22 +468,15 @@ _H2D = 1
 
 
 def loaded_library(stem: str, maps: str | None = None) -> str | None:
-    """Path of the first shared object named ``<stem>.so*`` that this
-    process has mapped (``/proc/self/maps``): the CUDA runtime torch loaded,
+    """Path of the first shared object named ``<stem>.so*`` or
+    ``<stem>-*.so*`` that this process has mapped (``maps``: a
+    ``/proc/self/maps`` text, for tests): the CUDA runtime torch loaded,
     whatever its wheel called it, so we never load a second one."""
-    if maps is None:
-        try:
-            with open("/proc/self/maps") as f:
-                maps = f.read()
-        except OSError:
-            return None
-    for line in maps.splitlines():
-        path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
+    for *_, path in _maps(maps):
         name = os.path.basename(path)
-        if name.startswith(stem) and ".so" in name:
-            rest = name[len(stem) :]
-            if rest.startswith((".so", "-")):
-                return path
+        rest = name[len(stem) :] if name.startswith(stem) else ""
+        if rest.startswith((".so", "-")) and ".so" in rest:
+            return path
     return None
 
 

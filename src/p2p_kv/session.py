@@ -782,14 +782,18 @@ class Session:
         self.counters.bump(self.counters.failures, reason)
         self._load_results.append(self._result(load, False, reason, now))
 
-    def _drop_unposted_read(self, load: Load) -> None:
-        """A READ that failed in READ_QUEUED: the data plane never saw it,
-        so forget its order and let the peer drop the pins now."""
-        job, fetch = load.fetch.job, load.fetch
-        self._reads = [order for order in self._reads if order.job_id != job]
-        if fetch.gen in self._contacted:
-            self._contacted.discard(fetch.gen)
-            self._send(Release(fetch.req, fetch.gen, 0))
+    def _end_unstarted(self, load: Load, reason: str, now: float) -> None:
+        """A load that failed from QUEUED or READ_QUEUED: its Fetch was
+        never sent, its READ never posted, so nothing can land and it ends
+        now. A READ's order is forgotten and the peer may drop the pins."""
+        fetch = load.fetch
+        if load.is_read:
+            self._reads = [o for o in self._reads if o.job_id != fetch.job]
+            if fetch.gen in self._contacted:
+                self._contacted.discard(fetch.gen)
+                self._send(Release(fetch.req, fetch.gen, 0))
+        del self._loads[fetch.job]
+        self._load_results.append(self._result(load, False, reason, now))
 
     def _on_revoke(self, msg: Revoke) -> None:
         offer = self._offers.get(msg.gen)
@@ -825,10 +829,7 @@ class Session:
                 continue
             load.fire(Event.ABORT)
             if load.state is State.FAILED:  # was only queued: nothing to fence
-                if load.is_read:
-                    self._drop_unposted_read(load)
-                del self._loads[job_id]
-                self._load_results.append(self._result(load, False, "abort", now))
+                self._end_unstarted(load, "abort", now)
                 continue
             if load.state is State.READ_CANCELLING:
                 self.cancelled_reads.append(job_id)
@@ -1270,10 +1271,7 @@ class Session:
                 item.fire(Event.TIMEOUT)
                 self.counters.bump(self.counters.failures, "timeout")
                 if item.state is State.FAILED:  # was only queued
-                    if item.is_read:
-                        self._drop_unposted_read(item)
-                    del self._loads[item.fetch.job]
-                    self._load_results.append(self._result(item, False, "timeout", now))
+                    self._end_unstarted(item, "timeout", now)
                 elif item.is_read:  # READ_CANCELLING
                     self._arm(item, now + self.timeouts.abort_ack_s)
                     self.cancelled_reads.append(item.fetch.job)

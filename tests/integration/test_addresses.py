@@ -89,3 +89,36 @@ def test_our_connection_names_its_socket_from_the_first_poll(host: str) -> None:
     finally:
         client.close()
         server.close()
+
+
+def test_a_peer_whose_connection_is_named_late_proves_itself_then() -> None:
+    """ZeroMQ may report our connection (its CONNECTED event) after the
+    peer's first frames: the session comes up with the peer on NIXL, and
+    the next frame after the connection is named opens its region."""
+    producer = StandalonePeer(16, BLOCK, engine_id="p-late")
+    consumer = StandalonePeer(16, BLOCK, engine_id="c-late")
+    keys = [make_key(i) for i in range(4)]
+    producer.fill(keys, [1, 3, 5, 7])
+    control = consumer.runtime.control
+    named = control.connection_inode
+    late = {"on": True}
+    control.connection_inode = lambda peer: None if late["on"] else named(peer)  # type: ignore[method-assign]
+    stop = threading.Event()
+    server = threading.Thread(target=producer.serve_until, args=(stop,), daemon=True)
+    server.start()
+    try:
+        first = consumer.fetch(producer.address, "kv-late-1", keys, [0, 2, 4, 6])
+        assert first.ok, first
+        data = consumer.runtime.data
+        assert data.local_reads == 0 and data.same_host_peers == 0  # via NIXL
+        late["on"] = False
+        second = consumer.fetch(producer.address, "kv-late-2", keys, [8, 10, 12, 14])
+        assert second.ok, second
+        assert data.same_host_peers == 1 and data.local_reads == 1
+        for src, dst in zip([1, 3, 5, 7], [8, 10, 12, 14], strict=True):
+            assert bytes(consumer.block(dst)) == bytes(producer.block(src))
+    finally:
+        stop.set()
+        server.join(5)
+        consumer.close()
+        producer.close()
