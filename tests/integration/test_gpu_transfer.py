@@ -3,8 +3,8 @@
 A producer :class:`StandalonePeer` in a spawned process holds its blocks in a
 CUDA tensor (GPU to GPU) or in host memory (host to GPU); a consumer
 StandalonePeer here holds a CUDA tensor on the other GPU (the same GPU where
-there is only one). Every fetch goes through lookup, pin, Fetch, NIXL WRITE
-and TransferDone, and afterwards the whole consumer region is compared byte
+there is only one). Every fetch goes through lookup and pin, then one of the
+load paths below, and afterwards the whole consumer region is compared byte
 for byte with what each slot must hold, so a block that lands in the wrong
 slot fails as surely as one that does not land.
 
@@ -34,8 +34,11 @@ CONSUMER_BLOCKS = 64
 #: ``read``: the consumer READs the pinned blocks (from a host region on
 #: this host: a copy out of the producer's shared file, DMA from registered
 #: pages); ``nixl_read``: every READ through NIXL; ``write``: the producer
-#: WRITEs after a Fetch.
+#: WRITEs after a Fetch; ``read_torch``: the read path where no CUDA runtime
+#: is found to call directly, so the copier falls back to torch's copies.
 PATHS = ("read", "nixl_read", "write")
+CASES = [(kind, path) for kind in ("vram", "dram") for path in PATHS]
+CASES.append(("dram", "read_torch"))
 
 
 def _devices() -> tuple[str, str]:
@@ -98,18 +101,21 @@ def _producer(kind: str, path: str, device: str, conn: Any, stop: Any) -> None:
         conn.send(("error", traceback.format_exc()))
 
 
-@pytest.fixture(
-    params=[(kind, path) for kind in ("vram", "dram") for path in PATHS],
-    ids=lambda p: "-".join(p),
-)
-def pair(request: pytest.FixtureRequest) -> Iterator[tuple[Any, str, str, Any, str]]:
+@pytest.fixture(params=CASES, ids=lambda p: "-".join(p))
+def pair(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[Any, str, str, Any, str]]:
     """(consumer, producer address, producer memory kind, consumer region,
     path)."""
     src_dev, dst_dev = _devices()
     kind, path = request.param
     import torch
 
+    from p2p_kv import same_host
     from p2p_kv.standalone import StandalonePeer
+
+    if path == "read_torch":
+        monkeypatch.setattr(same_host, "_memcpy_async", lambda: None)
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
@@ -182,8 +188,11 @@ def test_fetch_into_gpu_memory(pair: tuple[Any, str, str, Any, str]) -> None:
     assert not any(report.values()), report
     # Only a same-host host region is copied without NIXL, and only by the
     # default read path; a GPU producer's READs stay on NIXL (cuda_ipc).
-    copies = consumer.runtime.data.local_reads
-    assert copies == (len(mappings) if (producer_mem, path) == ("DRAM", "read") else 0)
+    copied = producer_mem == "DRAM" and path in ("read", "read_torch")
+    assert consumer.runtime.data.local_reads == (len(mappings) if copied else 0)
+    if copied:
+        direct = consumer.runtime.data._copier._memcpy is not None
+        assert direct == (path == "read"), "torch's copies only as the fallback"
 
 
 def test_pattern_detects_shifted_block() -> None:
