@@ -26,8 +26,8 @@ from typing import Final
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from p2p_kv.procfs import socket_inode
 from p2p_kv.protocol import MAX_FRAME_BYTES
-from p2p_kv.same_host import socket_inode
 
 HWM: Final = 10_000
 

@@ -31,21 +31,25 @@ load instead of killing us with SIGBUS.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import ipaddress
 import logging
 import mmap
 import os
 import warnings
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
-from functools import cache
 from typing import Any
 
 import msgspec
 import numpy as np
 import numpy.typing as npt
+
+from p2p_kv.procfs import (
+    boot_id,
+    holds_connection,
+    loaded_library,
+    mapping_of,
+    shm_devices,
+)
 
 __all__ = [
     "CopyInFlight",
@@ -53,11 +57,8 @@ __all__ = [
     "HostCopier",
     "PeerMapping",
     "ShmRegion",
-    "boot_id",
     "find_backing",
-    "holds_connection",
     "host_buffer",
-    "socket_inode",
 ]
 
 log = logging.getLogger("vllm.p2p_kv.same_host")
@@ -77,53 +78,6 @@ class ShmRegion(msgspec.Struct, frozen=True):
     length: int
 
 
-@cache
-def boot_id() -> str:
-    """This boot of this host (processes in containers on one host share it)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
-def _maps(
-    text: str | None = None,
-) -> Iterator[tuple[int, int, str, int, int, int, str]]:
-    """Our mappings, from ``/proc/self/maps`` (or ``text`` in its format):
-    ``(start, end, perms, file offset, dev, inode, path)``."""
-    if text is None:
-        try:
-            with open("/proc/self/maps") as f:
-                text = f.read()
-        except OSError:
-            return
-    for line in text.splitlines():
-        fields = line.split(maxsplit=5)
-        if len(fields) < 5:
-            continue
-        lo, _, hi = fields[0].partition("-")
-        major, _, minor = fields[3].partition(":")
-        yield (
-            int(lo, 16),
-            int(hi, 16),
-            fields[1],
-            int(fields[2], 16),
-            os.makedev(int(major, 16), int(minor, 16)),
-            int(fields[4]),
-            fields[5].strip() if len(fields) > 5 else "",
-        )
-
-
-def _mapping_of(addr: int) -> tuple[int, int, str, int, int, int] | None:
-    """``(start, end, perms, file offset, dev, ino)`` of our mapping at
-    ``addr``."""
-    for start, end, perms, offset, dev, ino, _ in _maps():
-        if start <= addr < end:
-            return start, end, perms, offset, dev, ino
-    return None
-
-
 def find_backing(addr: int, nbytes: int) -> ShmRegion | None:
     """The shared file behind ``[addr, addr + nbytes)`` in this process and
     an fd of ours that holds it open, or None (anonymous or private memory,
@@ -131,7 +85,7 @@ def find_backing(addr: int, nbytes: int) -> ShmRegion | None:
     NIXL alone."""
     if nbytes <= 0 or not boot_id():
         return None
-    found = _mapping_of(addr)
+    found = mapping_of(addr)
     if found is None:
         return None
     start, end, perms, offset, dev, ino = found
@@ -159,92 +113,6 @@ def host_buffer(addr: int, nbytes: int) -> memoryview:
     """Writable bytes of our own host memory at ``addr``: whatever object
     the region came as (memoryview, numpy, CPU tensor)."""
     return memoryview((ctypes.c_uint8 * nbytes).from_address(addr)).cast("B")
-
-
-def _endpoint(
-    hexaddr: str,
-) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]:
-    """``/proc/net/tcp*``'s ``ADDR:PORT`` (hex, address in host order per
-    32-bit word) as (address, port); IPv4-mapped IPv6 becomes IPv4, so the
-    two ends of one connection compare equal across the two tables."""
-    addr, _, port = hexaddr.rpartition(":")
-    raw = b"".join(
-        int(addr[i : i + 8], 16).to_bytes(4, "little") for i in range(0, len(addr), 8)
-    )
-    ip = ipaddress.ip_address(raw)
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return ip, int(port, 16)
-
-
-def _tcp_sockets() -> list[tuple[str, str, str]]:
-    """``(local, remote, inode)`` of every TCP socket in our network
-    namespace, endpoints as raw ``/proc/net/tcp*`` fields."""
-    out: list[tuple[str, str, str]] = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as f:
-                next(f)  # the header
-                out.extend((row[1], row[2], row[9]) for row in map(str.split, f))
-        except (OSError, StopIteration):
-            continue
-    return out
-
-
-def socket_inode(fd: int) -> str | None:
-    """The inode of our socket ``fd`` (``socket:[N]`` in ``/proc``)."""
-    try:
-        link = os.readlink(f"/proc/self/fd/{fd}")
-    except OSError:
-        return None
-    if not (link.startswith("socket:[") and link.endswith("]")):
-        return None
-    return link[8:-1]
-
-
-def holds_connection(pid: int, ours: str) -> bool:
-    """Whether process ``pid`` holds the far end of our TCP connection
-    (socket inode ``ours``): proof that it is the peer we talk to, which
-    a listener on the same port number elsewhere is not."""
-    sockets = _tcp_sockets()
-    mine = [(_endpoint(lo), _endpoint(re)) for lo, re, ino in sockets if ino == ours]
-    if not mine:
-        return False
-    local, remote = mine[0]
-    wanted = {
-        f"socket:[{ino}]"
-        for lo, re, ino in sockets
-        if ino != "0" and _endpoint(lo) == remote and _endpoint(re) == local
-    }
-    if not wanted:
-        return False
-    try:
-        names = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return False
-    for name in names:
-        try:
-            if os.readlink(f"/proc/{pid}/fd/{name}") in wanted:
-                return True
-        except OSError:
-            continue
-    return False
-
-
-@cache
-def _shm_devices() -> frozenset[int]:
-    """Devices of memory-backed files: ``/dev/shm`` and memfds. A file
-    anywhere else (a FUSE or network filesystem) could stall a read."""
-    devs = set()
-    with contextlib.suppress(OSError):
-        devs.add(os.stat("/dev/shm").st_dev)
-    with contextlib.suppress(OSError):
-        probe = os.memfd_create("p2p_kv-probe", os.MFD_CLOEXEC)
-        try:
-            devs.add(os.fstat(probe).st_dev)
-        finally:
-            os.close(probe)
-    return frozenset(devs)
 
 
 class PeerMapping:
@@ -277,7 +145,7 @@ class PeerMapping:
                     f"/proc/{info.pid}/fd/{info.fd} is not the peer's region "
                     "(another pid namespace, or the pid or fd was reused)"
                 )
-            if st.st_dev not in _shm_devices():
+            if st.st_dev not in shm_devices():
                 raise ValueError("peer's region is not in shared memory (tmpfs)")
             if st.st_size < info.offset + info.length:
                 raise ValueError(
@@ -465,19 +333,6 @@ class CopyInFlight:
 
 #: ``cudaMemcpyHostToDevice``
 _H2D = 1
-
-
-def loaded_library(stem: str, maps: str | None = None) -> str | None:
-    """Path of the first shared object named ``<stem>.so*`` or
-    ``<stem>-*.so*`` that this process has mapped (``maps``: a
-    ``/proc/self/maps`` text, for tests): the CUDA runtime torch loaded,
-    whatever its wheel called it, so we never load a second one."""
-    for *_, path in _maps(maps):
-        name = os.path.basename(path)
-        rest = name[len(stem) :] if name.startswith(stem) else ""
-        if rest.startswith((".so", "-")) and ".so" in rest:
-            return path
-    return None
 
 
 def _memcpy_async() -> Any:

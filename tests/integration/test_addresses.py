@@ -69,7 +69,7 @@ def test_our_connection_names_its_socket_from_the_first_poll(host: str) -> None:
     monitor, attached before connecting (on loopback the connection can be
     up before connect() returns); the far end is the listener's process."""
     from p2p_kv.control import ControlTransport
-    from p2p_kv.same_host import holds_connection
+    from p2p_kv.procfs import holds_connection
 
     server = ControlTransport(host, 0, heartbeat_s=0.5)
     client = ControlTransport("127.0.0.1", 0, heartbeat_s=0.5)

@@ -576,7 +576,7 @@ def test_same_host_copy_only_from_the_process_we_talk_to() -> None:
     import subprocess
 
     from p2p_kv.data import NixlDataTransport
-    from p2p_kv.same_host import socket_inode
+    from p2p_kv.procfs import socket_inode
     from p2p_kv.standalone import shared_region
 
     bs, n = 4 * KIB, 32

@@ -6,7 +6,6 @@ from __future__ import annotations
 import mmap
 import os
 import socket
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,19 +13,17 @@ import numpy as np
 import pytest
 
 from p2p_kv.data import plan_write
+from p2p_kv.procfs import boot_id, socket_inode
 from p2p_kv.same_host import (
     PARALLEL_MIN_BYTES,
     HostCopier,
     PeerMapping,
     ShmRegion,
-    boot_id,
     find_backing,
-    holds_connection,
-    loaded_library,
-    socket_inode,
     split_segments,
 )
 from p2p_kv.standalone import shared_region
+from tests.support.sockets import tcp_connection
 
 BB = 4096
 
@@ -35,70 +32,17 @@ def _addr(a: np.ndarray) -> int:
     return int(a.ctypes.data)
 
 
-def _connection(host: str) -> tuple[socket.socket, socket.socket, socket.socket]:
-    """(listener, our end, the accepted far end) of one TCP connection."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    listener = socket.socket(family)
-    listener.bind((host, 0))
-    listener.listen()
-    ours = socket.socket(family)
-    ours.connect(listener.getsockname()[:2])
-    far, _ = listener.accept()
-    return listener, ours, far
-
-
 @pytest.fixture(scope="module")
 def conn() -> Iterator[str]:
     """Socket inode of a connection whose far end this process holds, as a
     peer holds the far end of our control connection."""
-    sockets = _connection("127.0.0.1")
+    sockets = tcp_connection("127.0.0.1")
     try:
         inode = socket_inode(sockets[1].fileno())
         assert inode is not None
         yield inode
     finally:
         for sock in sockets:
-            sock.close()
-
-
-@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
-def test_the_far_end_proves_which_process_we_talk_to(host: str) -> None:
-    listener, ours, far = _connection(host)
-    try:
-        inode = socket_inode(ours.fileno())
-        assert inode is not None
-        assert holds_connection(os.getpid(), inode)
-        assert not holds_connection(2**22 + 1, inode)  # no such process
-        child = subprocess.Popen(["sleep", "30"])
-        try:
-            assert not holds_connection(child.pid, inode)  # not its socket
-        finally:
-            child.kill()
-            child.wait()
-        far.close()  # the far end gone: nothing proves anything
-        assert not holds_connection(os.getpid(), inode)
-    finally:
-        for sock in (listener, ours, far):
-            sock.close()
-
-
-def test_a_listener_on_the_same_port_is_no_proof() -> None:
-    """A socket listening on the port we dialled, on another address, does
-    not hold our connection: a peer cannot name such a process as itself."""
-    listener, ours, far = _connection("127.0.0.1")
-    port = listener.getsockname()[1]
-    try:
-        other = socket.socket(socket.AF_INET6)
-        other.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-        other.bind(("::1", port))
-        other.listen()
-        child_conn = socket_inode(ours.fileno())
-        assert child_conn is not None
-        far.close()  # only the same-port listener is left here
-        assert not holds_connection(os.getpid(), child_conn)
-        other.close()
-    finally:
-        for sock in (listener, ours, far):
             sock.close()
 
 
@@ -323,26 +267,3 @@ def test_blocks_side_by_side_at_the_peer_take_one_read_each_stretch(
             assert (rows[lb] == rb + 1).all()
     finally:
         peer.close()
-
-
-def test_the_cuda_runtime_is_found_among_what_is_loaded() -> None:
-    """CUDA copies bind the runtime torch already loaded, whatever the wheel
-    named it; nothing loaded, nothing found (the copier then uses torch)."""
-    maps = "\n".join(
-        [
-            "7f00-7f10 r-xp 00000000 08:01 123 /usr/lib/libc.so.6",
-            "7f10-7f20 r-xp 00000000 08:01 124 /x/nvidia/cu13/lib/libcudart.so.13",
-            "7f20-7f30 rw-p 00000000 00:00 0 ",
-            "7f30-7f40 r-xp 00000000 08:01 125 /t/lib/libcudart-d0da41ae.so.12",
-        ]
-    )
-    assert loaded_library("libcudart", maps) == "/x/nvidia/cu13/lib/libcudart.so.13"
-    assert loaded_library("libcudart", maps.split("\n", 2)[2]) == (
-        "/t/lib/libcudart-d0da41ae.so.12"
-    )
-    assert (
-        loaded_library("libcudart", "7f00-7f10 r-xp 0 08:01 9 /l/libcudartx.so") is None
-    )
-    assert loaded_library("libcudart", "") is None
-    # This process: libc is mapped, a CUDA runtime is not (no torch.cuda).
-    assert loaded_library("libc") is not None

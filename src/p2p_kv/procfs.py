@@ -1,0 +1,173 @@
+"""What ``/proc`` tells about this process, its sockets and its peers.
+
+The same-host copy path trusts a peer's shared file only after ``/proc``
+has shown that the peer is who it says: on this boot, holding the far end of
+our own control connection, naming a file in shared memory. The control
+plane names its connections' sockets here (from ZeroMQ's ``CONNECTED``
+event) so that proof can be made later, and the GPU copier finds the CUDA
+runtime torch loaded. Every reader is cheap enough for once-per-peer use
+and returns None/False rather than raising when ``/proc`` says nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+from collections.abc import Iterator
+from functools import cache
+
+__all__ = [
+    "boot_id",
+    "holds_connection",
+    "loaded_library",
+    "mapping_of",
+    "shm_devices",
+    "socket_inode",
+]
+
+
+@cache
+def boot_id() -> str:
+    """This boot of this host (processes in containers on one host share it)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _maps(
+    text: str | None = None,
+) -> Iterator[tuple[int, int, str, int, int, int, str]]:
+    """Our mappings, from ``/proc/self/maps`` (or ``text`` in its format):
+    ``(start, end, perms, file offset, dev, inode, path)``."""
+    if text is None:
+        try:
+            with open("/proc/self/maps") as f:
+                text = f.read()
+        except OSError:
+            return
+    for line in text.splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) < 5:
+            continue
+        lo, _, hi = fields[0].partition("-")
+        major, _, minor = fields[3].partition(":")
+        yield (
+            int(lo, 16),
+            int(hi, 16),
+            fields[1],
+            int(fields[2], 16),
+            os.makedev(int(major, 16), int(minor, 16)),
+            int(fields[4]),
+            fields[5].strip() if len(fields) > 5 else "",
+        )
+
+
+def mapping_of(addr: int) -> tuple[int, int, str, int, int, int] | None:
+    """``(start, end, perms, file offset, dev, ino)`` of our mapping at
+    ``addr``."""
+    for start, end, perms, offset, dev, ino, _ in _maps():
+        if start <= addr < end:
+            return start, end, perms, offset, dev, ino
+    return None
+
+
+def _endpoint(
+    hexaddr: str,
+) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]:
+    """``/proc/net/tcp*``'s ``ADDR:PORT`` (hex, address in host order per
+    32-bit word) as (address, port); IPv4-mapped IPv6 becomes IPv4, so the
+    two ends of one connection compare equal across the two tables."""
+    addr, _, port = hexaddr.rpartition(":")
+    raw = b"".join(
+        int(addr[i : i + 8], 16).to_bytes(4, "little") for i in range(0, len(addr), 8)
+    )
+    ip = ipaddress.ip_address(raw)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip, int(port, 16)
+
+
+def _tcp_sockets() -> list[tuple[str, str, str]]:
+    """``(local, remote, inode)`` of every TCP socket in our network
+    namespace, endpoints as raw ``/proc/net/tcp*`` fields."""
+    out: list[tuple[str, str, str]] = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f)  # the header
+                out.extend((row[1], row[2], row[9]) for row in map(str.split, f))
+        except (OSError, StopIteration):
+            continue
+    return out
+
+
+def socket_inode(fd: int) -> str | None:
+    """The inode of our socket ``fd`` (``socket:[N]`` in ``/proc``)."""
+    try:
+        link = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return None
+    if not (link.startswith("socket:[") and link.endswith("]")):
+        return None
+    return link[8:-1]
+
+
+def holds_connection(pid: int, ours: str) -> bool:
+    """Whether process ``pid`` holds the far end of our TCP connection
+    (socket inode ``ours``): proof that it is the peer we talk to, which
+    a listener on the same port number elsewhere is not."""
+    sockets = _tcp_sockets()
+    mine = [(_endpoint(lo), _endpoint(re)) for lo, re, ino in sockets if ino == ours]
+    if not mine:
+        return False
+    local, remote = mine[0]
+    wanted = {
+        f"socket:[{ino}]"
+        for lo, re, ino in sockets
+        if ino != "0" and _endpoint(lo) == remote and _endpoint(re) == local
+    }
+    if not wanted:
+        return False
+    try:
+        names = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for name in names:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{name}") in wanted:
+                return True
+        except OSError:
+            continue
+    return False
+
+
+@cache
+def shm_devices() -> frozenset[int]:
+    """Devices of memory-backed files: ``/dev/shm`` and memfds. A file
+    anywhere else (a FUSE or network filesystem) could stall a read."""
+    devs = set()
+    with contextlib.suppress(OSError):
+        devs.add(os.stat("/dev/shm").st_dev)
+    with contextlib.suppress(OSError):
+        probe = os.memfd_create("p2p_kv-probe", os.MFD_CLOEXEC)
+        try:
+            devs.add(os.fstat(probe).st_dev)
+        finally:
+            os.close(probe)
+    return frozenset(devs)
+
+
+def loaded_library(stem: str, maps: str | None = None) -> str | None:
+    """Path of the first shared object named ``<stem>.so*`` or
+    ``<stem>-*.so*`` that this process has mapped (``maps``: a
+    ``/proc/self/maps`` text, for tests): the CUDA runtime torch loaded,
+    whatever its wheel called it, so we never load a second one."""
+    for *_, path in _maps(maps):
+        name = os.path.basename(path)
+        rest = name[len(stem) :] if name.startswith(stem) else ""
+        if rest.startswith((".so", "-")) and ".so" in rest:
+            return path
+    return None
