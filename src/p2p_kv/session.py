@@ -224,26 +224,38 @@ class Probe(Tracked):
 class Load(Tracked):
     machine = Machine.LOAD
     __slots__ = (
+        "blocks",
         "deadline",
         "fetch",
+        "gen",
+        "job",
         "nbytes",
         "read_until",
+        "req",
         "request_finished",
         "started",
     )
 
     def __init__(
         self,
-        fetch: Fetch,
+        job: int,
+        req: str,
+        gen: int,
+        blocks: int,
         nbytes: int,
         now: float,
         deadline: float,
         initial: State,
+        *,
+        fetch: Fetch | None = None,
         read_until: float = 0.0,
     ) -> None:
         super().__init__(initial)
-        #: For a READ the Fetch is never sent: it only names the job.
-        self.fetch, self.nbytes, self.started = fetch, nbytes, now
+        self.job, self.req, self.gen, self.blocks = job, req, gen, blocks
+        self.nbytes, self.started = nbytes, now
+        #: What the peer is asked to WRITE (write path only; a READ sends
+        #: no request, its order goes to our own data plane).
+        self.fetch = fetch
         self.deadline = deadline
         self.read_until = read_until
         self.request_finished = False
@@ -507,6 +519,7 @@ class Session:
         for load in self._loads.values():
             if load.state is State.QUEUED:
                 load.fire(Event.SESSION_READY)
+                assert load.fetch is not None  # only a Fetch waits for READY
                 self._send(load.fetch)
 
     def close(self, reason: str) -> None:
@@ -535,7 +548,7 @@ class Session:
             load.fire(Event.PEER_LOST)
             result = self._result(load, False, kind, load.started)
             if fenced:
-                self._fenced_results.append((result, len(load.fetch.slots)))
+                self._fenced_results.append((result, load.blocks))
             else:
                 self._load_results.append(result)
             self.counters.bump(self.counters.failures, kind)
@@ -707,7 +720,6 @@ class Session:
         """Load ``keys`` into our ``slots`` (one load job): READ them if the
         peer offered all of them and the offer is still good, else ask the
         peer to WRITE them."""
-        fetch = Fetch(req=req, gen=gen, job=job_id, keys=keys, slots=slots)
         nbytes = len(keys) * block_bytes
         if job_id in self._loads:
             raise ValueError(f"load job {job_id} submitted twice")
@@ -736,7 +748,10 @@ class Session:
             and all(k in offer.slots for k in keys)
         ):
             load = Load(
-                fetch,
+                job_id,
+                req,
+                gen,
+                len(keys),
                 nbytes,
                 now,
                 min(deadline, offer.valid_until),
@@ -750,7 +765,10 @@ class Session:
             self._reads.append(ReadOrder(job_id, list(slots), remote))
             return
         initial = State.FETCH_POSTED if self.ready else State.QUEUED
-        load = Load(fetch, nbytes, now, deadline, initial)
+        fetch = Fetch(req=req, gen=gen, job=job_id, keys=keys, slots=slots)
+        load = Load(
+            job_id, req, gen, len(keys), nbytes, now, deadline, initial, fetch=fetch
+        )
         self.counters.loads_fetched += 1
         self._loads[job_id] = load
         self._arm(load, load.deadline)
@@ -768,12 +786,11 @@ class Session:
         was_cancelled = load.state is State.READ_CANCELLING
         load.fire(Event.TRANSFER_OK if ok else Event.TRANSFER_FAILED)
         del self._loads[job_id]
-        fetch = load.fetch
-        self._offers.pop(fetch.gen, None)
-        if fetch.gen in self._contacted:
+        self._offers.pop(load.gen, None)
+        if load.gen in self._contacted:
             # Nothing of ours reads the pins any more: the peer may drop them.
-            self._contacted.discard(fetch.gen)
-            self._send(Release(fetch.req, fetch.gen, len(fetch.keys) if ok else 0))
+            self._contacted.discard(load.gen)
+            self._send(Release(load.req, load.gen, load.blocks if ok else 0))
         if load.state is State.DONE:
             self.counters.bytes_loaded += load.nbytes
             self._load_results.append(self._result(load, True, "", now))
@@ -786,13 +803,12 @@ class Session:
         """A load that failed from QUEUED or READ_QUEUED: its Fetch was
         never sent, its READ never posted, so nothing can land and it ends
         now. A READ's order is forgotten and the peer may drop the pins."""
-        fetch = load.fetch
         if load.is_read:
-            self._reads = [o for o in self._reads if o.job_id != fetch.job]
-            if fetch.gen in self._contacted:
-                self._contacted.discard(fetch.gen)
-                self._send(Release(fetch.req, fetch.gen, 0))
-        del self._loads[fetch.job]
+            self._reads = [o for o in self._reads if o.job_id != load.job]
+            if load.gen in self._contacted:
+                self._contacted.discard(load.gen)
+                self._send(Release(load.req, load.gen, 0))
+        del self._loads[load.job]
         self._load_results.append(self._result(load, False, reason, now))
 
     def _on_revoke(self, msg: Revoke) -> None:
@@ -802,7 +818,7 @@ class Session:
         if msg.gen in self._contacted:  # live: finish_gen forgets it
             self._revoked.add(msg.gen)
         reading = any(
-            ld.is_read and ld.fetch.gen == msg.gen and ld.fetch.req == msg.req
+            ld.is_read and ld.gen == msg.gen and ld.req == msg.req
             for ld in self._loads.values()
         )
         if not reading:
@@ -815,7 +831,7 @@ class Session:
         buffered result of ``gen``, stop its probes, and tell the peer to
         release whatever it pinned for us (fencing any write in flight)."""
         for load in self._loads.values():
-            if load.fetch.gen == gen:
+            if load.gen == gen:
                 load.request_finished = True
         for result in (*self._load_results, *(r for r, _ in self._fenced_results)):
             if result.gen == gen:
@@ -825,7 +841,7 @@ class Session:
         self._offers.pop(gen, None)
         self._revoked.discard(gen)
         for job_id, load in list(self._loads.items()):
-            if load.fetch.gen != gen or not load.can(Event.ABORT):
+            if load.gen != gen or not load.can(Event.ABORT):
                 continue
             load.fire(Event.ABORT)
             if load.state is State.FAILED:  # was only queued: nothing to fence
@@ -847,8 +863,8 @@ class Session:
         if (
             load is None
             or load.is_read  # only our own data plane ends a READ
-            or load.fetch.gen != msg.gen
-            or load.fetch.req != msg.req
+            or load.gen != msg.gen
+            or load.req != msg.req
         ):
             self.counters.bump(self.counters.protocol_errors, "stale_transfer_done")
             return
@@ -875,8 +891,8 @@ class Session:
         acked = [
             job
             for job, load in self._loads.items()
-            if load.fetch.gen == msg.gen
-            and load.fetch.req == msg.req
+            if load.gen == msg.gen
+            and load.req == msg.req
             and load.state is State.ABORTING
         ]
         for job in acked:
@@ -887,8 +903,8 @@ class Session:
 
     def _result(self, load: Load, ok: bool, reason: str, now: float) -> LoadResult:
         return LoadResult(
-            job_id=load.fetch.job,
-            gen=load.fetch.gen,
+            job_id=load.job,
+            gen=load.gen,
             success=ok,
             reason=reason,
             nbytes=load.nbytes if ok else 0,
@@ -1266,7 +1282,7 @@ class Session:
                     # Neither finished nor acknowledged: the peer (or the
                     # path to it) is not healthy, and only dropping its agent
                     # fences our slots.
-                    self._lose("abort_timeout", f"job {item.fetch.job} did not end")
+                    self._lose("abort_timeout", f"job {item.job} did not end")
                     return
                 item.fire(Event.TIMEOUT)
                 self.counters.bump(self.counters.failures, "timeout")
@@ -1274,10 +1290,10 @@ class Session:
                     self._end_unstarted(item, "timeout", now)
                 elif item.is_read:  # READ_CANCELLING
                     self._arm(item, now + self.timeouts.abort_ack_s)
-                    self.cancelled_reads.append(item.fetch.job)
+                    self.cancelled_reads.append(item.job)
                 else:
                     self._arm(item, now + self.timeouts.abort_ack_s)
-                    self._send(Abort(item.fetch.req, item.fetch.gen))
+                    self._send(Abort(item.req, item.gen))
             elif isinstance(item, Serve):
                 self._expire_serve(item)
         offers = self._offer_heap
@@ -1368,7 +1384,7 @@ class Session:
     @property
     def fenced_slots(self) -> int:
         """Destination slots a remote write may still land in."""
-        n = sum(len(ld.fetch.slots) for ld in self._loads.values() if ld.fenced)
+        n = sum(ld.blocks for ld in self._loads.values() if ld.fenced)
         return n + sum(n_slots for _, n_slots in self._fenced_results)
 
     @property

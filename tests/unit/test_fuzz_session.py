@@ -110,8 +110,8 @@ def live_ids(net: Net) -> tuple[list[str], list[int], list[int]]:
                 reqs.append(sv.req)
                 gens.append(sv.gen)
             for ld in s.loads():
-                jobs.append(ld.fetch.job)
-                gens.append(ld.fetch.gen)
+                jobs.append(ld.job)
+                gens.append(ld.gen)
     return reqs, gens, jobs
 
 

@@ -168,7 +168,7 @@ def test_only_our_data_plane_ends_a_read() -> None:
     net.run(1)
     s = session(net, "b")
     (ld,) = list(s.loads())
-    gen = ld.fetch.gen
+    gen = ld.gen
     s.receive(TransferDone("kv1", gen, job, True), net.now)
     assert load_state(net) is State.READING
     assert s.counters.protocol_errors == {"stale_transfer_done": 1}
