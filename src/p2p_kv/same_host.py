@@ -37,6 +37,7 @@ import mmap
 import os
 import warnings
 from concurrent.futures import ThreadPoolExecutor, wait
+from operator import itemgetter
 from typing import Any
 
 import msgspec
@@ -254,10 +255,10 @@ class HostCopier:
         # In the peer's file order, so its side-by-side blocks read at once
         # (our slots are distinct: the order of the copies does not matter).
         segments = sorted(
-            ((ls * bb, base + rs * bb, n * bb) for ls, rs, n in runs),
-            key=lambda seg: seg[1],
+            [(ls * bb, base + rs * bb, n * bb) for ls, rs, n in runs],
+            key=itemgetter(1),
         )
-        nbytes = sum(n for _, _, n in segments)
+        nbytes = bb * sum(map(itemgetter(2), runs))
         fd = src.fd
         if fd is None:
             raise OSError("peer region closed")
@@ -283,15 +284,18 @@ class HostCopier:
         """One ``preadv`` per stretch of the peer's file (up to IOV_MAX
         destinations each): blocks the peer holds side by side cost one
         system call however scattered our slots are."""
-        dst = self._mv
-        i = 0
-        while i < len(segments):
-            start = end = segments[i][1]
-            j = i
-            while j < len(segments) and segments[j][1] == end and j - i < _IOV_MAX:
-                end += segments[j][2]
+        dst, count, i = self._mv, len(segments), 0
+        while i < count:
+            d, start, n = segments[i]
+            bufs, end, j = [dst[d : d + n]], start + n, i + 1
+            stop = min(count, i + _IOV_MAX)
+            while j < stop:
+                d, s, n = segments[j]
+                if s != end:
+                    break
+                bufs.append(dst[d : d + n])
+                end += n
                 j += 1
-            bufs = [dst[d : d + n] for d, _, n in segments[i:j]]
             if os.preadv(fd, bufs, start) != end - start:
                 self._copy_each(fd, segments[i:j])  # a short read: find out
             i = j

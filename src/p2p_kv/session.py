@@ -728,7 +728,7 @@ class Session:
                 LoadResult(job_id, gen, False, "peer_down", request_finished=False)
             )
             return
-        if any(s >= self._me.num_blocks for s in slots):
+        if slots and max(slots) >= self._me.num_blocks:
             # Our own caller's mistake: refuse before any message or READ.
             self.counters.bump(self.counters.failures, "slot_out_of_range")
             self._load_results.append(
@@ -745,7 +745,7 @@ class Session:
         if (
             offer is not None
             and now < offer.valid_until
-            and all(k in offer.slots for k in keys)
+            and all(map(offer.slots.__contains__, keys))
         ):
             load = Load(
                 job_id,
@@ -761,7 +761,7 @@ class Session:
             self._loads[job_id] = load
             self._arm(load, load.deadline)
             self.counters.loads_read += 1
-            remote = [offer.slots[k] for k in keys]
+            remote = list(map(offer.slots.__getitem__, keys))
             self._reads.append(ReadOrder(job_id, list(slots), remote))
             return
         initial = State.FETCH_POSTED if self.ready else State.QUEUED
