@@ -31,14 +31,24 @@ PRODUCER_BLOCKS = 32
 CONSUMER_BLOCKS = 64
 
 
-#: ``read``: the consumer READs the pinned blocks (from a host region on
-#: this host: a copy out of the producer's shared file, DMA from registered
-#: pages); ``nixl_read``: every READ through NIXL; ``write``: the producer
-#: WRITEs after a Fetch; ``read_torch``: the read path where no CUDA runtime
-#: is found to call directly, so the copier falls back to torch's copies.
+#: ``read``: the consumer READs the pinned blocks: from a host region on
+#: this host as its own copies (DMA from the producer's shared file,
+#: registered), from a GPU region through NIXL for loads of few runs (all of
+#: these); ``read_ipc``: a GPU region's loads copied through CUDA IPC
+#: whatever their size; ``nixl_read``: every READ through NIXL; ``write``:
+#: the producer WRITEs after a Fetch. Copies are queued one batch a load,
+#: and are also checked on their fallbacks: a runtime without batches
+#: (``read_per_run``) and none to call at all, torch's copies
+#: (``read_torch``).
 PATHS = ("read", "nixl_read", "write")
+COPY_MODES = {
+    "read": "batch",
+    "read_ipc": "batch",
+    "read_per_run": "per_run",
+    "read_torch": "torch",
+}
 CASES = [(kind, path) for kind in ("vram", "dram") for path in PATHS]
-CASES.append(("dram", "read_torch"))
+CASES += [("vram", "read_ipc"), ("dram", "read_per_run"), ("dram", "read_torch")]
 
 
 def _devices() -> tuple[str, str]:
@@ -111,11 +121,15 @@ def pair(
     kind, path = request.param
     import torch
 
-    from p2p_kv import same_host
+    from p2p_kv import data, same_host
     from p2p_kv.standalone import StandalonePeer
 
-    if path == "read_torch":
-        monkeypatch.setattr(same_host, "_memcpy_async", lambda: None)
+    if path == "read_ipc":
+        monkeypatch.setattr(data, "IPC_MIN_RUNS", 1)
+    elif path == "read_per_run":
+        monkeypatch.setattr(same_host, "_memcpy_batch", lambda lib: None)
+    elif path == "read_torch":
+        monkeypatch.setattr(same_host, "_cudart", lambda: None)
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
@@ -186,13 +200,12 @@ def test_fetch_into_gpu_memory(pair: tuple[Any, str, str, Any, str]) -> None:
         _check_region(region, expect)
     report = consumer.manager.state_report()
     assert not any(report.values()), report
-    # Only a same-host host region is copied without NIXL, and only by the
-    # default read path; a GPU producer's READs stay on NIXL (cuda_ipc).
-    copied = producer_mem == "DRAM" and path in ("read", "read_torch")
+    # Only the read paths copy without NIXL: from a host region in every
+    # copy mode, from a GPU region only loads of many runs.
+    copied = path in COPY_MODES and (producer_mem == "DRAM" or path == "read_ipc")
     assert consumer.runtime.data.local_reads == (len(mappings) if copied else 0)
     if copied:
-        direct = consumer.runtime.data._copier._memcpy is not None
-        assert direct == (path == "read"), "torch's copies only as the fallback"
+        assert consumer.runtime.data._copier.mode == COPY_MODES[path]
 
 
 def test_pattern_detects_shifted_block() -> None:

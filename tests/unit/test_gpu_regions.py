@@ -17,11 +17,14 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 
 from p2p_kv import data
 from p2p_kv.data import MEM_DRAM, MEM_VRAM, NixlDataTransport, RegionInfo
+from p2p_kv.procfs import boot_id
+from p2p_kv.same_host import CudaIpcRegion
 
 BS = 4096
 
@@ -315,3 +318,66 @@ def test_cuda_tensor_without_index_is_refused(agents: list[FakeAgent]) -> None:
     with pytest.raises(ValueError, match="device index"):
         NixlDataTransport(region, BS)
     assert agents == []
+
+
+def _ipc_offer(nbytes: int) -> CudaIpcRegion:
+    return CudaIpcRegion(boot_id(), 4242, b"h" * 64, offset=4096, length=nbytes)
+
+
+def test_a_gpu_region_offers_cuda_ipc_where_cuda_can_export_it(
+    agents: list[FakeAgent], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    region = FakeCudaTensor(0x7F00_0000_0000, 16 * BS, index=0)
+    # No CUDA runtime in this process (or, on a GPU machine, no CUDA memory
+    # at this address): nothing to export, NIXL reads the region.
+    with pytest.raises(OSError, match=r"no CUDA runtime|cuMemGetAddressRange"):
+        data.export_cuda_region(0x7F00_0000_0000, 16 * BS, 0)
+    assert NixlDataTransport(region, BS).local_region().cuda_ipc is None
+    asked: list[tuple[int, int, int]] = []
+
+    def export(addr: int, nbytes: int, device: int) -> CudaIpcRegion:
+        asked.append((addr, nbytes, device))
+        return _ipc_offer(nbytes)
+
+    monkeypatch.setattr(data, "export_cuda_region", export)
+    info = NixlDataTransport(region, BS).local_region()
+    assert asked == [(0x7F00_0000_0000, 16 * BS, 0)]
+    wire = msgspec.msgpack.encode(info)
+    assert msgspec.msgpack.decode(wire, type=RegionInfo).cuda_ipc == _ipc_offer(16 * BS)
+    host = NixlDataTransport(np.zeros(16 * BS, dtype=np.uint8), BS)
+    assert host.local_region().cuda_ipc is None  # host memory is not exported
+    assert (
+        NixlDataTransport(region, BS, same_host=False).local_region().cuda_ipc is None
+    )
+
+
+@pytest.mark.parametrize(
+    ("ours", "opened"), [("vram", True), ("dram", False)], ids=["gpu", "host"]
+)
+def test_only_a_gpu_consumer_opens_a_gpu_peers_ipc_offer(
+    agents: list[FakeAgent], monkeypatch: pytest.MonkeyPatch, ours: str, opened: bool
+) -> None:
+    """GPU memory is copied only into GPU memory; a host consumer READs it
+    through NIXL. A refused offer leaves the peer on NIXL, usable."""
+    tried: list[tuple[CudaIpcRegion, str]] = []
+
+    class Refusing:
+        def __init__(self, offer: CudaIpcRegion, conn: str) -> None:
+            tried.append((offer, conn))
+            raise OSError("no CUDA here")
+
+    monkeypatch.setattr(data, "CudaIpcMapping", Refusing)
+    region: Any = (
+        FakeCudaTensor(0x7F00_0000_0000, 16 * BS, index=0)
+        if ours == "vram"
+        else np.zeros(16 * BS, dtype=np.uint8)
+    )
+    t = NixlDataTransport(region, BS)
+    peer = msgspec.structs.replace(
+        _peer(MEM_VRAM, 1, 0x7E00_0000_0000, 16), cuda_ipc=_ipc_offer(16 * BS)
+    )
+    t.add_peer(peer, conn_inode="12345")
+    assert tried == ([(_ipc_offer(16 * BS), "12345")] if opened else [])
+    assert t.same_host_peers == 0
+    t.post_read("peer-1", [0], [3])  # through NIXL
+    assert [op for op, *_ in agents[0].xfers] == ["READ"]
