@@ -931,9 +931,10 @@ def _print_tables(result: dict[str, Any]) -> None:
         "all the bytes (vram: GPU->GPU, dram: pinned host->GPU); t.runs = torch, "
         "one copy per descriptor run; raw = raw NIXL WRITE, same memory and "
         "descriptors; <path> e2e = p2p_kv lookup->result (read: the consumer "
-        "READs one-sided, copying out of a same-host peer's shared host region "
-        "itself; nixl_read: every READ through NIXL; write: the producer WRITEs "
-        "after a Fetch); x lim / "
+        "READs one-sided, as its own batched copy from a same-host peer's "
+        "shared host region, or its GPU region through CUDA IPC for loads of "
+        "64 runs or more; nixl_read: every READ through NIXL; write: the "
+        "producer WRITEs after a Fetch); x lim / "
         "x raw = GB/s ratio to limit / raw NIXL; staged = raw NIXL host->pinned "
         "host + pinned host->GPU copy, medians added (dram only)"
     )

@@ -381,3 +381,29 @@ def test_only_a_gpu_consumer_opens_a_gpu_peers_ipc_offer(
     assert t.same_host_peers == 0
     t.post_read("peer-1", [0], [3])  # through NIXL
     assert [op for op, *_ in agents[0].xfers] == ["READ"]
+
+
+def test_a_gpu_peers_loads_are_copied_only_when_they_scatter(
+    agents: list[FakeAgent], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Opened through CUDA IPC, a GPU peer's region is copied from only by
+    loads of many runs; small or single-run loads stay on NIXL, which
+    posts them faster (``data.IPC_MIN_RUNS``)."""
+    monkeypatch.setattr(data, "IPC_MIN_RUNS", 4)
+    t = NixlDataTransport(FakeCudaTensor(0x7F00_0000_0000, 64 * BS, index=0), BS)
+    t.add_peer(_peer(MEM_VRAM, 1, 0x7E00_0000_0000, 64))
+    copied: list[list[tuple[int, int, int]]] = []
+
+    class Copier:
+        def copy(self, src: object, runs: list[tuple[int, int, int]]) -> None:
+            copied.append(runs)
+
+    t._peers["peer-1"].mapping = object()  # type: ignore[assignment]  # opened, not a host file
+    t._copier = Copier()  # type: ignore[assignment]
+    t.post_read("peer-1", [0, 1, 2], [5, 7, 9])  # 3 blocks: too few
+    t.post_read("peer-1", list(range(8)), list(range(10, 18)))  # one run
+    t.post_read("peer-1", list(range(8)), [10, 11, 12, 13, 20, 21, 22, 23])  # 2 runs
+    t.post_read("peer-1", list(range(8)), list(range(10, 26, 2)))  # 8 runs
+    assert copied == [[(10 + 2 * i, i, 1) for i in range(8)]]
+    assert t.local_reads == 1
+    assert [op for op, *_ in agents[0].xfers] == ["READ"] * 3
