@@ -558,8 +558,8 @@ def _may_copy(
     if isinstance(mapping, PeerMapping):
         return True
     n = len(local)
-    if n < IPC_MIN_RUNS:
-        return False
+    if n < IPC_MIN_RUNS or len(remote) != n:
+        return False  # (a mismatch is refused, with its reason, below)
     return not (local[-1] - local[0] == n - 1 == remote[-1] - remote[0])
 
 

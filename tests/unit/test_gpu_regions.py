@@ -407,3 +407,5 @@ def test_a_gpu_peers_loads_are_copied_only_when_they_scatter(
     assert copied == [[(10 + 2 * i, i, 1) for i in range(8)]]
     assert t.local_reads == 1
     assert [op for op, *_ in agents[0].xfers] == ["READ"] * 3
+    with pytest.raises(ValueError, match="8 entries but dst_blocks has 0"):
+        t.post_read("peer-1", [], list(range(8)))  # a caller's mistake, named
