@@ -55,8 +55,8 @@ class TierRuntime:
         self.busy_wait_s = min(idle_wait_s, 0.02)
         self.clock = clock
         self._agents: dict[str, str] = {}  # session peer -> NIXL agent name
-        #: outbound peers offering same-host copies, added before our
-        #: connection's socket was known (retried on their next frame)
+        #: outbound peers added before our connection's socket was known:
+        #: their same-host offer is proved on their next frame
         self._unproven: set[str] = set()
         #: nixl id -> (peer, "write" | "read", write id or job id)
         self._xfers: dict[int, tuple[str, str, int]] = {}
@@ -295,7 +295,9 @@ class TierRuntime:
             session.close(f"bad data-plane region: {exc}")
             return
         self._agents[peer] = info.agent_name
-        if conn is None and info.shm is not None and not peer.startswith("in:"):
+        if conn is None and not peer.startswith("in:"):
+            # Whatever it offers (a shared file, a CUDA IPC handle, or
+            # nothing), the data plane decides once the proof can be made.
             self._unproven.add(peer)
 
     # ------------------------------------------------------------------
