@@ -551,23 +551,19 @@ IPC_MIN_RUNS: Final = 64
 def _may_copy(
     mapping: PeerMapping | CudaIpcMapping, local: Indices, remote: Indices
 ) -> bool:
-    """Whether a load could be copied here at all, known without planning
-    it: a GPU region's load of fewer blocks than :data:`IPC_MIN_RUNS`, or
-    one run on both sides, goes to NIXL's prepared lists (planning 256
-    blocks first cost 100 us there, a third of a 16 MiB load)."""
+    """Whether our own copy could beat NIXL for this load, known before
+    planning it: from a host region always (NIXL's host-to-GPU path is a
+    software copy, and CMA is slower than ``preadv``); from a GPU region
+    only for :data:`IPC_MIN_RUNS` blocks or more that are not one run on
+    both sides (planning 256 blocks cost 100 us there, a third of a 16 MiB
+    load, and one run is NIXL's fastest case). The plan's run count
+    decides the rest."""
     if isinstance(mapping, PeerMapping):
         return True
     n = len(local)
     if n < IPC_MIN_RUNS or len(remote) != n:
         return False  # (a mismatch is refused, with its reason, below)
     return not (local[-1] - local[0] == n - 1 == remote[-1] - remote[0])
-
-
-def _copy_wins(mapping: PeerMapping | CudaIpcMapping, plan: WritePlan) -> bool:
-    """Whether our own copy beats NIXL for this load: always from a host
-    region (NIXL's host-to-GPU path is a software copy, and CMA is slower
-    than ``preadv``), for a GPU region only with many runs."""
-    return isinstance(mapping, PeerMapping) or len(plan.counts) >= IPC_MIN_RUNS
 
 
 @dataclass
@@ -1026,7 +1022,7 @@ class NixlDataTransport:
                 plan = plan_write(
                     local_blocks, remote_blocks, self._num_blocks, info.num_blocks
                 )
-                if _copy_wins(mapping, plan):
+                if isinstance(mapping, PeerMapping) or len(plan.counts) >= IPC_MIN_RUNS:
                     return self._copy(peer, plan)
             # Every index is checked (range, duplicates) before any NIXL
             # call; prepared lists need no coalescing plan (NIXL merges),
