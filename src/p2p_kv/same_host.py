@@ -283,8 +283,7 @@ class HostCopier:
     ) -> None:
         """``runs`` of ``(our start, their start, count)``; returns when
         done, or raises (the load fails) once no part of it still runs."""
-        if not isinstance(src, PeerMapping):
-            raise OSError("not a host region")  # register refused it
+        assert isinstance(src, PeerMapping)  # register refused anything else
         bb, base = self._bb, src.info.offset
         # In the peer's file order, so its side-by-side blocks read at once
         # (our slots are distinct: the order of the copies does not matter).
