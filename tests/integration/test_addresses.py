@@ -92,46 +92,17 @@ def test_our_connection_names_its_socket_from_the_first_poll(host: str) -> None:
         server.close()
 
 
-def test_a_peer_whose_connection_is_named_late_proves_itself_then() -> None:
+@pytest.mark.parametrize("offer", ["shm", "cuda_ipc"])
+def test_a_peer_whose_connection_is_named_late_proves_itself_then(
+    offer: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """ZeroMQ may report our connection (its CONNECTED event) after the
     peer's first frames: the session comes up with the peer on NIXL, and
-    the next frame after the connection is named opens its region."""
-    producer = StandalonePeer(16, BLOCK, engine_id="p-late")
-    consumer = StandalonePeer(16, BLOCK, engine_id="c-late")
-    keys = [make_key(i) for i in range(4)]
-    producer.fill(keys, [1, 3, 5, 7])
-    control = consumer.runtime.control
-    named = control.connection_inode
-    late = {"on": True}
-    control.connection_inode = lambda peer: None if late["on"] else named(peer)  # type: ignore[method-assign]
-    stop = threading.Event()
-    server = threading.Thread(target=producer.serve_until, args=(stop,), daemon=True)
-    server.start()
-    try:
-        first = consumer.fetch(producer.address, "kv-late-1", keys, [0, 2, 4, 6])
-        assert first.ok, first
-        data = consumer.runtime.data
-        assert data.local_reads == 0 and data.same_host_peers == 0  # via NIXL
-        late["on"] = False
-        second = consumer.fetch(producer.address, "kv-late-2", keys, [8, 10, 12, 14])
-        assert second.ok, second
-        assert data.same_host_peers == 1 and data.local_reads == 1
-        for src, dst in zip([1, 3, 5, 7], [8, 10, 12, 14], strict=True):
-            assert bytes(consumer.block(dst)) == bytes(producer.block(src))
-    finally:
-        stop.set()
-        server.join(5)
-        consumer.close()
-        producer.close()
-
-
-def test_a_late_named_peer_is_proved_whatever_it_offers(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The runtime retries the proof for a GPU producer's CUDA IPC offer as
-    for a shared file (it once retried only shared files, so a GPU peer
-    met this way stayed on NIXL for good); the data plane decides what it
-    opens: a host consumer opens no GPU memory, and says so by not mapping."""
+    the next frame after the connection is named makes the proof. The
+    runtime retries it whatever the peer offers (it once retried only
+    shared files, so a GPU producer met this way stayed on NIXL for good);
+    the data plane decides what it opens: a shared file, but no GPU memory
+    into our host region."""
     from p2p_kv import data as data_mod
     from p2p_kv.procfs import boot_id
     from p2p_kv.same_host import CudaIpcRegion
@@ -143,35 +114,40 @@ def test_a_late_named_peer_is_proved_whatever_it_offers(
         ipc = CudaIpcRegion(boot_id(), os.getpid(), b"h" * 64, 0, info.region_bytes)
         return msgspec.structs.replace(info, shm=None, cuda_ipc=ipc)
 
-    monkeypatch.setattr(data_mod.NixlDataTransport, "local_region", gpu_offer)
-    producer = StandalonePeer(16, BLOCK, engine_id="p-late-gpu")
+    if offer == "cuda_ipc":
+        monkeypatch.setattr(data_mod.NixlDataTransport, "local_region", gpu_offer)
+    producer = StandalonePeer(16, BLOCK, engine_id=f"p-late-{offer}")
     monkeypatch.setattr(data_mod.NixlDataTransport, "local_region", real)
-    consumer = StandalonePeer(16, BLOCK, engine_id="c-late-gpu")
+    consumer = StandalonePeer(16, BLOCK, engine_id=f"c-late-{offer}")
     keys = [make_key(i) for i in range(4)]
     producer.fill(keys, [1, 3, 5, 7])
     control = consumer.runtime.control
     named = control.connection_inode
     late = {"on": True}
     control.connection_inode = lambda peer: None if late["on"] else named(peer)  # type: ignore[method-assign]
-    proofs: list[tuple[str, str]] = []
-    prove = consumer.runtime.data.prove_peer
+    data = consumer.runtime.data
+    proofs: list[str] = []
+    prove = data.prove_peer
 
     def record(agent: str, conn: str) -> None:
-        proofs.append((agent, conn))
+        proofs.append(agent)
         prove(agent, conn)
 
-    consumer.runtime.data.prove_peer = record  # type: ignore[method-assign]
+    data.prove_peer = record  # type: ignore[method-assign]
     stop = threading.Event()
     server = threading.Thread(target=producer.serve_until, args=(stop,), daemon=True)
     server.start()
     try:
-        assert consumer.fetch(producer.address, "kv-g1", keys, [0, 2, 4, 6]).ok
+        first = consumer.fetch(producer.address, "kv-late-1", keys, [0, 2, 4, 6])
+        assert first.ok, first
+        assert data.local_reads == 0 and data.same_host_peers == 0  # via NIXL
         assert proofs == []
         late["on"] = False
-        second = consumer.fetch(producer.address, "kv-g2", keys, [8, 10, 12, 14])
+        second = consumer.fetch(producer.address, "kv-late-2", keys, [8, 10, 12, 14])
         assert second.ok, second
-        assert [agent for agent, _ in proofs] == [producer.runtime.data.agent_name]
-        assert consumer.runtime.data.same_host_peers == 0  # host memory: NIXL
+        assert proofs == [producer.runtime.data.agent_name]
+        opened = offer == "shm"  # a host consumer opens no GPU memory
+        assert data.same_host_peers == int(opened) and data.local_reads == int(opened)
         for src, dst in zip([1, 3, 5, 7], [8, 10, 12, 14], strict=True):
             assert bytes(consumer.block(dst)) == bytes(producer.block(src))
     finally:
