@@ -215,7 +215,7 @@ def mapping(layout: str, num_blocks: int) -> tuple[list[int], list[int]]:
 
 
 def _runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
-    from p2p_kv.data import coalesce
+    from p2p_kv.plan import coalesce
 
     return coalesce(src, dst)
 

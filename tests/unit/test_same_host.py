@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from p2p_kv import same_host
-from p2p_kv.data import plan_write
+from p2p_kv.plan import plan_write
 from p2p_kv.procfs import boot_id, socket_inode
 from p2p_kv.same_host import (
     PARALLEL_MIN_BYTES,
