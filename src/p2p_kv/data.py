@@ -891,7 +891,7 @@ class NixlDataTransport:
         tid = next(self._ids)
         self.local_reads += 1
         try:
-            handle = self._copier.copy(peer.mapping, plan.runs())
+            handle = self._copier.copy(peer.mapping, plan)
         except Exception as exc:
             logger.warning(
                 "same-host copy from %s failed: %s", peer.info.agent_name, exc

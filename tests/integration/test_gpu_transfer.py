@@ -126,6 +126,8 @@ def pair(
 
     if path == "read_ipc":
         monkeypatch.setattr(data, "IPC_MIN_RUNS", 1)
+        # Split the batches over streams: 8 runs over 2, 15 over 4 (3+4+4+4).
+        monkeypatch.setattr(same_host, "BATCH_MIN_RUNS", 3)
     elif path == "read_per_run":
         monkeypatch.setattr(same_host, "_memcpy_batch", lambda lib: None)
     elif path == "read_torch":

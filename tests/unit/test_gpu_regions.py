@@ -23,6 +23,7 @@ import pytest
 
 from p2p_kv import data
 from p2p_kv.data import MEM_DRAM, MEM_VRAM, NixlDataTransport, RegionInfo
+from p2p_kv.plan import WritePlan
 from p2p_kv.procfs import boot_id
 from p2p_kv.same_host import CudaIpcRegion
 
@@ -395,8 +396,8 @@ def test_a_gpu_peers_loads_are_copied_only_when_they_scatter(
     copied: list[list[tuple[int, int, int]]] = []
 
     class Copier:
-        def copy(self, src: object, runs: list[tuple[int, int, int]]) -> None:
-            copied.append(runs)
+        def copy(self, src: object, plan: WritePlan) -> None:
+            copied.append(plan.runs())
 
     t._peers["peer-1"].mapping = object()  # type: ignore[assignment]  # opened, not a host file
     t._copier = Copier()  # type: ignore[assignment]

@@ -3,6 +3,7 @@ peer's, refusing the wrong one, copying runs."""
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import os
 import socket
@@ -16,10 +17,13 @@ from p2p_kv import same_host
 from p2p_kv.plan import plan_write
 from p2p_kv.procfs import boot_id, socket_inode
 from p2p_kv.same_host import (
+    BATCH_MIN_RUNS,
+    BATCH_STREAMS,
     PARALLEL_MIN_BYTES,
     HostCopier,
     PeerMapping,
     ShmRegion,
+    batch_slices,
     find_backing,
     split_segments,
 )
@@ -152,7 +156,7 @@ def test_host_copier_moves_exactly_the_mapped_runs(conn: str) -> None:
     try:
         local, remote = [0, 1, 2, 9, 5], [7, 8, 9, 3, 15]
         HostCopier(_addr(dst), dst.size, BB).copy(
-            peer, plan_write(local, remote, 16, 16).runs()
+            peer, plan_write(local, remote, 16, 16)
         )
         rows = dst.reshape(16, BB)
         for lb, rb in zip(local, remote, strict=True):
@@ -189,7 +193,7 @@ def test_threaded_copy_of_a_large_load_is_byte_exact(conn: str) -> None:
     try:
         remote = list(range(n))[::-1]
         local = [2 * i for i in range(n)]
-        copier.copy(peer, plan_write(local, remote, 2 * n, n).runs())
+        copier.copy(peer, plan_write(local, remote, 2 * n, n))
         assert copier._pool is not None  # the threads did take part
         rows, srows = dst.reshape(2 * n, bb), src.reshape(n, bb)
         for lb, rb in zip(local, remote, strict=True):
@@ -215,11 +219,11 @@ def test_a_shrunk_file_fails_the_copy_instead_of_killing_us(conn: str) -> None:
         peer = PeerMapping(info, conn)
         dst = np.zeros(8 * BB, dtype=np.uint8)
         copier = HostCopier(_addr(dst), dst.size, BB, threads=1)
-        copier.copy(peer, [(0, 0, 8)])
+        copier.copy(peer, plan_write(range(8), range(8), 8, 8))
         assert (dst == 9).all()
         os.ftruncate(fd, 2 * BB)
         with pytest.raises(OSError, match="shrank"):
-            copier.copy(peer, [(0, 4, 2)])
+            copier.copy(peer, plan_write([0, 1], [4, 5], 8, 8))
         peer.close()
         del src
         mapped.close()
@@ -260,7 +264,7 @@ def test_blocks_side_by_side_at_the_peer_take_one_read_each_stretch(
     try:
         local, remote = [15, 1, 7, 3, 11, 0], [2, 3, 4, 5, 9, 10]
         HostCopier(_addr(dst), dst.size, BB, threads=1).copy(
-            peer, plan_write(local, remote, 16, 16).runs()
+            peer, plan_write(local, remote, 16, 16)
         )
         assert calls == [4, 2]
         rows = dst.reshape(16, BB)
@@ -344,3 +348,16 @@ def test_an_ipc_handle_travels_whole_nuls_included() -> None:
     handle = same_host._IpcHandle.from_buffer_copy(raw)
     assert bytes(handle) == raw
     assert len(bytes(handle)) == 64
+
+
+@pytest.mark.parametrize("runs", [1, 2, 31, 32, 63, 64, 65, 127, 128, 255, 256, 1000])
+def test_batch_slices_cover_every_run_once(runs: int) -> None:
+    """A large batch is split over streams; a run copied twice or not at
+    all would be a wrong block, so the slices must tile the batch."""
+    slices = batch_slices(runs, BATCH_STREAMS)
+    assert slices[0][0] == 0 and slices[-1][1] == runs
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(slices))
+    sizes = [hi - lo for lo, hi in slices]
+    assert max(sizes) - min(sizes) <= 1
+    assert len(slices) == max(1, min(BATCH_STREAMS, runs // BATCH_MIN_RUNS))
+    assert len(slices) == 1 or min(sizes) >= BATCH_MIN_RUNS
