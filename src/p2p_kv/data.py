@@ -70,16 +70,13 @@ from p2p_kv.plan import (
     check_mapping,
     plan_write,
 )
-from p2p_kv.same_host import (
+from p2p_kv.same_host import HostCopier, PeerMapping, ShmRegion, find_backing
+from p2p_kv.same_host_cuda import (
     CopyInFlight,
     CudaCopier,
     CudaIpcMapping,
     CudaIpcRegion,
-    HostCopier,
-    PeerMapping,
-    ShmRegion,
     export_cuda_region,
-    find_backing,
 )
 
 __all__ = [

@@ -121,17 +121,17 @@ def pair(
     kind, path = request.param
     import torch
 
-    from p2p_kv import data, same_host
+    from p2p_kv import data, same_host_cuda
     from p2p_kv.standalone import StandalonePeer
 
     if path == "read_ipc":
         monkeypatch.setattr(data, "IPC_MIN_RUNS", 1)
         # Split the batches over streams: 8 runs over 2, 15 over 4 (3+4+4+4).
-        monkeypatch.setattr(same_host, "BATCH_MIN_RUNS", 3)
+        monkeypatch.setattr(same_host_cuda, "BATCH_MIN_RUNS", 3)
     elif path == "read_per_run":
-        monkeypatch.setattr(same_host, "_memcpy_batch", lambda lib: None)
+        monkeypatch.setattr(same_host_cuda, "_memcpy_batch", lambda lib: None)
     elif path == "read_torch":
-        monkeypatch.setattr(same_host, "_cudart", lambda: None)
+        monkeypatch.setattr(same_host_cuda, "_cudart", lambda: None)
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()

@@ -25,7 +25,7 @@ from p2p_kv import data
 from p2p_kv.data import MEM_DRAM, MEM_VRAM, NixlDataTransport, RegionInfo
 from p2p_kv.plan import WritePlan
 from p2p_kv.procfs import boot_id
-from p2p_kv.same_host import CudaIpcRegion
+from p2p_kv.same_host_cuda import CudaIpcRegion
 
 BS = 4096
 
