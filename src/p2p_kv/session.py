@@ -253,8 +253,9 @@ class Load(Tracked):
         super().__init__(initial)
         self.job, self.req, self.gen, self.blocks = job, req, gen, blocks
         self.nbytes, self.started = nbytes, now
-        #: What the peer is asked to WRITE (write path only; a READ sends
-        #: no request, its order goes to our own data plane).
+        #: What the peer will be asked to WRITE once the handshake ends
+        #: (write path, queued only; a READ sends no request, its order
+        #: goes to our own data plane).
         self.fetch = fetch
         self.deadline = deadline
         self.read_until = read_until
@@ -521,6 +522,7 @@ class Session:
                 load.fire(Event.SESSION_READY)
                 assert load.fetch is not None  # only a Fetch waits for READY
                 self._send(load.fetch)
+                load.fetch = None  # sent: the keys and slots are not kept
 
     def close(self, reason: str) -> None:
         """Local decision to drop the peer (shutdown, idle, reset)."""
@@ -764,15 +766,23 @@ class Session:
             remote = list(map(offer.slots.__getitem__, keys))
             self._reads.append(ReadOrder(job_id, list(slots), remote))
             return
-        initial = State.FETCH_POSTED if self.ready else State.QUEUED
         fetch = Fetch(req=req, gen=gen, job=job_id, keys=keys, slots=slots)
+        ready = self.ready
         load = Load(
-            job_id, req, gen, len(keys), nbytes, now, deadline, initial, fetch=fetch
+            job_id,
+            req,
+            gen,
+            len(keys),
+            nbytes,
+            now,
+            deadline,
+            State.FETCH_POSTED if ready else State.QUEUED,
+            fetch=None if ready else fetch,  # a queued one is sent on READY
         )
         self.counters.loads_fetched += 1
         self._loads[job_id] = load
         self._arm(load, load.deadline)
-        if self.ready:
+        if ready:
             self._send(fetch)
 
     def on_read_done(self, job_id: int, ok: bool, now: float) -> None:

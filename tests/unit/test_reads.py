@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from p2p_kv.lifecycle import State
+from p2p_kv.manager import Answer
 from p2p_kv.protocol import (
     Lookup,
     LookupResp,
@@ -80,6 +81,24 @@ def test_reads_off_uses_fetch_and_write() -> None:
     b = net.engines["b"]
     assert [r.success for r in b.collect(net.now)] == [True]
     assert [b.block(s) for s in SLOTS] == [payload(k) for k in KEYS]
+
+
+def test_a_fetch_is_kept_only_until_it_is_sent() -> None:
+    """A load's Fetch holds its keys and slots: a load in flight keeps it
+    only while the handshake has not ended, never after it is sent."""
+    net = make_net(reads=False)
+    b = net.engines["b"].manager
+    b.on_new_request("d1", net.roles("a", "kv9", probe=False), net.now)
+    assert b.lookup("d1", KEYS[0], net.now) is Answer.HIT
+    load(net, "d1", SLOTS)  # before any handshake: queued with its Fetch
+    (queued,) = list(session(net, "b").loads())
+    assert queued.state is State.QUEUED and queued.fetch is not None
+    net.run()
+    assert queued.state is State.FETCH_POSTED and queued.fetch is None
+    probe(net, "r2", "kv1")
+    load(net, "r2", [40, 41, 42, 43])  # session ready: sent at once
+    posted = [ld for ld in session(net, "b").loads() if ld.req == "kv1"]
+    assert [ld.fetch for ld in posted] == [None]
 
 
 def test_an_expired_offer_falls_back_to_fetch() -> None:
