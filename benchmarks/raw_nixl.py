@@ -49,13 +49,14 @@ _STEP_TIMEOUT_S = 120.0
 DEFAULT_CONSUMER_POLL_S = 0.001
 
 
-def _data_module() -> ModuleType:
-    """``p2p_kv.data``, also when run from a checkout that is not installed."""
+def _p2p_module(name: str) -> ModuleType:
+    """``p2p_kv.<name>``, also when run from a checkout that is not
+    installed."""
     try:
-        return importlib.import_module("p2p_kv.data")
+        return importlib.import_module(f"p2p_kv.{name}")
     except ImportError:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-        return importlib.import_module("p2p_kv.data")
+        return importlib.import_module(f"p2p_kv.{name}")
 
 
 def scattered_mapping(num_blocks: int) -> tuple[list[int], list[int]]:
@@ -70,7 +71,7 @@ def scattered_mapping(num_blocks: int) -> tuple[list[int], list[int]]:
 
 
 def _runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
-    runs: list[tuple[int, int, int]] = _data_module().coalesce(src, dst)
+    runs: list[tuple[int, int, int]] = _p2p_module("plan").coalesce(src, dst)
     return runs
 
 
@@ -144,7 +145,7 @@ def _make_agent(name: str) -> Any:
             enable_prog_thread=False, enable_listen_thread=False, backends=[]
         ),
     )
-    data = _data_module()
+    data = _p2p_module("data")
     mode = data.check_ucx_error_handling_mode(
         data.DEFAULT_UCX_ERROR_HANDLING_MODE, os.environ.get("UCX_TLS")
     )
@@ -158,7 +159,7 @@ def shared_buffer(nbytes: int, rng_seed: int | None) -> np.ndarray[Any, Any]:
     pages, on which the kernel's copies (CMA, ``preadv``) ran about 2x
     faster here (7.1 against 3.1 GB/s), so a baseline on them would
     compare unlike memory. Every page is written before timing."""
-    _data_module()  # puts src/ on the path when run from a checkout
+    _p2p_module("data")  # puts src/ on the path when run from a checkout
     from p2p_kv.standalone import shared_region
 
     buf: np.ndarray[Any, Any] = shared_region(nbytes)
@@ -256,7 +257,7 @@ def timed_transfers(
     """Post ``op`` over ``runs`` (local start, remote start, count) and time
     each transfer from post to DONE: the NIXL calls ``post_write`` /
     ``post_read`` and ``poll_completions`` make, for any memory kinds."""
-    data = _data_module()
+    data = _p2p_module("data")
     starts = np.array([r[0] for r in runs], dtype=np.int64)
     dsts = np.array([r[1] for r in runs], dtype=np.int64)
     counts = np.array([r[2] for r in runs], dtype=np.int64)

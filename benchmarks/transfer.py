@@ -82,6 +82,8 @@ P2P_CELLS = {
     "e2e": ("read", "e2e", "raw_read"),
     "n_submit": ("nixl_read", "submit", "raw_read"),
     "n_e2e": ("nixl_read", "e2e", "raw_read"),
+    "dp": ("read", "data_plane", "raw_read"),
+    "n_dp": ("nixl_read", "data_plane", "raw_read"),
     "w_submit": ("write", "submit", "raw_nixl"),
     "w_e2e": ("write", "e2e", "raw_nixl"),
 }
@@ -209,11 +211,39 @@ class P2PPair:
                 f"p2p_kv: loads did not take the {path} path "
                 f"({used} loads, {copies} same-host copies)"
             )
-        return {
+        out = {
             "e2e": _median_summary(total, nbytes),
             "submit": _median_summary(submit, nbytes),
             "verified": True,
         }
+        if path != "write":
+            out["data_plane"] = _median_summary(
+                self._data_plane(consumer, src, dst, repeats), nbytes
+            )
+        return out
+
+    def _data_plane(
+        self, consumer: Any, src: list[int], dst: list[int], repeats: int
+    ) -> list[float]:
+        """The same READ through p2p_kv's data transport alone, from its
+        post to its completion: no lookup, no manager, no step. What the
+        load costs beyond this is bookkeeping and the engine's step."""
+        rt = consumer.runtime
+        agent = rt.agent_of(self.peer)
+        if agent is None:
+            raise RuntimeError("p2p_kv: no data-plane agent for the producer")
+        seconds = []
+        for _ in range(repeats + 2):
+            t0 = time.perf_counter()
+            tid = rt.data.post_read(agent, src, dst)
+            while True:
+                done = dict(rt.data.poll_completions())
+                if tid in done:
+                    break
+            seconds.append(time.perf_counter() - t0)
+            if not done[tid]:
+                raise RuntimeError("p2p_kv: data-plane READ failed")
+        return seconds[2:]
 
     @contextlib.contextmanager
     def idle(self) -> Iterator[None]:
@@ -474,7 +504,7 @@ HEADER = (
     f"{'raw RD':>7} {'us':>7} | {'read sub':>8} {'us':>7} {'x raw':>5} | "
     f"{'read e2e':>8} {'us':>7} | {'nixl sub':>8} {'us':>7} {'x raw':>5} | "
     f"{'raw WR':>7} {'us':>7} | {'write sub':>9} {'us':>7} {'x raw':>5} | "
-    f"{'vLLM':>5} {'x raw':>5}"
+    f"{'vLLM':>5} {'x raw':>5} | {'dp us':>6} {'nixl dp':>7}"
 )
 
 
@@ -496,7 +526,7 @@ def _line(row: dict[str, Any]) -> str:
         f"{nsub['gbps']:>8.2f} {nsub['latency_us']:>7.1f} {nsub['ratio_raw']:>5.2f} | "
         f"{rw['gbps']:>7.2f} {rw['latency_us']:>7.1f} | "
         f"{wsub['gbps']:>9.2f} {wsub['latency_us']:>7.1f} {wsub['ratio_raw']:>5.2f} | "
-        f"{vcell}"
+        f"{vcell} | {row['dp']['latency_us']:>6.1f} {row['n_dp']['latency_us']:>7.1f}"
     )
 
 
@@ -508,6 +538,8 @@ def _print_verdicts(result: dict[str, Any]) -> None:
         ("e2e", "read path lookup->result (vs raw READ)"),
         ("n_submit", "NIXL read submit->result (vs raw READ)"),
         ("w_submit", "write path submit->result (vs raw WRITE)"),
+        ("dp", "read path data plane alone, post->completion (vs raw READ)"),
+        ("n_dp", "NIXL read data plane alone, post->completion (vs raw READ)"),
     ):
         v = result["targets"][name]
         if v["min_ratio_big"] is not None:
@@ -546,7 +578,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     print("GB/s (median); us = median latency; x raw = GB/s ratio to raw NIXL")
     print("sub = submit_load->result, e2e = lookup->result; read path (same-host")
-    print("copy) and NIXL read path vs raw READ, write path (reads off) vs raw WRITE")
+    print("copy) and NIXL read path vs raw READ, write path (reads off) vs raw WRITE;")
+    print("dp = the read's data plane alone (post_read -> completion), us")
     print(HEADER)
     result = run(cells, base, rounds, lambda row: print(_line(row), flush=True))
     _print_verdicts(result)

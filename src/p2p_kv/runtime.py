@@ -80,6 +80,11 @@ class TierRuntime:
         (zero once work drains: a leak check for tests and operators)."""
         return len(self._xfers)
 
+    def agent_of(self, peer: str) -> str | None:
+        """The NIXL agent name of a session's peer, once its region is
+        known (benchmarks drive the data plane with it directly)."""
+        return self._agents.get(peer)
+
     def may_wait(self) -> bool:
         """True when blocking on the sockets cannot delay the engine's own
         work: nothing of its own to compute, no write in flight. With a

@@ -5,9 +5,9 @@ region (its shared file, mapped read-only) is registered with CUDA once and
 each load is a DMA at the pinned host-to-device rate, where UCX's software
 path reaches about 1% of it. A producer whose region is in GPU memory
 offers a CUDA IPC handle instead, and a consumer whose region is in GPU
-memory too opens it and copies GPU to GPU: scattered blocks on four
-streams move at 0.74x of one contiguous copy, where UCX's cuda_ipc (one
-descriptor a block) reached 0.55x (``docs/benchmarks.md``).
+memory too opens it and copies GPU to GPU: a load of 256 scattered 2 MiB
+blocks reaches 0.74x of one contiguous copy, where UCX's cuda_ipc (one
+descriptor a block) reaches 0.55x (``docs/benchmarks.md``).
 
 The copies call the CUDA runtime torch already loaded (found in
 ``/proc/self/maps``; never a second one) through ctypes: torch has no
