@@ -744,30 +744,20 @@ class Session:
         deadline = self.timeouts.fetch_deadline(now, nbytes)
         self._contacted.add(gen)
         offer = self._offers.pop(gen, None)
+        fetch: Fetch | None = None
         if (
             offer is not None
             and now < offer.valid_until
             and all(map(offer.slots.__contains__, keys))
         ):
-            load = Load(
-                job_id,
-                req,
-                gen,
-                len(keys),
-                nbytes,
-                now,
-                min(deadline, offer.valid_until),
-                State.READ_QUEUED,
-                read_until=offer.valid_until,
-            )
-            self._loads[job_id] = load
-            self._arm(load, load.deadline)
+            deadline = min(deadline, offer.valid_until)
+            initial, read_until = State.READ_QUEUED, offer.valid_until
             self.counters.loads_read += 1
-            remote = list(map(offer.slots.__getitem__, keys))
-            self._reads.append(ReadOrder(job_id, list(slots), remote))
-            return
-        fetch = Fetch(req=req, gen=gen, job=job_id, keys=keys, slots=slots)
-        ready = self.ready
+        else:
+            fetch = Fetch(req=req, gen=gen, job=job_id, keys=keys, slots=slots)
+            initial = State.FETCH_POSTED if self.ready else State.QUEUED
+            offer, read_until = None, 0.0
+            self.counters.loads_fetched += 1
         load = Load(
             job_id,
             req,
@@ -776,13 +766,17 @@ class Session:
             nbytes,
             now,
             deadline,
-            State.FETCH_POSTED if ready else State.QUEUED,
-            fetch=None if ready else fetch,  # a queued one is sent on READY
+            initial,
+            # kept only while queued: it is sent when the handshake ends
+            fetch=fetch if initial is State.QUEUED else None,
+            read_until=read_until,
         )
-        self.counters.loads_fetched += 1
         self._loads[job_id] = load
         self._arm(load, load.deadline)
-        if ready:
+        if offer is not None:
+            remote = list(map(offer.slots.__getitem__, keys))
+            self._reads.append(ReadOrder(job_id, list(slots), remote))
+        elif fetch is not None and initial is State.FETCH_POSTED:
             self._send(fetch)
 
     def on_read_done(self, job_id: int, ok: bool, now: float) -> None:
