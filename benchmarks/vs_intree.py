@@ -34,8 +34,7 @@ import time
 import uuid
 from typing import Any
 
-from p2p_kv.adapter.engines import EngineProcess, EngineSpec
-from p2p_kv.demo import free_port
+from p2p_kv.adapter.engines import EngineProcess, EngineSpec, free_port
 from p2p_kv.tiny_model import BENCH, TINY, ensure_model
 
 TIERS = ("intree", "p2p_kv")
@@ -191,9 +190,11 @@ def _tier_run(
     progress: bool,
 ) -> dict[str, Any]:
     tag = uuid.uuid4().hex[:6]
-    pa, pb = free_port(), free_port()
 
-    def spec(name: str, port: int, cpu: int) -> EngineSpec:
+    def spec(name: str, cpu: int) -> EngineSpec:
+        # p2p_kv binds a free port and reports it; vLLM's in-tree tier
+        # needs one chosen for it, just before its engine starts.
+        port = free_port() if tier == "intree" else 0
         cfg = {"host": "127.0.0.1", "port": port}
         if tier == "intree":
             kw: dict[str, Any] = {"tier": None, "intree_tier": cfg}
@@ -204,9 +205,14 @@ def _tier_run(
     _say(progress, f"{tier}: starting A (cpu0) and B (cpu1)")
     engines: list[EngineProcess] = []
     try:
-        a = EngineProcess(spec("a", pa, 0))
+        a = EngineProcess(spec("a", 0))
         engines.append(a)
-        b = EngineProcess(spec("b", pb, 1))
+        if tier == "intree":
+            assert a.spec.intree_tier is not None
+            pa = int(a.spec.intree_tier["port"])
+        else:
+            pa = a.tier_port
+        b = EngineProcess(spec("b", 1))
         engines.append(b)
         n = 0
 

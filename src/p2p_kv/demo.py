@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import socket
 import sys
 import time
 import uuid
@@ -40,12 +39,6 @@ class Row:
         )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _prompts(spec: ModelSpec, length: int, seed: int, prefix: list[int]) -> list[int]:
     rng = random.Random(seed)
     tail = [
@@ -69,7 +62,6 @@ def run(
     console = _console(progress)
     say = console.log if console is not None else (lambda *a, **k: None)
     model = model_dir or str(ensure_model(spec))
-    port_a, port_b = port_a or free_port(), port_b or free_port()
     tag = uuid.uuid4().hex[:6]
     dtype = "float32" if spec is BENCH else "auto"
     longest = max(lengths)
@@ -82,16 +74,19 @@ def run(
     engines: list[EngineProcess] = []
     rows: list[Row] = []
     try:
-        say(f"starting engine A (p2p_kv on 127.0.0.1:{port_a}) with {model}")
+        # Port 0 (the default): each tier binds a free port and reports it.
+        say(f"starting engine A with {model}")
         a = EngineProcess(
             EngineSpec(model, f"demo-a-{tag}", tier={"port": port_a}, **common)
         )
         engines.append(a)
-        say(f"starting engine B (p2p_kv on 127.0.0.1:{port_b})")
+        port_a = a.tier_port
+        say(f"engine A up (p2p_kv on 127.0.0.1:{port_a}); starting engine B")
         b = EngineProcess(
             EngineSpec(model, f"demo-b-{tag}", tier={"port": port_b}, **common)
         )
         engines.append(b)
+        say(f"engine B up (p2p_kv on 127.0.0.1:{b.tier_port})")
         prefix = _prompts(spec, 128, 7, [])  # a shared "system prompt"
         source = {"remote_host": "127.0.0.1", "remote_port": port_a}
         for n, length in enumerate(lengths):
@@ -224,8 +219,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-dir", help="use this model directory instead")
     parser.add_argument("--lengths", default="256,1024,2048", help="prompt lengths")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--port-a", type=int, default=0)
-    parser.add_argument("--port-b", type=int, default=0)
+    parser.add_argument(
+        "--port-a", type=int, default=0, help="A's control port (0: a free one)"
+    )
+    parser.add_argument(
+        "--port-b", type=int, default=0, help="B's control port (0: a free one)"
+    )
     parser.add_argument("--json", action="store_true", help="print JSON only")
     args = parser.parse_args(argv)
     t0 = time.monotonic()

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from p2p_kv.adapter.engines import EngineProcess, EngineSpec
-from p2p_kv.demo import free_port
 from p2p_kv.tiny_model import TINY, ensure_model
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -36,18 +35,15 @@ def series(metrics: dict[str, float], name: str, **labels: str) -> float:
 def test_per_peer_series_in_vllm_metrics() -> None:
     model = str(ensure_model(TINY, REPO / ".cache"))
     tag = uuid.uuid4().hex[:6]
-    pa, pb = free_port(), free_port()
-    tier = {"heartbeat_ms": 200}
+    tier = {"heartbeat_ms": 200, "port": 0}  # each binds a free port
     rng = random.Random(7)
     ids = [rng.randrange(4, TINY.vocab_size) for _ in range(160)]
-    with EngineProcess(
-        EngineSpec(model, f"p2pkv-ma-{tag}", tier={**tier, "port": pa})
-    ) as a:
+    with EngineProcess(EngineSpec(model, f"p2pkv-ma-{tag}", tier=tier)) as a:
+        pa = a.tier_port
         out_a = a.generate(ids)
         a.call({"cmd": "idle", "seconds": 0.3})  # A stores its blocks
-        with EngineProcess(
-            EngineSpec(model, f"p2pkv-mb-{tag}", tier={**tier, "port": pb})
-        ) as b:
+        with EngineProcess(EngineSpec(model, f"p2pkv-mb-{tag}", tier=tier)) as b:
+            pb = b.tier_port
             params = {
                 "remote_kv_source": {
                     "kv_request_id": "kv-metrics",

@@ -20,8 +20,7 @@ from typing import Any
 
 import pytest
 
-from p2p_kv.adapter.engines import EngineSpec, kv_transfer_config
-from p2p_kv.demo import free_port
+from p2p_kv.adapter.engines import EngineSpec, free_port, kv_transfer_config
 from p2p_kv.tiny_model import TINY, ensure_model
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -129,14 +128,16 @@ class Server:
 @pytest.fixture(scope="module")
 def servers() -> Iterator[tuple[Server, Server, int]]:
     model = str(ensure_model(TINY, REPO / ".cache"))
-    pa, pb = free_port(), free_port()
     # One at a time: two 3-process engines starting at once on two cores
     # were seen to stall a worker at start-up.
+    # Each port is chosen just before its server starts (a port chosen
+    # earlier can be taken by the other engine's start-up meanwhile).
+    pa = free_port()
     a = Server(model, "a", pa)
     servers = [a]
     try:
         a.wait_ready()
-        b = Server(model, "b", pb)
+        b = Server(model, "b", free_port())
         servers.append(b)
         b.wait_ready()
         yield a, b, pa

@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 
 from p2p_kv.adapter.engines import EngineProcess, EngineSpec
-from p2p_kv.demo import free_port
 from p2p_kv.tiny_model import TINY, ensure_model
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -61,13 +60,11 @@ def plain() -> Iterator[EngineProcess]:
 def pair() -> Iterator[tuple[EngineProcess, EngineProcess, int]]:
     model = str(ensure_model(TINY, REPO / ".cache"))
     tag = uuid.uuid4().hex[:6]
-    pa, pb = free_port(), free_port()
-    tier = {"heartbeat_ms": 200}
-    a = EngineProcess(EngineSpec(model, f"p2pkv-a-{tag}", tier={**tier, "port": pa}))
+    tier = {"heartbeat_ms": 200, "port": 0}  # each binds a free port
+    a = EngineProcess(EngineSpec(model, f"p2pkv-a-{tag}", tier=tier))
+    pa = a.tier_port
     try:
-        b = EngineProcess(
-            EngineSpec(model, f"p2pkv-b-{tag}", tier={**tier, "port": pb})
-        )
+        b = EngineProcess(EngineSpec(model, f"p2pkv-b-{tag}", tier=tier))
     except BaseException:
         a.close()
         raise

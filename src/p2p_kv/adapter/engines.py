@@ -19,6 +19,7 @@ import json
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -73,6 +74,15 @@ def kv_transfer_config(spec: EngineSpec) -> dict[str, Any] | None:
     }
 
 
+def free_port() -> int:
+    """A port free now, for a server that cannot bind port 0 and report
+    it (``vllm serve``'s HTTP port, vLLM's in-tree tier). Racy: choose it
+    just before starting the process that binds it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 class EngineError(RuntimeError):
     pass
 
@@ -116,6 +126,16 @@ class EngineProcess:
     @property
     def log_path(self) -> str:
         return self._log.name
+
+    @property
+    def tier_port(self) -> int:
+        """The port our tier's control socket is bound to: start engines
+        with ``port`` 0 and read it here, so no other process can take the
+        port between choosing it and binding it."""
+        address = self.info.get("address")
+        if not address:
+            raise EngineError(f"engine {self.spec.engine_id} runs no p2p_kv tier")
+        return int(str(address).rsplit(":", 1)[1])
 
     def call(self, msg: dict[str, Any], timeout_s: float = 300.0) -> dict[str, Any]:
         assert self.proc.stdin is not None and self.proc.stdout is not None
