@@ -304,7 +304,11 @@ class CudaCopier:
         lib = _cudart()
         self._memcpy = _memcpy_async(lib)
         self._batch = _memcpy_batch(lib)
-        self.mode = "batch" if self._batch else "per_run" if self._memcpy else "torch"
+
+    @property
+    def mode(self) -> str:
+        """How runs are queued: ``batch``, ``per_run`` or ``torch``."""
+        return "batch" if self._batch else "per_run" if self._memcpy else "torch"
 
     def register(self, src: PeerMapping | CudaIpcMapping) -> None:
         torch = self._torch

@@ -27,6 +27,7 @@ import pytest
 import zmq  # noqa: F401  (fail, not skip, without ZeroMQ)
 
 from p2p_kv import doctor
+from p2p_kv.adapter.engines import free_port
 from p2p_kv.config import ConfigError, check_hash_seed
 from p2p_kv.doctor import PeerSpec, check_config, check_peer, check_port
 from p2p_kv.standalone import StandalonePeer
@@ -52,12 +53,6 @@ PEERS = {
     "nosecret": ("0", LAYOUT, BLOCK, None),
     "badsecret": ("0", LAYOUT, BLOCK, "not-it"),
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,6 @@ from __future__ import annotations
 import gc
 import os
 import random
-import socket
 import threading
 import time
 import zlib
@@ -42,6 +41,7 @@ import pytest
 from tests.support.faults import ControlFaults, DataFaults, install
 from tests.support.procs import PeerProc
 
+from p2p_kv.adapter.engines import free_port
 from p2p_kv.manager import Answer, JobResult
 from p2p_kv.session import Timeouts
 from p2p_kv.standalone import StandalonePeer, block_pattern, make_key
@@ -65,12 +65,6 @@ TIMEOUTS = {
 CONTROL = {"drop": 0.002, "duplicate": 0.003, "reorder": 0.003}
 CONTROL_DELAY = {"delay_s": 0.002, "jitter_s": 0.004, "delay_p": 0.05}
 DATA = {"fail_post": 0.003, "fail_completion": 0.003, "stall_s": 0.05, "stall_p": 0.03}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def producer(name: str, port: int, seed: int) -> PeerProc:

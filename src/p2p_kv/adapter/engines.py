@@ -75,9 +75,11 @@ def kv_transfer_config(spec: EngineSpec) -> dict[str, Any] | None:
 
 
 def free_port() -> int:
-    """A port free now, for a server that cannot bind port 0 and report
-    it (``vllm serve``'s HTTP port, vLLM's in-tree tier). Racy: choose it
-    just before starting the process that binds it."""
+    """A port free now, for a process that must be told its port before
+    it starts and cannot report one it chose (``vllm serve``'s HTTP port,
+    vLLM's in-tree tier, a ``--port`` option). Racy: choose it just before
+    starting the process that binds it; engines we start bind port 0 and
+    report it (:attr:`EngineProcess.tier_port`)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
