@@ -74,6 +74,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from raw_nixl import (  # noqa: E402
     ProducerProcess,
     WorkerPair,
+    block_runs,
     keep_stepping,
     scattered_mapping,
 )
@@ -214,12 +215,6 @@ def mapping(layout: str, num_blocks: int) -> tuple[list[int], list[int]]:
     return contiguous_mapping(num_blocks)
 
 
-def _runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
-    from p2p_kv.plan import coalesce
-
-    return coalesce(src, dst)
-
-
 # ---------------------------------------------------------------------------
 # Physical limits: torch copies in this process
 # ---------------------------------------------------------------------------
@@ -237,7 +232,7 @@ def measure_limits(
         src = make_region("pinned", n * bs, dst_dev)
     dst = torch.empty((max(dst_blocks) + 1) * bs, dtype=torch.uint8, device=dst_dev)
     src.fill_(7)
-    runs = _runs(src_blocks, dst_blocks)
+    runs = block_runs(src_blocks, dst_blocks)
     pairs = [
         (dst[d * bs : (d + c) * bs], src[s * bs : (s + c) * bs]) for s, d, c in runs
     ]
@@ -389,7 +384,7 @@ class RawGpuPair(WorkerPair):
         """``src``/``dst`` are ``(kind, device)``; with ``staged_to`` the
         receiver also times copying the written runs to that GPU."""
         src_blocks, dst_blocks = mapping(layout, n)
-        runs = _runs(src_blocks, dst_blocks)
+        runs = block_runs(src_blocks, dst_blocks)
         self._cell += 1
         tag = f"{os.getpid()}-{self._cell}"
         p_md, _ = self._call(0, "setup", f"rawg-p-{tag}", src[0], src[1], n * bs, True)

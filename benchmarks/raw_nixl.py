@@ -70,7 +70,9 @@ def scattered_mapping(num_blocks: int) -> tuple[list[int], list[int]]:
     return list(range(num_blocks)), [2 * i for i in range(num_blocks)]
 
 
-def _runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
+def block_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
+    """p2p_kv's own coalescing, so every baseline moves the same runs as
+    p2p_kv does (one descriptor or copy per run)."""
     runs: list[tuple[int, int, int]] = _p2p_module("plan").coalesce(src, dst)
     return runs
 
@@ -110,7 +112,7 @@ def measure_memcpy(
     """One thread copying the mapping's runs with numpy, in one process."""
     if src_blocks is None or dst_blocks is None:
         src_blocks, dst_blocks = scattered_mapping(num_blocks)
-    runs = _runs(src_blocks, dst_blocks)
+    runs = block_runs(src_blocks, dst_blocks)
     src = shared_buffer((max(src_blocks) + 1) * block_bytes, 1)
     dst = shared_buffer((max(dst_blocks) + 1) * block_bytes, None)
     bb = block_bytes
@@ -406,7 +408,7 @@ class RawNixlPair(WorkerPair):
     ) -> dict[str, Any]:
         if src_blocks is None or dst_blocks is None:
             src_blocks, dst_blocks = scattered_mapping(num_blocks)
-        runs = _runs(src_blocks, dst_blocks)
+        runs = block_runs(src_blocks, dst_blocks)
         self._cell += 1
         tag = f"{os.getpid()}-{self._cell}"
         p_md, p_base, crcs = self._call(

@@ -121,12 +121,17 @@ class Cluster:
 
     def __post_init__(self) -> None:
         ids = itertools.count(1_000_000_000).__next__
+        nonces = itertools.count(1)
         timeouts = Timeouts()
         for name in ["c", *self.producers]:
             # The write path: its loads stay in flight while their writes
             # are held (a READ would end inside its post).
             self.managers[name] = LoadManager(
-                identity(name), timeouts=timeouts, limits=LIMITS, reads=False
+                identity(name),
+                nonces=lambda: next(nonces).to_bytes(16, "big"),
+                timeouts=timeouts,
+                limits=LIMITS,
+                reads=False,
             )
             self.pinners[name] = Pinner(ids)
             self.finished[name] = []

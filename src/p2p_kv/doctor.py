@@ -574,7 +574,7 @@ def _handshake(
     from p2p_kv.data import NixlDataTransport
     from p2p_kv.handshake import Identity
     from p2p_kv.manager import Answer, LoadManager, Roles, Source, format_peer
-    from p2p_kv.runtime import TierRuntime
+    from p2p_kv.runtime import TierRuntime, fresh_nonce
     from p2p_kv.session import Timeouts
 
     name = "peer"
@@ -599,7 +599,10 @@ def _handshake(
     )
     timeouts = Timeouts(handshake_s=timeout_s, lookup_s=timeout_s)
     rt = TierRuntime(
-        LoadManager(me, timeouts=timeouts), control, data, idle_wait_s=0.02
+        LoadManager(me, nonces=fresh_nonce, timeouts=timeouts),
+        control,
+        data,
+        idle_wait_s=0.02,
     )
     m = rt.manager
     req = "p2p_kv-doctor"

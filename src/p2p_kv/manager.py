@@ -185,6 +185,7 @@ class LoadManager:
         self,
         me: Identity | Callable[[], Identity],
         *,
+        nonces: Callable[[], bytes],
         timeouts: Timeouts | None = None,
         limits: Limits | None = None,
         parked_ttl_s: float = 60.0,
@@ -194,6 +195,9 @@ class LoadManager:
         # The engine's identity may be known only after start-up (vLLM seeds
         # its block hashes after the tier is built), so it can come lazily.
         self._me: Identity | Callable[[], Identity] = me
+        #: A fresh handshake nonce per session, from the caller: the core
+        #: draws no randomness, as it reads no clock (runs replay exactly).
+        self._nonces = nonces
         self.timeouts = timeouts or Timeouts()
         self.limits = limits or Limits()
         self.parked_ttl_s = parked_ttl_s
@@ -488,6 +492,7 @@ class LoadManager:
             now,
             timeouts=self.timeouts,
             limits=self.limits,
+            nonce=self._nonces(),
             reads=self.reads,
         )
         self._sessions[peer] = session

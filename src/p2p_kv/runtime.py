@@ -23,6 +23,7 @@ wake a ZeroMQ poller. :meth:`wake` ends a wait from another thread.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -36,6 +37,14 @@ from p2p_kv.protocol import Heartbeat, Message, ProtocolError, decode, encode
 from p2p_kv.session import Pinner
 
 log = logging.getLogger("vllm.p2p_kv")
+
+
+def fresh_nonce() -> bytes:
+    """A handshake nonce for :class:`~p2p_kv.manager.LoadManager`
+    (``nonces=``): 16 bytes from the OS, so a peer cannot replay or reflect
+    an old handshake. It lives here, beside the clock, because the core
+    takes both from its caller."""
+    return os.urandom(16)
 
 
 class TierRuntime:

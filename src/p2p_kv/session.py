@@ -27,8 +27,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from itertools import compress
@@ -335,10 +334,11 @@ class Serve(Tracked):
         #: For FETCH_WAITING: the producer request finished, no more stores.
         self.complete = False
 
-    def slot_table(self) -> dict[bytes, int]:
+    def slot_table(self) -> Mapping[bytes, int]:
         """Key -> our slot over every pin, then every parked store (the
         first holder of a key wins). Built once per answer or write, so the
-        per-key work is a dict read. Read-only: it may be a pin's own."""
+        per-key work is a dict read. Typed read-only: with one pin and no
+        store it is that pin's own dict, not a copy."""
         if len(self.pins) == 1 and not self.parked:
             return self.pins[0].slots
         table: dict[bytes, int] = {}
@@ -384,7 +384,7 @@ class Session:
         *,
         timeouts: Timeouts | None = None,
         limits: Limits | None = None,
-        nonce: bytes | None = None,
+        nonce: bytes,
         reads: bool = True,
     ) -> None:
         self.peer = peer
@@ -393,7 +393,7 @@ class Session:
         #: Offer our pinned blocks for one-sided READ, and READ offered ones.
         self.reads = reads
         self._me = me
-        self._hello = make_hello(me, nonce if nonce is not None else os.urandom(16))
+        self._hello = make_hello(me, nonce)
         self._peer_hello: Hello | None = None
         self._peer_acked = False
         self.link = Link.HANDSHAKING

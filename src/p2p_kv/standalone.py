@@ -25,7 +25,7 @@ from p2p_kv.control import ControlTransport
 from p2p_kv.data import NixlDataTransport
 from p2p_kv.handshake import Identity
 from p2p_kv.manager import Answer, JobResult, LoadManager, Roles
-from p2p_kv.runtime import TierRuntime
+from p2p_kv.runtime import TierRuntime, fresh_nonce
 from p2p_kv.session import PinResult, Timeouts
 
 
@@ -110,7 +110,7 @@ class StandalonePeer:
             secret=secret,
         )
         self.runtime = TierRuntime(
-            LoadManager(me, timeouts=timeouts, reads=reads),
+            LoadManager(me, nonces=fresh_nonce, timeouts=timeouts, reads=reads),
             control,
             data,
             idle_wait_s=idle_wait_s,

@@ -9,6 +9,7 @@ drops and link cuts. Nothing here sleeps or opens a socket.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -142,10 +143,17 @@ class Net:
         reads: bool = True,
     ) -> None:
         self.now = 0.0
+        self._nonces = itertools.count(1)
         self.engines: dict[str, Engine] = {}
         for n in names:
             me = (identities or {}).get(n) or identity(n)
-            mgr = LoadManager(me, timeouts=timeouts, limits=limits, reads=reads)
+            mgr = LoadManager(
+                me,
+                nonces=lambda: next(self._nonces).to_bytes(16, "big"),
+                timeouts=timeouts,
+                limits=limits,
+                reads=reads,
+            )
             self.engines[n] = Engine(n, mgr)
         self.links: list[Link] = []
         self.queue: list[tuple[str, str, bytes]] = []  # (engine, peer key, frame)

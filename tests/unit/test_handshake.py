@@ -9,6 +9,7 @@ import msgspec
 import pytest
 
 from p2p_kv.handshake import Identity, check_hello, make_hello, seed_digest
+from p2p_kv.manager import LoadManager
 from p2p_kv.protocol import (
     PROTOCOL_VERSION,
     Abort,
@@ -215,6 +216,19 @@ def test_replayed_own_hello_is_refused() -> None:
     other = make_hello(ident("b"), b"A" * 16)  # echoes a's nonce
     a.receive(decode(encode(other)), 0.0)
     assert_refused(a, "replay")
+
+
+def test_the_manager_takes_each_session_nonce_from_its_caller() -> None:
+    # The core draws no randomness: every session's Hello carries the next
+    # nonce the caller's source gives, so a run can be replayed exactly.
+    nonces = iter([b"N1" * 8, b"N2" * 8])
+    m = LoadManager(ident("a"), nonces=lambda: next(nonces))
+    first, second = m.on_inbound(0.0), m.on_inbound(0.0)
+    hellos = dict(m.take_outgoing(0.0))
+    assert [h.nonce for (h,) in (hellos[first], hellos[second])] == [
+        b"N1" * 8,
+        b"N2" * 8,
+    ]
 
 
 def test_forged_mac_is_refused() -> None:

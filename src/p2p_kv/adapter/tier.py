@@ -153,7 +153,7 @@ class P2PKVTier(SecondaryTierManager):
         check_nixl()
         from p2p_kv.control import ControlTransport
         from p2p_kv.data import NixlDataTransport
-        from p2p_kv.runtime import TierRuntime
+        from p2p_kv.runtime import TierRuntime, fresh_nonce
 
         region = (
             primary_kv_view.cast("B") if primary_kv_view.ndim != 1 else primary_kv_view
@@ -176,6 +176,7 @@ class P2PKVTier(SecondaryTierManager):
 
         manager = LoadManager(
             identity,
+            nonces=fresh_nonce,
             timeouts=self.cfg.timeouts(),
             parked_ttl_s=self.cfg.parked_ttl_s,
             reads=self.cfg.read_path,
