@@ -227,13 +227,11 @@ class Requests:
             req = f"r{i}"
             peer = self.cl.producers[i % self.cl.n]
             c.on_new_request(req, Roles(Source(req, peer, probe=True)), now)
-            assert c.lookup(req, key(i), now) is Answer.RETRY
+            assert c.lookup(req, key(i)) is Answer.RETRY
             reqs.append(req)
 
         def answered() -> bool:
-            return all(
-                c.lookup(r, key(int(r[1:])), self.cl.now) is Answer.HIT for r in reqs
-            )
+            return all(c.lookup(r, key(int(r[1:]))) is Answer.HIT for r in reqs)
 
         self.cl.pump(answered)
         return reqs

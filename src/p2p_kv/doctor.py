@@ -629,11 +629,11 @@ def _handshake(
         t1 = time.monotonic()
         end = t1 + timeout_s
         key = hashlib.sha256(kv_id.encode()).digest()[:16]
-        answer = m.lookup(req, key, rt.clock())
+        answer = m.lookup(req, key)
         rt.flush()
         while answer is Answer.RETRY and time.monotonic() < end:
             rt.poll(wait=True)
-            answer = m.lookup(req, key, rt.clock())
+            answer = m.lookup(req, key)
         if session.closed:
             return _not_ready(session, target, timeout_s, details)
         if answer is Answer.RETRY:

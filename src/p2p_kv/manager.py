@@ -50,9 +50,6 @@ from p2p_kv.session import (
     WriteOrder,
 )
 
-#: ``Consumer.keys`` default: a key not asked about yet (None: asked)
-_UNASKED: Any = object()
-
 
 class Answer(Enum):
     HIT = "hit"
@@ -140,8 +137,11 @@ class Consumer:
     req_id: str
     source: Source
     gen: int
-    #: key -> True (hit) / False (miss) / None (asked, no answer yet)
-    keys: dict[bytes, bool | None] = field(default_factory=dict)
+    #: answered keys: True (hit) / False (miss)
+    keys: dict[bytes, bool] = field(default_factory=dict)
+    #: keys asked and not answered yet (each key is here or in ``keys``,
+    #: never both): the engine's idle check reads its size every step
+    asked: set[bytes] = field(default_factory=set)
     unsent: list[bytes] = field(default_factory=list)
     fetched: bool = False
 
@@ -260,10 +260,12 @@ class LoadManager:
             entry.live_producers += 1
             entry.producer_seen = True
 
-    def lookup(self, req_id: str, key: bytes, now: float) -> Answer:
+    def lookup(self, req_id: str, key: bytes) -> Answer:
         # vLLM calls this once per block, twice per block for a remote hit
         # (RETRY, then the answer): the common case, an answered key of a
-        # live request, is tested first and costs a few dict reads.
+        # live request, is tested first and costs a few dict reads. It takes
+        # no time: nothing here has a deadline (the lookups leave at flush),
+        # and a clock read per key was a quarter of the call.
         consumer = self._consumers.get(req_id)
         if consumer is None or req_id in self._failed:
             return Answer.MISS
@@ -276,13 +278,11 @@ class LoadManager:
             return Answer.MISS
         if not consumer.source.probe:
             return Answer.HIT
-        known = consumer.keys.get(key, _UNASKED)
-        if known is True:
-            return Answer.HIT
-        if known is False:
-            return Answer.MISS
-        if known is _UNASKED:
-            consumer.keys[key] = None
+        known = consumer.keys.get(key)
+        if known is not None:
+            return Answer.HIT if known else Answer.MISS
+        if key not in consumer.asked:
+            consumer.asked.add(key)
             consumer.unsent.append(key)
             self._unsent.add(req_id)
         return Answer.RETRY
@@ -296,8 +296,8 @@ class LoadManager:
             keys, consumer.unsent = consumer.unsent, []
             session = self._session_for(consumer.source.peer, now)
             if session is None:
-                for key in keys:
-                    consumer.keys[key] = False
+                consumer.keys.update(dict.fromkeys(keys, False))
+                consumer.asked.difference_update(keys)
                 continue
             session.send_lookup(consumer.source.kv_id, consumer.gen, keys, now)
             self._touch(session)
@@ -700,6 +700,7 @@ class LoadManager:
                 consumer.keys.update(dict.fromkeys(answer.keys, False))
             else:
                 consumer.keys.update(zip(answer.keys, answer.hits, strict=True))
+            consumer.asked.difference_update(answer.keys)
 
     # ------------------------------------------------------------------
     # parked stores
@@ -786,9 +787,7 @@ class LoadManager:
         load in flight): when every live request is, the engine is idle."""
         waiting = {j.req_id for j in self._jobs.values() if j.kind == "load"}
         waiting.update(
-            c.req_id
-            for c in self._consumers.values()
-            if c.unsent or None in c.keys.values()
+            c.req_id for c in self._consumers.values() if c.unsent or c.asked
         )
         return len(waiting)
 

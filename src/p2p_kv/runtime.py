@@ -102,8 +102,11 @@ class TierRuntime:
         if self._xfers or m.has_lookups_to_serve or m.results_ready():
             # A READ can end inside its post: its result is already here.
             return False
-        if self.has_waker and self.live_requests == 0:
-            return False
+        if self.live_requests == 0:
+            # Idle, unless a waker keeps the tier alive in the engine's
+            # place. No scan of the jobs: a producer holds a pin job per
+            # lookup it answered.
+            return not self.has_waker
         return m.waiting_requests() >= self.live_requests
 
     def poll(self, wait: bool | None = None) -> None:

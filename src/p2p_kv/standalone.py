@@ -204,7 +204,7 @@ class StandalonePeer:
         t_lookup = t0
         try:
             while True:
-                answers = [m.lookup(req_id, k, rt.clock()) for k in keys]
+                answers = [m.lookup(req_id, k) for k in keys]
                 if Answer.RETRY not in answers or time.monotonic() > end:
                     break
                 rt.flush()  # send the lookups now, as the scheduler's step end does

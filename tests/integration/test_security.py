@@ -232,7 +232,7 @@ def start_load(
     req = f"{kv}-req-{time.monotonic_ns()}"
     v.open(req, peer, kv)
     end = time.monotonic() + 5
-    while Answer.RETRY in (ans := [m.lookup(req, k, rt.clock()) for k in KEYS]):
+    while Answer.RETRY in (ans := [m.lookup(req, k) for k in KEYS]):
         assert time.monotonic() < end, "lookups unanswered"
         rt.flush()
         v.step()
@@ -423,7 +423,7 @@ def test_a_reply_for_an_old_generation_does_not_complete_the_new_one(
             m, rt = v.manager, v.runtime
             req = f"reuse-{use}"
             v.open(req, srv.address, "same-kv")
-            assert m.lookup(req, KEYS[0], rt.clock()) is Answer.RETRY
+            assert m.lookup(req, KEYS[0]) is Answer.RETRY
             rt.flush()
             if use == 0:
                 srv.ident = None
@@ -433,7 +433,7 @@ def test_a_reply_for_an_old_generation_does_not_complete_the_new_one(
             srv.send(LookupResp(lookup.req, lookup.gen, lookup.seq, [True]))
             for _ in range(50):
                 v.step(wait=False)
-                if m.lookup(req, KEYS[0], rt.clock()) is Answer.HIT:
+                if m.lookup(req, KEYS[0]) is Answer.HIT:
                     break
             job = 900 + use
             jobs.append(job)
@@ -522,7 +522,7 @@ def test_producer_offering_slots_outside_its_region_is_refused(
         m, rt = v.manager, v.runtime
         v.open("offer-req", srv.address, "offer")
         keys = KEYS[:3]
-        assert Answer.RETRY in [m.lookup("offer-req", k, rt.clock()) for k in keys]
+        assert Answer.RETRY in [m.lookup("offer-req", k) for k in keys]
         rt.flush()
         srv.accept(v, me)
         lookup = srv.next_lookup(v)
@@ -542,7 +542,7 @@ def test_producer_offering_slots_outside_its_region_is_refused(
         end = time.monotonic() + 5
         while time.monotonic() < end:  # by time: a busy machine is slow
             v.step(wait=False)
-            answers = [m.lookup("offer-req", k, rt.clock()) for k in keys]
+            answers = [m.lookup("offer-req", k) for k in keys]
             if Answer.RETRY not in answers:
                 break
             time.sleep(0.001)

@@ -149,7 +149,7 @@ class Soak:
     def advance(self, lane: Lane) -> None:
         m, rt = self.c.manager, self.c.runtime
         if lane.job is None:
-            answers = [m.lookup(lane.req, make_key(k), rt.clock()) for k in lane.keys]
+            answers = [m.lookup(lane.req, make_key(k)) for k in lane.keys]
             if Answer.RETRY in answers:
                 return
             hits = [i for i, a in enumerate(answers) if a is Answer.HIT]

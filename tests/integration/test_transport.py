@@ -401,7 +401,7 @@ def open_request(
     session = m.session(peer)
     end = time.monotonic() + 5.0
     while True:
-        answers = [m.lookup(req, k, rt.clock()) for k in keys]
+        answers = [m.lookup(req, k) for k in keys]
         if Answer.RETRY not in answers:
             return req, answers, time.perf_counter() - t0, session
         assert time.monotonic() < end, "lookups still unanswered after 5 s"
@@ -565,7 +565,7 @@ def test_producer_killed_mid_write(
         # liveness (2 heartbeats = 0.4 s) plus a step margin
         assert fallback_s < 2 * HB.heartbeat_interval_s + 0.6
         assert m.fallbacks.get("peer_down", 0) >= 1
-        assert m.lookup(req, keys[0], rt.clock()) is Answer.MISS  # recompute
+        assert m.lookup(req, keys[0]) is Answer.MISS  # recompute
         finish_request(c, req)
         settle(c)
         victim.proc.join(5)

@@ -81,9 +81,9 @@ def make_world() -> Net:
     b = net.engines["b"]
     b.manager.on_new_request("r1", net.roles("a", "kv1"), net.now)
     for k in KEYS:
-        b.manager.lookup("r1", k, net.now)
+        b.manager.lookup("r1", k)
     net.run()
-    assert [b.manager.lookup("r1", k, net.now) for k in KEYS] == [Answer.HIT] * 4
+    assert [b.manager.lookup("r1", k) for k in KEYS] == [Answer.HIT] * 4
     net.hold_writes = True
     job = b.new_job()
     b.slot_owner.update(dict.fromkeys(LOAD_SLOTS, job))
@@ -328,7 +328,7 @@ def test_offered_pins_outlive_a_session_lost_mid_read() -> None:
     a, b = net.engines["a"], net.engines["b"]
     b.manager.on_new_request("r1", net.roles("a", "kv1"), net.now)
     for k in KEYS:
-        b.manager.lookup("r1", k, net.now)
+        b.manager.lookup("r1", k)
     net.run()
     net.hold_writes = True
     job = b.new_job()

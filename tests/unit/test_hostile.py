@@ -89,9 +89,9 @@ def serve_of(net: Net, kv_id: str) -> tuple[int, State]:
 def probe(net: Net, req: str, kv_id: str) -> None:
     b = net.engines["b"].manager
     b.on_new_request(req, net.roles("a", kv_id), net.now)
-    assert [b.lookup(req, k, net.now) for k in KEYS] == [Answer.RETRY] * 4
+    assert [b.lookup(req, k) for k in KEYS] == [Answer.RETRY] * 4
     net.run()
-    assert [b.lookup(req, k, net.now) for k in KEYS] == [Answer.HIT] * 4
+    assert [b.lookup(req, k) for k in KEYS] == [Answer.HIT] * 4
 
 
 def load(net: Net, req: str, slots: list[int]) -> int:
@@ -262,7 +262,7 @@ def test_lookup_resp_for_unknown_seq_gen_or_req_is_counted() -> None:
     net = make_net()
     b = net.engines["b"].manager
     b.on_new_request("r1", net.roles("a", "kv1"), net.now)
-    assert [b.lookup("r1", k, net.now) for k in KEYS] == [Answer.RETRY] * 4
+    assert [b.lookup("r1", k) for k in KEYS] == [Answer.RETRY] * 4
     for _ in range(4):  # connect, handshake, lookup delivered -- no serve yet
         net.step()
     gen, state = serve_of(net, "kv1")
@@ -277,9 +277,9 @@ def test_lookup_resp_for_unknown_seq_gen_or_req_is_counted() -> None:
     (err,) = poke(net, "b", LookupResp("kv1", gen, 1, [True]))  # wrong length
     assert isinstance(err, Error) and err.code == "bad_lookup_resp"
     assert errors(net, "b") == {"stale_lookup_resp": 3, "bad_lookup_resp": 1}
-    assert [b.lookup("r1", k, net.now) for k in KEYS] == [Answer.RETRY] * 4
+    assert [b.lookup("r1", k) for k in KEYS] == [Answer.RETRY] * 4
     net.run()  # the real answer still applies
-    assert [b.lookup("r1", k, net.now) for k in KEYS] == [Answer.HIT] * 4
+    assert [b.lookup("r1", k) for k in KEYS] == [Answer.HIT] * 4
     job = load(net, "r1", [5, 6, 7, 8])
     net.run()
     expect_loaded(net, job, [5, 6, 7, 8])
@@ -574,11 +574,11 @@ def test_second_lookup_before_the_serve_window_is_answered() -> None:
     net = make_net()
     b = net.engines["b"].manager
     b.on_new_request("r1", net.roles("a", "kv1"), net.now)
-    assert b.lookup("r1", KEYS[0], net.now) is Answer.RETRY
+    assert b.lookup("r1", KEYS[0]) is Answer.RETRY
     for _ in range(4):  # handshake done; Lookup seq 1 queued at a, not served
         net.step()
-    assert b.lookup("r1", KEYS[1], net.now) is Answer.RETRY
+    assert b.lookup("r1", KEYS[1]) is Answer.RETRY
     net.step()  # Lookup seq 2 reaches a before its serve window
     net.run()
     assert errors(net, "a") == {}
-    assert [b.lookup("r1", k, net.now) for k in KEYS[:2]] == [Answer.HIT] * 2
+    assert [b.lookup("r1", k) for k in KEYS[:2]] == [Answer.HIT] * 2

@@ -99,7 +99,7 @@ def probe_and_load(net: Net, req: str, slots: list[int]) -> int:
     b = net.engines["b"]
     b.manager.on_new_request(req, net.roles("a", f"kv-{req}"), net.now)
     for k in [*KEYS, key(99)]:
-        b.manager.lookup(req, k, net.now)
+        b.manager.lookup(req, k)
     net.run()
     job = b.new_job()
     for s in slots:
@@ -202,7 +202,7 @@ def test_retired_session_last_counts_are_not_lost() -> None:
     ea, eb = MetricsExporter(), MetricsExporter()
     b = net.engines["b"]
     b.manager.on_new_request("r1", net.roles("a", "kv1"), net.now)
-    b.manager.lookup("r1", KEYS[0], net.now)
+    b.manager.lookup("r1", KEYS[0])
     net.run()
     assert not list(b.manager.sessions())  # refused, invalidated, gone
     assert not list(net.engines["a"].manager.sessions())

@@ -89,7 +89,7 @@ def test_a_fetch_is_kept_only_until_it_is_sent() -> None:
     net = make_net(reads=False)
     b = net.engines["b"].manager
     b.on_new_request("d1", net.roles("a", "kv9", probe=False), net.now)
-    assert b.lookup("d1", KEYS[0], net.now) is Answer.HIT
+    assert b.lookup("d1", KEYS[0]) is Answer.HIT
     load(net, "d1", SLOTS)  # before any handshake: queued with its Fetch
     (queued,) = list(session(net, "b").loads())
     assert queued.state is State.QUEUED and queued.fetch is not None
@@ -246,7 +246,7 @@ def test_offer_outside_the_peer_region_is_ignored() -> None:
     probe(net, "r0", "kv0", [key(50)])  # the handshake
     b = net.engines["b"].manager
     b.on_new_request("r1", net.roles("a", "kv1"), net.now)
-    b.lookup("r1", KEYS[0], net.now)
+    b.lookup("r1", KEYS[0])
     net.step()  # the Lookup reaches the producer
     net.serve()
     net.step(deliver=False)  # its answer is queued
@@ -327,10 +327,10 @@ def test_a_late_answer_after_our_release_offers_nothing() -> None:
     bm = b.manager
     bm.on_new_request("r1", net.roles("a", "kv1"), net.now)
     for k in KEYS[:2]:
-        bm.lookup("r1", k, net.now)
+        bm.lookup("r1", k)
     net.run()
     for k in KEYS[2:]:
-        bm.lookup("r1", k, net.now)  # a second batch, still unanswered
+        bm.lookup("r1", k)  # a second batch, still unanswered
     net.hold_writes = True
     load(net, "r1", [5, 6], KEYS[:2])
     net.step(deliver=False)  # the second Lookup and the READ leave

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from p2p_kv.plan import plan_write
 from p2p_kv.procfs import boot_id, socket_inode
@@ -156,6 +158,28 @@ def test_split_covers_every_byte_once_in_balanced_parts(parts: int) -> None:
     assert flat == want
     sizes = [sum(n for _, _, n in chunk) for chunk in chunks]
     assert max(sizes) - min(sizes) <= -(-sum(sizes) // parts)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 40), min_size=1, max_size=30),
+    parts=st.integers(1, 9),
+)
+def test_split_of_any_segments_covers_every_byte_once(
+    sizes: list[int], parts: int
+) -> None:
+    # Cuts land inside segments, on their edges, and in runs of small ones.
+    segments, d = [], 0
+    for i, n in enumerate(sizes):
+        segments.append((d, 1000 * i, n))
+        d += n + 1
+    chunks = split_segments(segments, parts)
+    assert 1 <= len(chunks) <= parts
+    assert all(n > 0 for chunk in chunks for _, _, n in chunk)
+    flat = [(d + i, s + i) for chunk in chunks for d, s, n in chunk for i in range(n)]
+    assert flat == [(d + i, s + i) for d, s, n in segments for i in range(n)]
+    share = -(-sum(sizes) // parts)
+    assert all(sum(n for _, _, n in chunk) <= share for chunk in chunks)
 
 
 def test_threaded_copy_of_a_large_load_is_byte_exact(conn: str) -> None:

@@ -78,7 +78,7 @@ class Fleet(RuleBasedStateMachine):
         m.on_new_request(req, self.net.roles(src, kv, probe), self.net.now)
         self.live[me][req] = kv
         for k in keys:
-            m.lookup(req, k, self.net.now)
+            m.lookup(req, k)
 
     @rule(
         me=st.sampled_from(ENGINES),
@@ -102,7 +102,7 @@ class Fleet(RuleBasedStateMachine):
             return
         req = data.draw(st.sampled_from(sorted(self.live[me])))
         k = data.draw(st.sampled_from(KEYS))
-        self.net.engines[me].manager.lookup(req, k, self.net.now)
+        self.net.engines[me].manager.lookup(req, k)
 
     @rule(
         data=st.data(),
@@ -130,9 +130,7 @@ class Fleet(RuleBasedStateMachine):
         eng = self.net.engines[me]
         if req is None:
             req = data.draw(st.sampled_from(sorted(self.live[me])))
-        hits = [
-            k for k in KEYS if eng.manager.lookup(req, k, self.net.now) is Answer.HIT
-        ]
+        hits = [k for k in KEYS if eng.manager.lookup(req, k) is Answer.HIT]
         free = [s for s in range(NBLOCKS // 2) if s not in eng.slot_owner]
         if not hits or len(free) < len(hits):
             return

@@ -219,7 +219,7 @@ class P2PKVTier(SecondaryTierManager):
     @_locked
     def lookup(self, key: Any, req_context: ReqContext) -> LookupResult:
         rt = self.runtime
-        return _ANSWER[rt.manager.lookup(req_context.req_id, key, rt.clock())]
+        return _ANSWER[rt.manager.lookup(req_context.req_id, key)]
 
     @_locked
     def submit_load(self, job_metadata: TransferJob) -> None:
