@@ -265,7 +265,7 @@ class LoadManager:
         # (RETRY, then the answer): the common case, an answered key of a
         # live request, is tested first and costs a few dict reads. It takes
         # no time: nothing here has a deadline (the lookups leave at flush),
-        # and a clock read per key was a quarter of the call.
+        # so the clock read the callers made per key was spent for nothing.
         consumer = self._consumers.get(req_id)
         if consumer is None or req_id in self._failed:
             return Answer.MISS
