@@ -19,6 +19,7 @@ import contextlib
 import ipaddress
 import math
 import os
+import select
 import socket
 from dataclasses import dataclass
 from typing import Final
@@ -73,6 +74,15 @@ class Inbound:
     frame: bytes
     new: bool
     lost: bool = False
+
+
+def wait_readable(fds: list[int], timeout_s: float) -> None:
+    """Sleep until one of ``fds`` is readable (or closed) or ``timeout_s``
+    passes (see :meth:`ControlTransport.readiness_fds`)."""
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    poller.poll(max(0, math.ceil(timeout_s * 1000)))
 
 
 class ControlTransport:
@@ -245,6 +255,17 @@ class ControlTransport:
         """Socket inode of our live TCP connection to ``peer`` (outbound
         only; None before it connects or after it drops)."""
         return self._conn_inodes.get(peer)
+
+    def readiness_fds(self) -> list[int]:
+        """Plain OS descriptors that turn readable when something may have
+        arrived: each socket's ``ZMQ_FD`` and the wake pipe. Taken under the
+        runtime's lock, they let another thread sleep until traffic comes
+        (:func:`wait_readable`) without touching a ZeroMQ socket, which is
+        not thread-safe. ``ZMQ_FD`` is edge-triggered and any call on its
+        socket may consume the edge, so a wait that ends is a hint to poll,
+        and a wait that does not end must still be bounded."""
+        socks = [self._router, *self._dealers.values(), *self._monitors]
+        return [self._wake_r, *(int(s.getsockopt(zmq.FD)) for s in socks)]
 
     def take_woken(self) -> bool:
         """Whether :meth:`wake` was called since the last check."""

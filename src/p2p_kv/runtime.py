@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from p2p_kv.control import ControlTransport
+from p2p_kv.control import ControlTransport, wait_readable
 from p2p_kv.data import NixlDataTransport, RegionInfo
 from p2p_kv.manager import JobResult, LoadManager
 from p2p_kv.protocol import Heartbeat, Message, ProtocolError, decode, encode
@@ -377,34 +377,47 @@ class TierRuntime:
         not step (vLLM's 3-process engine spins its worker for a second
         after every step, so idle steps cost a core there).
 
-        Every ``interval_s`` a daemon thread takes :attr:`lock` if the engine
-        is not using the tier, polls without waiting (frames, heartbeats,
-        deadlines, writes), and when something needs the engine -- a lookup
-        to serve against its primary tier, or a result for it -- calls
-        ``wake_engine``. Callers on the engine's thread hold :attr:`lock`
-        around every call into the runtime.
+        A daemon thread sleeps until a frame arrives on the control sockets
+        (their OS descriptors, :meth:`ControlTransport.readiness_fds`), a
+        deadline falls due, or ``interval_s`` passes (data-plane completions
+        and an edge another call consumed wake no descriptor). Then it takes
+        :attr:`lock`, polls without waiting (frames, heartbeats, deadlines,
+        writes), and when something needs the engine -- a lookup to serve
+        against its primary tier, or a result for it -- calls
+        ``wake_engine``. A peer's lookup thus reaches an idle engine at
+        once, not at the next tick. Callers on the engine's thread hold
+        :attr:`lock` around every call into the runtime.
         """
         if self._waker is not None:
             return
         self.has_waker = True
 
         def run() -> None:
-            while not self._stop.wait(interval_s):
+            while not self._stop.is_set():
                 if not self.lock.acquire(blocking=False):
-                    continue  # the engine is in the tier: it will see everything
+                    # The engine is in the tier and sees everything; its
+                    # sockets may stay readable meanwhile, so no fd wait.
+                    self._stop.wait(interval_s)
+                    continue
                 try:
                     self.poll(wait=False)
-                    wanted = self.manager.has_lookups_to_serve or (
-                        self.manager.results_ready()
-                    )
+                    m = self.manager
+                    wanted = m.has_lookups_to_serve or m.results_ready()
+                    fds = self.control.readiness_fds()
+                    due_s = m.next_deadline() - self.clock()
+                    # At least 1 ms: a deadline the poll did not clear must
+                    # not turn this into a spin.
+                    sleep_s = max(0.001, min(interval_s, due_s))
                 except Exception:  # never kill the thread: the engine polls too
                     log.exception("p2p_kv: waker poll failed")
-                    wanted = False
+                    wanted, fds, sleep_s = False, [], interval_s
                 finally:
                     self.lock.release()
                 if wanted and not self._engine_active:
                     self._engine_active = True
                     wake_engine()
+                if not self._stop.is_set():
+                    wait_readable(fds, sleep_s)
 
         self._waker = threading.Thread(target=run, name="p2p_kv-waker", daemon=True)
         self._waker.start()
@@ -414,7 +427,12 @@ class TierRuntime:
         self._engine_active = False
 
     def close(self) -> None:
+        """End every session (peers hear a Goodbye), stop the waker, close
+        the transports. A second call does nothing."""
+        if self._stop.is_set():
+            return
         self._stop.set()
+        self.control.wake()  # ends the waker's sleep
         if self._waker is not None:
             self._waker.join(2.0)
         with self.lock:

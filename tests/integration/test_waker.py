@@ -1,0 +1,103 @@
+"""The waker: how an engine that does not step still answers its peers.
+
+vLLM's 3-process engine sleeps on its input queue when it has no request,
+and stepping it costs a core (its worker spins a second after each step).
+So the tier keeps a thread of its own (:meth:`TierRuntime.start_waker`)
+that handles frames, heartbeats and deadlines, and calls the engine in only
+when a peer needs its primary tier: a lookup to serve. Real ZeroMQ sockets
+and NIXL agents in this process; the "engine" is a thread that steps the
+producer only when the waker calls it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from p2p_kv.standalone import StandalonePeer, make_key
+
+#: Far longer than any answer may take: an answer in time can only come
+#: from a waker that woke on the frame, not on its timer.
+TICK_S = 5.0
+IN_TIME_S = 2.0
+
+
+class SleepingEngine:
+    """A producer engine that steps only when its tier's waker asks."""
+
+    def __init__(self, peer: StandalonePeer) -> None:
+        self.peer = peer
+        self.calls = 0
+        self._called = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def wake(self) -> None:  # the waker's callback: vLLM's empty abort
+        self.calls += 1
+        self._called.set()
+
+    def _run(self) -> None:
+        rt = self.peer.runtime
+        while not self._stop.is_set():
+            if self._called.wait(0.05):
+                self._called.clear()
+                with rt.lock:
+                    rt.engine_stepped()
+                    self.peer.step(wait=False)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2.0)
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[StandalonePeer, StandalonePeer, SleepingEngine]]:
+    pid = os.getpid()
+    producer = StandalonePeer(16, 4096, engine_id=f"waker-p-{pid}")
+    consumer = StandalonePeer(16, 4096, engine_id=f"waker-c-{pid}")
+    for slot in range(8):
+        producer.pinner.table[make_key(slot)] = slot
+    engine = SleepingEngine(producer)
+    producer.runtime.start_waker(engine.wake, interval_s=TICK_S)
+    try:
+        yield producer, consumer, engine
+    finally:
+        engine.close()
+        consumer.close()
+        producer.close()
+
+
+def test_a_lookup_calls_the_sleeping_engine_in_when_it_arrives(
+    pair: tuple[StandalonePeer, StandalonePeer, SleepingEngine],
+) -> None:
+    producer, consumer, engine = pair
+    keys = [make_key(1), make_key(2)]
+    for i in range(3):
+        time.sleep(0.3)  # the waker is back asleep on its sockets
+        t0 = time.monotonic()
+        out = consumer.fetch(producer.address, f"kv{i}", keys, [4, 9])
+        took = time.monotonic() - t0
+        assert out.ok and out.hits == 2, out
+        # The first fetch also carries the handshake, which the waker
+        # answers by itself (no engine step needed).
+        assert took < IN_TIME_S, f"fetch {i} took {took:.2f} s (tick {TICK_S} s)"
+    assert engine.calls >= 3  # one serve window per lookup at least
+    assert producer.runtime.waits == 0  # the engine itself never waited
+
+
+def test_close_ends_the_wakers_sleep_at_once_and_is_idempotent(
+    pair: tuple[StandalonePeer, StandalonePeer, SleepingEngine],
+) -> None:
+    producer, _, _ = pair
+    time.sleep(0.2)  # asleep for up to TICK_S
+    t0 = time.monotonic()
+    producer.runtime.close()
+    assert time.monotonic() - t0 < IN_TIME_S
+    waker = producer.runtime._waker
+    assert waker is not None and not waker.is_alive()
+    producer.runtime.close()  # the fixture closes it again, too
