@@ -38,6 +38,10 @@ from p2p_kv.session import Pinner
 
 log = logging.getLogger("vllm.p2p_kv")
 
+#: How long the waker waits for the engine to answer its call before
+#: calling again (a call costs the engine one no-op input).
+REWAKE_S = 0.05
+
 
 def fresh_nonce() -> bytes:
     """A handshake nonce for :class:`~p2p_kv.manager.LoadManager`
@@ -79,7 +83,9 @@ class TierRuntime:
         self.has_waker = False
         self._waker: threading.Thread | None = None
         self._stop = threading.Event()
-        self._engine_active = False
+        #: When the waker last called the engine in, while that call is
+        #: unanswered (None: no call pending).
+        self._called_at: float | None = None
 
     # ------------------------------------------------------------------
 
@@ -413,9 +419,17 @@ class TierRuntime:
                     wanted, fds, sleep_s = False, [], interval_s
                 finally:
                     self.lock.release()
-                if wanted and not self._engine_active:
-                    self._engine_active = True
+                now = self.clock()
+                if not wanted:
+                    self._called_at = None  # whatever was wanted is done
+                elif self._called_at is None or now - self._called_at >= REWAKE_S:
+                    # Again if the engine has not come: a call it took
+                    # without stepping (it was just finishing a step of its
+                    # own) must not leave the lookup unserved for good.
+                    self._called_at = now
                     wake_engine()
+                if wanted:
+                    sleep_s = min(sleep_s, REWAKE_S)
                 if not self._stop.is_set():
                     wait_readable(fds, sleep_s)
 
@@ -424,7 +438,7 @@ class TierRuntime:
 
     def engine_stepped(self) -> None:
         """The engine called in: a wake-up has been taken."""
-        self._engine_active = False
+        self._called_at = None
 
     def close(self) -> None:
         """End every session (peers hear a Goodbye), stop the waker, close
