@@ -21,6 +21,7 @@ import math
 import os
 import select
 import socket
+import time
 from dataclasses import dataclass
 from typing import Final
 
@@ -78,11 +79,15 @@ class Inbound:
 
 def wait_readable(fds: list[int], timeout_s: float) -> None:
     """Sleep until one of ``fds`` is readable (or closed) or ``timeout_s``
-    passes (see :meth:`ControlTransport.readiness_fds`)."""
+    passes (see :meth:`ControlTransport.readiness_fds`). If the kernel
+    refuses a descriptor, it sleeps the whole timeout: never a spin."""
     poller = select.poll()
-    for fd in fds:
-        poller.register(fd, select.POLLIN)
-    poller.poll(max(0, math.ceil(timeout_s * 1000)))
+    try:
+        for fd in fds:
+            poller.register(fd, select.POLLIN)
+        poller.poll(max(0, math.ceil(timeout_s * 1000)))
+    except (OSError, ValueError):
+        time.sleep(timeout_s)
 
 
 class ControlTransport:
@@ -183,15 +188,22 @@ class ControlTransport:
         unusable (queue full or peer unknown) and its session must close."""
         try:
             if conn.startswith("in:"):
+                sock = self._router
                 ident = bytes.fromhex(conn[3:])
                 for frame in frames:
-                    self._router.send_multipart([ident, frame], flags=zmq.NOBLOCK)
+                    sock.send_multipart([ident, frame], flags=zmq.NOBLOCK)
             else:
-                sock = self._dealers.get(conn)
-                if sock is None:
+                found = self._dealers.get(conn)
+                if found is None:
                     return False
+                sock = found
                 for frame in frames:
                     sock.send(frame, flags=zmq.NOBLOCK)
+            if int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                # A send may take the edge of ZMQ_FD that a frame arriving
+                # meanwhile raised: a thread asleep on that descriptor
+                # (the waker) would not see the frame. The wake pipe says it.
+                self.wake()
         except zmq.ZMQError:
             self.dropped_sends += 1
             return False

@@ -400,11 +400,8 @@ class TierRuntime:
 
         def run() -> None:
             while not self._stop.is_set():
-                if not self.lock.acquire(blocking=False):
-                    # The engine is in the tier and sees everything; its
-                    # sockets may stay readable meanwhile, so no fd wait.
-                    self._stop.wait(interval_s)
-                    continue
+                if not self.lock.acquire(timeout=interval_s):
+                    continue  # the engine stayed in the tier: it sees everything
                 try:
                     self.poll(wait=False)
                     m = self.manager

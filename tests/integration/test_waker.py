@@ -18,6 +18,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from p2p_kv.control import wait_readable
 from p2p_kv.standalone import StandalonePeer, make_key
 
 #: Far longer than any answer may take: an answer in time can only come
@@ -108,3 +109,18 @@ def test_close_ends_the_wakers_sleep_at_once_and_is_idempotent(
     waker = producer.runtime._waker
     assert waker is not None and not waker.is_alive()
     producer.runtime.close()  # the fixture closes it again, too
+
+
+def test_wait_readable_ends_on_a_readable_fd_and_never_spins_on_a_bad_one() -> None:
+    r, w = os.pipe()
+    try:
+        os.write(w, b"!")
+        t0 = time.monotonic()
+        wait_readable([r], TICK_S)
+        assert time.monotonic() - t0 < IN_TIME_S
+        t0 = time.monotonic()
+        wait_readable([-1], 0.05)  # refused: slept, not raised, not returned
+        assert time.monotonic() - t0 >= 0.05
+    finally:
+        os.close(r)
+        os.close(w)
