@@ -128,7 +128,10 @@ def test_slow_link_and_delayed_control_still_fetch(world: World) -> None:
         f"\n2 MiB fetch: {1e3 * base['total_s']:.0f} ms on a clear link, "
         f"{1e3 * out['total_s']:.0f} ms at 20 Mbit/s + 30-40 ms control delay"
     )
-    assert (out["hits"], out["ok"], out["bad_slots"]) == (32, True, []), out
+    assert (out["hits"], out["ok"], out["bad_slots"]) == (32, True, []), (
+        out,
+        world.cons.stderr_tail(),
+    )
     # 2 MiB at 20 Mbit/s is 0.84 s: the bytes really crossed the shaped link
     assert out["total_s"] > 0.8
     report = world.cons.call("report")
@@ -156,7 +159,7 @@ def test_partition_fails_in_flight_load_within_two_heartbeats(world: World) -> N
     end = time.monotonic() + 5
     while not w.events.read_text() and time.monotonic() < end:
         time.sleep(0.002)
-    assert w.events.read_text(), "no transfer went in flight"
+    assert w.events.read_text(), f"no transfer went in flight: {w.cons.stderr_tail()}"
     w.hosts.down(0)
     t_down = time.monotonic()
     try:
