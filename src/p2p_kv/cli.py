@@ -14,7 +14,16 @@ import importlib
 import sys
 from pathlib import Path
 
-BENCHES = ("step", "transfer", "raw_nixl", "ttft", "vs_intree", "fallback", "gpu")
+BENCHES = (
+    "step",
+    "transfer",
+    "raw_nixl",
+    "ttft",
+    "vs_intree",
+    "fallback",
+    "gpu",
+    "waker",
+)
 
 
 def _bench(name: str, rest: list[str]) -> int:

@@ -4,6 +4,7 @@ through an importable module; run as ``p2p_kv_bench`` it could not)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -41,3 +42,18 @@ def test_the_step_benchmark_settles_on_the_default_manager(tmp_path: Path) -> No
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     assert "idle after 10k served" in out.stdout, out.stdout[-2000:]
+
+
+def test_the_waker_benchmark_measures_all_three_producers(tmp_path: Path) -> None:
+    exe = Path(sys.executable).with_name("p2p-kv")
+    out = subprocess.run(
+        [str(exe), "bench", "waker", "--lookups", "5", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    rows = json.loads(out.stdout)
+    assert set(rows) == {"stepping", "waker", "tick"}, rows
+    assert all(r["lookups"] == 5 and r["median_ms"] > 0 for r in rows.values()), rows
