@@ -292,9 +292,18 @@ class CudaCopier:
         self._torch: Any = torch
         self._dst = region.view(torch.uint8).reshape(-1)
         self._device = region.device
+        self._device_index: int = region.device.index
         self._streams = [
             torch.cuda.Stream(device=region.device)  # type: ignore[no-untyped-call]
             for _ in range(BATCH_STREAMS)
+        ]
+        #: one event per side stream, recorded when its share of a batch is
+        #: queued and waited for by the first stream; reused, since a wait
+        #: takes the event's record as of the call (``wait_stream`` made a
+        #: new event each time)
+        self._joins = [
+            torch.cuda.Event()  # type: ignore[no-untyped-call]
+            for _ in self._streams[1:]
         ]
         self._bb = block_bytes
         #: id(host mapping) -> its pages as a tensor, for each host region
@@ -339,24 +348,36 @@ class CudaCopier:
         """Copies end by their events, which the transport has waited for."""
 
     def copy(self, src: PeerMapping | CudaIpcMapping, plan: WritePlan) -> CopyInFlight:
+        """Queue the plan's runs and return at once. The CUDA calls name
+        their streams, so only torch's own copies switch the current
+        stream (a switch cost tens of microseconds ahead of the first
+        copy)."""
         torch = self._torch
-        with torch.cuda.stream(self._streams[0]):
-            try:
-                if self._batch is not None and len(plan.counts) > 1:
-                    self._queue_batch(src.addr, plan)
-                elif self._memcpy is not None:
-                    self._queue_direct(src.addr, plan.runs())
-                else:
+        main = self._streams[0]
+        try:
+            if self._batch is None and self._memcpy is None:
+                with torch.cuda.stream(main):
                     self._queue_torch(self._src[id(src)], plan.runs())
-            except BaseException:
-                # The caller fails the load and may reuse its slots at once:
-                # nothing queued before the error may land after it.
-                for stream in self._streams:
-                    stream.synchronize()
-                raise
-            event = torch.cuda.Event()
-            event.record(self._streams[0])
+            elif torch.cuda.current_device() == self._device_index:
+                self._queue_cudart(src.addr, plan)
+            else:  # a caller on another device: the runtime wants ours
+                with torch.cuda.device(self._device_index):
+                    self._queue_cudart(src.addr, plan)
+        except BaseException:
+            # The caller fails the load and may reuse its slots at once:
+            # nothing queued before the error may land after it.
+            for stream in self._streams:
+                stream.synchronize()
+            raise
+        event = torch.cuda.Event()
+        event.record(main)
         return CopyInFlight(event)
+
+    def _queue_cudart(self, src_addr: int, plan: WritePlan) -> None:
+        if self._batch is not None and len(plan.counts) > 1:
+            self._queue_batch(src_addr, plan)
+        else:
+            self._queue_direct(src_addr, plan.runs())
 
     def _queue_batch(self, src_addr: int, plan: WritePlan) -> None:
         """The runs in one call per stream, up to :data:`BATCH_STREAMS`
@@ -364,20 +385,21 @@ class CudaCopier:
         stream waiting for the others. The pointer arrays are read inside
         each call; the sources, in stream order (pinned)."""
         bb = np.uint64(self._bb)
-        dsts = np.uint64(self._dst_addr) + np.asarray(plan.src_starts, np.uint64) * bb
-        srcs = np.uint64(src_addr) + np.asarray(plan.dst_starts, np.uint64) * bb
+        dsts = np.asarray(plan.src_starts, np.uint64) * bb + np.uint64(self._dst_addr)
+        srcs = np.asarray(plan.dst_starts, np.uint64) * bb + np.uint64(src_addr)
         sizes = np.asarray(plan.counts, np.uint64) * bb
         attrs = _MemcpyAttributes(_SRC_ORDER_STREAM)
         first = ctypes.c_size_t(0)  # attrs[0] applies from copy 0 on
         fail = ctypes.c_size_t(0)
         extra = [ctypes.addressof(fail)] if len(self._batch.argtypes) == 9 else []
         main = self._streams[0]
-        slices = batch_slices(len(sizes), len(self._streams))
-        for stream, (lo, hi) in zip(self._streams, slices, strict=False):
+        dst0, src0, size0 = (a.ctypes.data for a in (dsts, srcs, sizes))
+        for i, (lo, hi) in enumerate(batch_slices(len(sizes), len(self._streams))):
+            stream = self._streams[i]
             rc = self._batch(
-                dsts[lo:].ctypes.data,
-                srcs[lo:].ctypes.data,
-                sizes[lo:].ctypes.data,
+                dst0 + 8 * lo,
+                src0 + 8 * lo,
+                size0 + 8 * lo,
                 hi - lo,
                 ctypes.addressof(attrs),
                 ctypes.addressof(first),
@@ -387,12 +409,13 @@ class CudaCopier:
             )
             if rc != 0:
                 raise OSError(f"cudaMemcpyBatchAsync failed: CUDA error {rc}")
-            if stream is not main:
-                main.wait_stream(stream)
+            if i:
+                join = self._joins[i - 1]
+                join.record(stream)
+                main.wait_event(join)
 
     def _queue_direct(self, src_addr: int, runs: list[tuple[int, int, int]]) -> None:
-        """One ``cudaMemcpyAsync`` per run on our side stream (the current
-        device is the region's, set by ``torch.cuda.stream``)."""
+        """One ``cudaMemcpyAsync`` per run on our side stream."""
         memcpy, bb, dst = self._memcpy, self._bb, self._dst_addr
         stream = self._streams[0].cuda_stream
         for ls, rs, n in runs:
