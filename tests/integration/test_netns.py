@@ -113,7 +113,11 @@ def test_fetch_across_namespaces_is_byte_exact(world: World) -> None:
 
 
 def test_slow_link_and_delayed_control_still_fetch(world: World) -> None:
-    keys, slots = list(range(32)), list(range(32, 64))
+    # 1 MiB: 0.42 s at 20 Mbit/s, a third of the 1.5 s a READ may take
+    # under a 2 s pin lifetime. 2 MiB took 0.92 s and once, in a full run
+    # on two busy cores, finished past that window: refused as late, with
+    # every byte right.
+    keys, slots = list(range(16)), list(range(32, 48))
     base = fetch(world, world.prod, "slow-base", keys, slots)
     assert base["ok"] and base["bad_slots"] == [], base
     world.hosts.shape(0, "20mbit")
@@ -125,15 +129,15 @@ def test_slow_link_and_delayed_control_still_fetch(world: World) -> None:
         world.hosts.unshape(0)
         world.cons.call("faults", control={}, data=None)
     print(
-        f"\n2 MiB fetch: {1e3 * base['total_s']:.0f} ms on a clear link, "
+        f"\n1 MiB fetch: {1e3 * base['total_s']:.0f} ms on a clear link, "
         f"{1e3 * out['total_s']:.0f} ms at 20 Mbit/s + 30-40 ms control delay"
     )
-    assert (out["hits"], out["ok"], out["bad_slots"]) == (32, True, []), (
+    assert (out["hits"], out["ok"], out["bad_slots"]) == (16, True, []), (
         out,
         world.cons.stderr_tail(),
     )
-    # 2 MiB at 20 Mbit/s is 0.84 s: the bytes really crossed the shaped link
-    assert out["total_s"] > 0.8
+    # 1 MiB at 20 Mbit/s is 0.42 s: the bytes really crossed the shaped link
+    assert out["total_s"] > 0.4
     report = world.cons.call("report")
     assert report["faults"]["control"]["delayed"] > 0
     settled(world.cons)
