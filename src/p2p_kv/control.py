@@ -21,6 +21,7 @@ import math
 import os
 import select
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from typing import Final
@@ -78,15 +79,19 @@ class Inbound:
 
 
 def wait_readable(fds: list[int], timeout_s: float) -> None:
-    """Sleep until one of ``fds`` is readable (or closed) or ``timeout_s``
-    passes (see :meth:`ControlTransport.readiness_fds`). If the kernel
-    refuses a descriptor, it sleeps the whole timeout: never a spin."""
+    """Sleep until one of ``fds`` is readable (or its peer hung up) or
+    ``timeout_s`` passes (see :meth:`ControlTransport.readiness_fds`). A
+    descriptor the kernel refuses, or one closed under us (poll reports it
+    at once, every time), makes it sleep the whole timeout: never a spin."""
     poller = select.poll()
     try:
         for fd in fds:
             poller.register(fd, select.POLLIN)
-        poller.poll(max(0, math.ceil(timeout_s * 1000)))
+        events = poller.poll(max(0, math.ceil(timeout_s * 1000)))
     except (OSError, ValueError):
+        time.sleep(timeout_s)
+        return
+    if any(ev & select.POLLNVAL for _, ev in events):
         time.sleep(timeout_s)
 
 
@@ -128,6 +133,7 @@ class ControlTransport:
         # A self-pipe lets another thread (an engine driver with new work)
         # cut an idle wait short.
         self._wake_r, self._wake_w = os.pipe()
+        self._wake_lock = threading.Lock()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._poller.register(self._wake_r, zmq.POLLIN)
@@ -186,27 +192,32 @@ class ControlTransport:
     def send(self, conn: str, frames: list[bytes]) -> bool:
         """Queue frames without blocking; False means the connection is
         unusable (queue full or peer unknown) and its session must close."""
+        if conn.startswith("in:"):
+            sock = self._router
+        else:
+            found = self._dealers.get(conn)
+            if found is None:
+                return False
+            sock = found
         try:
-            if conn.startswith("in:"):
-                sock = self._router
+            if sock is self._router:
                 ident = bytes.fromhex(conn[3:])
                 for frame in frames:
                     sock.send_multipart([ident, frame], flags=zmq.NOBLOCK)
             else:
-                found = self._dealers.get(conn)
-                if found is None:
-                    return False
-                sock = found
                 for frame in frames:
                     sock.send(frame, flags=zmq.NOBLOCK)
-            if int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-                # A send may take the edge of ZMQ_FD that a frame arriving
-                # meanwhile raised: a thread asleep on that descriptor
-                # (the waker) would not see the frame. The wake pipe says it.
-                self.wake()
         except zmq.ZMQError:
             self.dropped_sends += 1
             return False
+        finally:
+            # A send, refused ones included, may take the edge of ZMQ_FD
+            # that a frame arriving meanwhile raised: a thread asleep on
+            # that descriptor (the waker) would not see the frame. The wake
+            # pipe says it.
+            with contextlib.suppress(zmq.ZMQError):
+                if int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                    self.wake()
         return True
 
     def poll(self, timeout_s: float) -> list[Inbound]:
@@ -285,9 +296,12 @@ class ControlTransport:
         return woken
 
     def wake(self) -> None:
-        """End a wait in :meth:`poll` now; safe from any thread."""
-        with contextlib.suppress(BlockingIOError, OSError):
-            os.write(self._wake_w, b"!")
+        """End a wait in :meth:`poll` now; safe from any thread, also
+        after :meth:`close` (then it does nothing: the pipe's number may
+        already name somebody else's file)."""
+        with self._wake_lock, contextlib.suppress(BlockingIOError, OSError):
+            if self._wake_w >= 0:
+                os.write(self._wake_w, b"!")
 
     def close_conn(self, conn: str) -> None:
         if conn.startswith("in:"):
@@ -311,6 +325,8 @@ class ControlTransport:
             self.close_conn(conn)
         self._poller.unregister(self._router)
         self._router.close(linger=0)
-        for fd in (self._wake_r, self._wake_w):
+        with self._wake_lock:
+            fds, self._wake_r, self._wake_w = (self._wake_r, self._wake_w), -1, -1
+        for fd in fds:
             with contextlib.suppress(OSError):
                 os.close(fd)

@@ -124,29 +124,38 @@ class TierRuntime:
         now = self.clock()
         if not (wait if wait is not None else self.may_wait()):
             self._idle_streak = 0
-            self._receive(0.0)
-        else:
-            backoff = 0.002 * (2 ** min(self._idle_streak, 10))
-            self._idle_streak += 1
-            self.waits += 1
-            # With live requests every one of them waits on a peer whose
-            # reply wakes us anyway; keep the cap short so a new request is
-            # not held up. With none, the engine is idle: wait the longest.
-            cap = self.idle_wait_s if self.live_requests == 0 else self.busy_wait_s
-            end = now + min(cap, backoff)
-            while True:
-                due = min(end, self.manager.next_deadline())
-                if self._receive(max(0.0, due - self.clock())):
+            self._sweep()
+            return
+        backoff = 0.002 * (2 ** min(self._idle_streak, 10))
+        self._idle_streak += 1
+        self.waits += 1
+        # With live requests every one of them waits on a peer whose
+        # reply wakes us anyway; keep the cap short so a new request is
+        # not held up. With none, the engine is idle: wait the longest.
+        cap = self.idle_wait_s if self.live_requests == 0 else self.busy_wait_s
+        end = now + min(cap, backoff)
+        while True:
+            due = min(end, self.manager.next_deadline())
+            if self._receive(max(0.0, due - self.clock())):
+                break
+            now = self.clock()
+            if now >= self.manager.next_deadline():
+                # Heartbeats and deadlines need no engine step, unless
+                # they produced something the engine must see.
+                self.pump()
+                if self.manager.results_ready():
                     break
-                now = self.clock()
-                if now >= self.manager.next_deadline():
-                    # Heartbeats and deadlines need no engine step, unless
-                    # they produced something the engine must see.
-                    self.pump()
-                    if self.manager.results_ready():
-                        break
-                if now >= end:
-                    break
+            if now >= end:
+                break
+        self._progress()
+
+    def _sweep(self) -> None:
+        """Take what is there without waiting. The waker's pass: it leaves
+        the engine's own idle backoff alone."""
+        self._receive(0.0)
+        self._progress()
+
+    def _progress(self) -> None:
         if self._xfers or self.data.in_flight():
             self._take_completions()
         self.data.poll_notifs()
@@ -399,39 +408,63 @@ class TierRuntime:
         self.has_waker = True
 
         def run() -> None:
-            while not self._stop.is_set():
-                if not self.lock.acquire(timeout=interval_s):
-                    continue  # the engine stayed in the tier: it sees everything
-                try:
-                    self.poll(wait=False)
-                    m = self.manager
-                    wanted = m.has_lookups_to_serve or m.results_ready()
-                    fds = self.control.readiness_fds()
-                    due_s = m.next_deadline() - self.clock()
-                    # At least 1 ms: a deadline the poll did not clear must
-                    # not turn this into a spin.
-                    sleep_s = max(0.001, min(interval_s, due_s))
-                except Exception:  # never kill the thread: the engine polls too
-                    log.exception("p2p_kv: waker poll failed")
-                    wanted, fds, sleep_s = False, [], interval_s
-                finally:
-                    self.lock.release()
-                now = self.clock()
-                if not wanted:
-                    self._called_at = None  # whatever was wanted is done
-                elif self._called_at is None or now - self._called_at >= REWAKE_S:
-                    # Again if the engine has not come: a call it took
-                    # without stepping (it was just finishing a step of its
-                    # own) must not leave the lookup unserved for good.
-                    self._called_at = now
-                    wake_engine()
-                if wanted:
-                    sleep_s = min(sleep_s, REWAKE_S)
-                if not self._stop.is_set():
-                    wait_readable(fds, sleep_s)
+            failing = False  # log a failure once, not every tick
+            try:
+                while not self._stop.is_set():
+                    if not self.lock.acquire(timeout=interval_s):
+                        continue  # the engine stayed in the tier: it sees everything
+                    try:
+                        if self._stop.is_set():
+                            break  # close() took over; the transports may be gone
+                        wanted, fds, sleep_s = self._waker_sweep(interval_s)
+                        failing = False
+                    except Exception:
+                        # When in doubt, hand it to the engine: its own
+                        # step may get past what failed here.
+                        log.log(
+                            logging.DEBUG if failing else logging.ERROR,
+                            "p2p_kv: waker poll failed",
+                            exc_info=True,
+                        )
+                        failing = True
+                        wanted, fds, sleep_s = True, [], interval_s
+                    finally:
+                        self.lock.release()
+                    now = self.clock()
+                    if not wanted:
+                        self._called_at = None  # whatever was wanted is done
+                    elif self._called_at is None or now - self._called_at >= REWAKE_S:
+                        # Again if the engine has not come: a call it took
+                        # without stepping (it was just finishing a step of
+                        # its own) must not leave the lookup unserved.
+                        self._called_at = now
+                        try:
+                            wake_engine()
+                        except Exception:
+                            log.exception("p2p_kv: waking the engine failed")
+                    if wanted:
+                        sleep_s = min(sleep_s, REWAKE_S)
+                    if not self._stop.is_set():
+                        wait_readable(fds, sleep_s)
+            finally:
+                # Whatever ended the thread, the engine must keep the tier
+                # alive by stepping again (may_wait, has_pending_work).
+                self.has_waker = False
 
         self._waker = threading.Thread(target=run, name="p2p_kv-waker", daemon=True)
         self._waker.start()
+
+    def _waker_sweep(self, interval_s: float) -> tuple[bool, list[int], float]:
+        """One pass of the waker under :attr:`lock`: whether the engine is
+        wanted, the descriptors to sleep on, and for how long at most."""
+        self._sweep()
+        m = self.manager
+        wanted = m.has_lookups_to_serve or m.results_ready()
+        fds = self.control.readiness_fds()
+        due_s = m.next_deadline() - self.clock()
+        # At least 1 ms: a deadline the poll did not clear must not turn
+        # this into a spin.
+        return wanted, fds, max(0.001, min(interval_s, due_s))
 
     def engine_stepped(self) -> None:
         """The engine called in: a wake-up has been taken."""

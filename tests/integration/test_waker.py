@@ -18,24 +18,30 @@ from collections.abc import Iterator
 
 import pytest
 
-from p2p_kv.control import wait_readable
+from p2p_kv.control import ControlTransport, wait_readable
+from p2p_kv.session import Timeouts
 from p2p_kv.standalone import StandalonePeer, make_key
 
 #: Far longer than any answer may take: an answer in time can only come
 #: from a waker that woke on the frame, not on its timer.
 TICK_S = 5.0
 IN_TIME_S = 2.0
+#: The producer's own heartbeats would end the waker's sleep every 0.5 s
+#: (a deadline): so rare here that only a frame can wake it in time.
+QUIET = Timeouts(heartbeat_interval_s=10.0, silence_s=30.0)
 
 
 class SleepingEngine:
     """A producer engine that steps only when its tier's waker asks."""
 
-    def __init__(self, peer: StandalonePeer, lose: int = 0) -> None:
+    def __init__(self, peer: StandalonePeer, lose: int = 0, fail: int = 0) -> None:
         self.peer = peer
         self.calls = 0
         #: calls taken without stepping: as when the call comes while the
         #: engine ends a step of its own and then finds nothing pending
         self.lose = lose
+        #: calls that raise, as a call into a closing engine queue may
+        self.fail = fail
         self._called = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -43,6 +49,8 @@ class SleepingEngine:
 
     def wake(self) -> None:  # the waker's callback: vLLM's empty abort
         self.calls += 1
+        if self.calls <= self.fail:
+            raise RuntimeError("engine queue shut down")
         if self.calls > self.lose:
             self._called.set()
 
@@ -60,16 +68,19 @@ class SleepingEngine:
         self._thread.join(2.0)
 
 
-@pytest.fixture(params=[0, 2], ids=["calls-taken", "calls-lost"])
+@pytest.fixture(
+    params=[(0, 0), (2, 0), (0, 2)], ids=["calls-taken", "calls-lost", "calls-raise"]
+)
 def pair(
     request: pytest.FixtureRequest,
 ) -> Iterator[tuple[StandalonePeer, StandalonePeer, SleepingEngine]]:
     pid = os.getpid()
-    producer = StandalonePeer(16, 4096, engine_id=f"waker-p-{pid}")
+    producer = StandalonePeer(16, 4096, engine_id=f"waker-p-{pid}", timeouts=QUIET)
     consumer = StandalonePeer(16, 4096, engine_id=f"waker-c-{pid}")
     for slot in range(8):
         producer.pinner.table[make_key(slot)] = slot
-    engine = SleepingEngine(producer, lose=request.param)
+    lose, fail = request.param
+    engine = SleepingEngine(producer, lose=lose, fail=fail)
     producer.runtime.start_waker(engine.wake, interval_s=TICK_S)
     try:
         yield producer, consumer, engine
@@ -92,10 +103,12 @@ def test_a_lookup_calls_the_sleeping_engine_in_when_it_arrives(
         assert out.ok and out.hits == 2, out
         # The first fetch also carries the handshake, which the waker
         # answers by itself (no engine step needed). A call the engine
-        # lost is made again (REWAKE_S), not left pending for good.
+        # lost, or one that raised, is made again (REWAKE_S), not left
+        # pending for good.
         assert took < IN_TIME_S, f"fetch {i} took {took:.2f} s (tick {TICK_S} s)"
     assert engine.calls >= 3  # one serve window per lookup at least
-    assert producer.runtime.waits == 0  # the engine itself never waited
+    waker = producer.runtime._waker
+    assert waker is not None and waker.is_alive()
 
 
 def test_close_ends_the_wakers_sleep_at_once_and_is_idempotent(
@@ -111,6 +124,29 @@ def test_close_ends_the_wakers_sleep_at_once_and_is_idempotent(
     producer.runtime.close()  # the fixture closes it again, too
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_waker_that_dies_hands_the_tier_back_to_the_engine() -> None:
+    peer = StandalonePeer(4, 4096, engine_id=f"waker-dies-{os.getpid()}")
+    try:
+        rt = peer.runtime
+
+        def fatal() -> None:
+            raise SystemExit  # not an Exception: nothing in the loop takes it
+
+        with rt.lock:
+            rt.start_waker(fatal, interval_s=0.01)
+            rt.manager.results_ready = lambda: True  # type: ignore[method-assign]
+        assert rt.has_waker
+        assert rt._waker is not None
+        rt._waker.join(IN_TIME_S)
+        assert not rt._waker.is_alive()
+        # may_wait and the adapter's has_pending_work read this: the engine
+        # steps by itself again instead of waiting on a waker that is gone.
+        assert not rt.has_waker
+    finally:
+        peer.close()
+
+
 def test_wait_readable_ends_on_a_readable_fd_and_never_spins_on_a_bad_one() -> None:
     r, w = os.pipe()
     try:
@@ -124,3 +160,35 @@ def test_wait_readable_ends_on_a_readable_fd_and_never_spins_on_a_bad_one() -> N
     finally:
         os.close(r)
         os.close(w)
+    # Closed under us: poll reports POLLNVAL at once, every time.
+    t0 = time.monotonic()
+    wait_readable([r], 0.2)
+    assert time.monotonic() - t0 >= 0.2
+
+
+@pytest.mark.parametrize("refused", [False, True], ids=["sent", "refused"])
+def test_a_frame_that_arrives_as_we_send_still_ends_the_wakers_sleep(
+    refused: bool,
+) -> None:
+    """Any call on a ZeroMQ socket, a send included (one refused too), may
+    take the edge of its ``ZMQ_FD`` that an unread frame raised; the frame
+    must still end a sleep on :meth:`ControlTransport.readiness_fds`."""
+    a = ControlTransport("127.0.0.1", 0)
+    b = ControlTransport("127.0.0.1", 0)
+    try:
+        b.connect(a.address)
+        assert b.send(a.address, [b"hello"])
+        inbound = a.poll(IN_TIME_S)
+        assert inbound and inbound[0].new
+        conn = inbound[0].conn
+        assert b.send(a.address, [b"unread"])
+        time.sleep(0.2)  # it has reached a's queue: a's ZMQ_FD is raised
+        target = "in:" + "ab" * 5 if refused else conn
+        assert a.send(target, [b"reply"]) is not refused
+        t0 = time.monotonic()
+        wait_readable(a.readiness_fds(), TICK_S)
+        assert time.monotonic() - t0 < IN_TIME_S
+        assert any(x.frame == b"unread" for x in a.poll(0.0))
+    finally:
+        a.close()
+        b.close()
