@@ -479,6 +479,9 @@ class TierRuntime:
         self.control.wake()  # ends the waker's sleep
         if self._waker is not None:
             self._waker.join(2.0)
+            if self._waker.is_alive():
+                # It stops at its next pass (it checks _stop under the lock).
+                log.warning("p2p_kv: the waker did not stop within 2 s")
         with self.lock:
             self.manager.close_all("shutdown")
             self.pump()
