@@ -853,7 +853,10 @@ class Session:
                 continue
             if load.state is State.READ_CANCELLING:
                 self.cancelled_reads.append(job_id)
-            self._arm(load, now + self.timeouts.abort_ack_s)
+            # The ack comes once the transfer it fences has settled, which
+            # may take as long as the transfer was given: only a peer silent
+            # past that is unhealthy (and closing it fails every load).
+            self._arm(load, max(load.deadline, now) + self.timeouts.abort_ack_s)
         # The peer pins hits when it answers a lookup and releases them on a
         # fetch, on our Abort or at its pin deadline. Which came first is
         # unknowable here; an Abort is cheap and always safe.

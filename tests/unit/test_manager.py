@@ -147,6 +147,33 @@ def test_late_failure_after_finish_timeout_path() -> None:
     assert b.manager.failed_ids() == frozenset()
 
 
+def test_aborting_one_request_waits_out_its_write_and_spares_the_others() -> None:
+    """The producer acknowledges an Abort once the write it fences has
+    settled, which may take as long as the write's own deadline: a shorter
+    wait closed the whole session and failed every sibling load."""
+    t = Timeouts(fetch_floor_s=3.0, abort_ack_s=0.5, heartbeat_interval_s=0.2)
+    net = make_net(timeouts=t)
+    probe(net, "r1", "kv1")
+    probe(net, "r2", "kv2")
+    net.hold_writes = True
+    j1 = load(net, "r1", [1, 2, 3, 4])
+    j2 = load(net, "r2", [11, 12, 13, 14])
+    net.run(2)
+    b = net.engines["b"]
+    b.manager.on_request_finished("r1", net.now)
+    wait(net, 1.5)  # past abort_ack_s, well inside the writes' 3 s deadline
+    net.hold_writes = False
+    net.run()
+    collect_all(net)
+    assert [r.success for r in b.results[j2]] == [True]
+    assert len(b.results[j1]) == 1
+    assert not any(s.close_reason for s in b.manager.sessions())
+    assert b.manager.failed_ids() == frozenset()
+    b.manager.on_request_finished("r2", net.now)
+    net.run()
+    assert_drained(net)
+
+
 def test_session_close_fails_loads_but_not_finished_ids() -> None:
     net = make_net()
     probe(net, "r1", "kv1")
