@@ -164,6 +164,7 @@ class _Job:
     req_id: str
     peer: str = ""  # load jobs: the source peer
     submitted: float = 0.0
+    gen: int = -1  # load jobs: the request's generation when submitted
 
 
 @dataclass(frozen=True, slots=True)
@@ -313,7 +314,8 @@ class LoadManager:
     ) -> None:
         consumer = self._consumers.get(req_id)
         peer = consumer.source.peer if consumer is not None else ""
-        self._register_job(job_id, "load", req_id, peer, now)
+        gen = consumer.gen if consumer is not None else -1
+        self._register_job(job_id, "load", req_id, peer, now, gen)
         if not keys:
             self._results.append(LoadResult(job_id, -1, True))
             return
@@ -449,11 +451,17 @@ class LoadManager:
             self._results.extend(session.take_store_results())
 
     def _register_job(
-        self, job_id: int, kind: str, req_id: str, peer: str = "", now: float = 0.0
+        self,
+        job_id: int,
+        kind: str,
+        req_id: str,
+        peer: str = "",
+        now: float = 0.0,
+        gen: int = -1,
     ) -> None:
         if job_id in self._jobs:
             raise ValueError(f"job {job_id} submitted twice")
-        self._jobs[job_id] = _Job(kind, req_id, peer, now)
+        self._jobs[job_id] = _Job(kind, req_id, peer, now, gen)
 
     # ------------------------------------------------------------------
     # serve window (producer answers lookups against the engine)
@@ -785,10 +793,18 @@ class LoadManager:
     def waiting_requests(self) -> int:
         """Live consumer requests blocked on us (an unanswered lookup or a
         load in flight): when every live request is, the engine is idle."""
-        waiting = {j.req_id for j in self._jobs.values() if j.kind == "load"}
-        waiting.update(
-            c.req_id for c in self._consumers.values() if c.unsent or c.asked
-        )
+        consumers = self._consumers
+        # A finished request's load may still be settling (its abort, its
+        # fence): it blocks nobody, and its id may already name a new
+        # request that computes.
+        waiting = {
+            j.req_id
+            for j in self._jobs.values()
+            if j.kind == "load"
+            and (c := consumers.get(j.req_id)) is not None
+            and c.gen == j.gen
+        }
+        waiting.update(c.req_id for c in consumers.values() if c.unsent or c.asked)
         return len(waiting)
 
     def has_pending_work(self) -> bool:

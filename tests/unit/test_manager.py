@@ -130,6 +130,30 @@ def test_failure_buffered_before_finish_is_not_recorded_after_finish() -> None:
     assert b.manager.failed_ids() == frozenset()
 
 
+def test_a_finished_requests_settling_load_keeps_nobody_waiting() -> None:
+    # Its abort may take a while to settle; meanwhile the engine computes
+    # other requests, one of them under the same id, and must not block on
+    # its sockets for them (may_wait compares this with live requests).
+    net = make_net()
+    b = net.engines["b"].manager
+    probe(net, "r1", "kv1")
+    net.hold_writes = True
+    job = load(net, "r1", [1, 2, 3, 4])
+    net.run(2)
+    assert b.waiting_requests() == 1  # its load is in flight
+    b.on_request_finished("r1", net.now)
+    assert b.waiting_requests() == 0
+    b.on_new_request("r1", net.roles("a", "kv9"), net.now)  # the id, reused
+    assert b.waiting_requests() == 0
+    net.hold_writes = False
+    net.run()
+    collect_all(net)
+    assert len(net.engines["b"].results[job]) == 1
+    b.on_request_finished("r1", net.now)
+    net.run()
+    assert_drained(net)
+
+
 def test_late_failure_after_finish_timeout_path() -> None:
     t = Timeouts(fetch_floor_s=0.5, abort_ack_s=0.5, heartbeat_interval_s=0.2)
     net = make_net(timeouts=t)
