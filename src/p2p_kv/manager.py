@@ -48,6 +48,7 @@ from p2p_kv.session import (
     StoreResult,
     Timeouts,
     WriteOrder,
+    tally,
 )
 
 
@@ -407,9 +408,7 @@ class LoadManager:
                 continue
             if isinstance(result, LoadResult):
                 if not result.success:
-                    self.fallbacks[result.reason] = (
-                        self.fallbacks.get(result.reason, 0) + 1
-                    )
+                    tally(self.fallbacks, result.reason, "other")
                     consumer = self._by_gen.get(result.gen)
                     if (
                         not result.request_finished
@@ -522,7 +521,7 @@ class LoadManager:
         session.receive(msg, now)
         if session.refusal is not None:
             key = (peer, session.refusal.reason)
-            self.refusals[key] = self.refusals.get(key, 0) + 1
+            tally(self.refusals, key, ("other", session.refusal.reason))
         self._touch(session)
         if session.has_lookups_to_serve:
             self._to_serve.add(peer)
@@ -530,7 +529,7 @@ class LoadManager:
 
     def on_bad_frame(self, peer: str, reason: str) -> None:
         """A frame that did not decode: counted, the session goes on."""
-        self.protocol_errors[reason] = self.protocol_errors.get(reason, 0) + 1
+        tally(self.protocol_errors, reason, "other")
 
     def on_disconnected(self, peer: str, reason: str, now: float) -> None:
         session = self._sessions.get(peer)

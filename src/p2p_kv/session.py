@@ -31,7 +31,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from itertools import compress
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from p2p_kv.handshake import (
     HandshakeRefused,
@@ -353,6 +353,22 @@ class Serve(Tracked):
         return sum(len(p.slots) for p in self.pins)
 
 
+_K = TypeVar("_K")
+
+#: Distinct keys one tally keeps; any further key counts under an "other"
+#: key. Peers choose some keys (an Error's code, a TransferDone's reason, an
+#: inbound connection's name): uncapped, a peer could grow a table by one
+#: entry a frame.
+MAX_TALLY_KEYS = 64
+
+
+def tally(table: dict[_K, int], key: _K, other: _K) -> None:
+    """Count ``key`` in ``table``, or ``other`` once the table is full."""
+    if key not in table and len(table) >= MAX_TALLY_KEYS:
+        key = other
+    table[key] = table.get(key, 0) + 1
+
+
 @dataclass(slots=True)
 class SessionCounters:
     """Per-session tallies the manager exports as metrics."""
@@ -370,7 +386,7 @@ class SessionCounters:
     loads_fetched: int = 0
 
     def bump(self, table: dict[str, int], key: str) -> None:
-        table[key] = table.get(key, 0) + 1
+        tally(table, key, "other")
 
 
 class Session:

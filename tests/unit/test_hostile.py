@@ -26,7 +26,7 @@ from p2p_kv.protocol import (
     decode,
     encode,
 )
-from p2p_kv.session import Limits, Session, Timeouts
+from p2p_kv.session import MAX_TALLY_KEYS, Limits, Session, Timeouts
 
 from .memnet import NBLOCKS, Net, identity, key, payload
 
@@ -402,6 +402,22 @@ def test_error_from_peer_is_counted_and_changes_nothing() -> None:
     net.hold_writes = False
     net.run()
     expect_loaded(net, job, [5, 6, 7, 8])
+    finish(net, "r1")
+    healthy_request(net, "r2", "kv2", [30, 31, 32, 33])
+    assert_drained(net)
+
+
+def test_a_flood_of_distinct_error_codes_grows_no_table() -> None:
+    # The code is the peer's to choose: each new one was a new key for the
+    # life of the session.
+    net = make_net()
+    probe(net, "r1", "kv1")
+    for i in range(3 * MAX_TALLY_KEYS):
+        inject(net, "b", Error(code=f"junk-{i}"))
+    counted = errors(net, "b")
+    assert len(counted) == MAX_TALLY_KEYS + 1
+    assert counted["other"] == 2 * MAX_TALLY_KEYS
+    assert sum(counted.values()) == 3 * MAX_TALLY_KEYS
     finish(net, "r1")
     healthy_request(net, "r2", "kv2", [30, 31, 32, 33])
     assert_drained(net)
