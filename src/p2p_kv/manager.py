@@ -248,9 +248,20 @@ class LoadManager:
             self._me = self._me()
         return self._me
 
-    def on_new_request(self, req_id: str, roles: Roles, now: float) -> None:
-        if req_id in self._consumers or req_id in self._producers:
-            raise ValueError(f"request {req_id!r} is already live")
+    def on_new_request(self, req_id: str, roles: Roles, now: float) -> bool:
+        """Start a request; True if it replaced a live one of the same id.
+
+        vLLM may reuse an id whose request it aborted before that
+        request's end reaches the tier (with its id randomization off):
+        raising here would take the engine down, so the old request ends
+        first, as if finished (a finished request never enters the failed
+        set, and its loads are fenced by generation). The id's later
+        finish cannot say which request it meant; it ends this one, which
+        then recomputes: never wrong bytes."""
+        replaced = req_id in self._consumers or req_id in self._producers
+        if replaced:
+            tally(self.protocol_errors, "reused_live_id", "other")
+            self.on_request_finished(req_id, now)
         if roles.source is not None:
             consumer = Consumer(req_id, roles.source, next(self._gens))
             self._consumers[req_id] = consumer
@@ -261,6 +272,7 @@ class LoadManager:
             entry = self._parked.setdefault(roles.dest_kv_id, ParkedEntry())
             entry.live_producers += 1
             entry.producer_seen = True
+        return replaced
 
     def lookup(self, req_id: str, key: bytes) -> Answer:
         # vLLM calls this once per block, twice per block for a remote hit

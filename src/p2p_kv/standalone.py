@@ -180,8 +180,8 @@ class StandalonePeer:
                 }
             }
         )
-        self.runtime.live_requests += 1
-        self.manager.on_new_request(req_id, roles, self.runtime.clock())
+        if not self.manager.on_new_request(req_id, roles, self.runtime.clock()):
+            self.runtime.live_requests += 1
 
     def fetch(
         self,

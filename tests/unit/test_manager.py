@@ -154,6 +154,31 @@ def test_a_finished_requests_settling_load_keeps_nobody_waiting() -> None:
     assert_drained(net)
 
 
+def test_a_live_id_started_again_ends_the_old_request_first() -> None:
+    # vLLM with its id randomization off may add a request under the id of
+    # one it aborted before that one's finish reached the tier. Raising
+    # here would take the engine down.
+    net = make_net()
+    b = net.engines["b"].manager
+    probe(net, "r1", "kv1")
+    net.hold_writes = True
+    job = load(net, "r1", [1, 2, 3, 4])
+    net.run(2)
+    assert b.on_new_request("r1", net.roles("a", "kv2"), net.now) is True
+    assert b.protocol_errors == {"reused_live_id": 1}
+    assert b.lookup("r1", KEYS[0]) is Answer.RETRY  # a real lookup, anew
+    net.hold_writes = False
+    net.run()
+    assert b.lookup("r1", KEYS[0]) is Answer.HIT
+    collect_all(net)
+    assert len(net.engines["b"].results[job]) == 1
+    assert b.failed_ids() == frozenset()
+    b.on_request_finished("r1", net.now)
+    net.run()
+    collect_all(net)
+    assert_drained(net)
+
+
 def test_late_failure_after_finish_timeout_path() -> None:
     t = Timeouts(fetch_floor_s=0.5, abort_ack_s=0.5, heartbeat_interval_s=0.2)
     net = make_net(timeouts=t)

@@ -210,8 +210,14 @@ class P2PKVTier(SecondaryTierManager):
             log.warning("p2p_kv: request %s: %s; recomputing", req_context.req_id, exc)
             rt.manager.on_bad_frame("", "bad_kv_transfer_params")
             roles = Roles()
-        rt.live_requests += 1
-        rt.manager.on_new_request(req_context.req_id, roles, rt.clock())
+        if rt.manager.on_new_request(req_context.req_id, roles, rt.clock()):
+            log.warning(
+                "p2p_kv: request id %s reused while live: its earlier request "
+                "ends here",
+                req_context.req_id,
+            )
+        else:
+            rt.live_requests += 1
         if roles.dest_kv_id:
             return RequestOffloadingContext(policy=OffloadPolicy.REQUEST_LEVEL)
         return RequestOffloadingContext()
