@@ -356,6 +356,7 @@ class LoadManager:
             list(slots),
             self.me.block_bytes,
             now,
+            parked=not consumer.source.probe,
         )
         self._touch(session)
 

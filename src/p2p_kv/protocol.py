@@ -104,13 +104,20 @@ class LookupResp(_Msg, tag="lookup_resp", frozen=True):
 
 class Fetch(_Msg, tag="fetch", frozen=True):
     """Consumer asks the producer to WRITE the blocks of ``keys`` into the
-    consumer's primary-tier ``slots`` (parallel lists)."""
+    consumer's primary-tier ``slots`` (parallel lists).
+
+    ``parked``: the blocks may be a disaggregated prefill's parked stores,
+    which may come after this Fetch; the producer waits for them. False
+    when a lookup came first: only its pins can serve the Fetch, and a
+    producer that no longer holds them (their lifetime ended, a cache
+    reset, a reconnect) says so at once instead of waiting."""
 
     req: ReqId
     gen: Gen
     job: Gen
     keys: Keys
     slots: Slots
+    parked: bool = True
 
 
 class TransferDone(_Msg, tag="transfer_done", frozen=True):

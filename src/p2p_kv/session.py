@@ -734,10 +734,13 @@ class Session:
         slots: list[int],
         block_bytes: int,
         now: float,
+        *,
+        parked: bool = True,
     ) -> None:
         """Load ``keys`` into our ``slots`` (one load job): READ them if the
         peer offered all of them and the offer is still good, else ask the
-        peer to WRITE them."""
+        peer to WRITE them (from parked stores, if ``parked``: no lookup
+        came first)."""
         nbytes = len(keys) * block_bytes
         if job_id in self._loads:
             raise ValueError(f"load job {job_id} submitted twice")
@@ -770,7 +773,9 @@ class Session:
             initial, read_until = State.READ_QUEUED, offer.valid_until
             self.counters.loads_read += 1
         else:
-            fetch = Fetch(req=req, gen=gen, job=job_id, keys=keys, slots=slots)
+            fetch = Fetch(
+                req=req, gen=gen, job=job_id, keys=keys, slots=slots, parked=parked
+            )
             initial = State.FETCH_POSTED if self.ready else State.QUEUED
             offer, read_until = None, 0.0
             self.counters.loads_fetched += 1
@@ -1060,6 +1065,12 @@ class Session:
             )
             return
         serve = self._serves.get((msg.req, msg.gen))
+        if serve is None and not msg.parked:
+            # A lookup came first, and its pins are gone: nothing of ours
+            # will ever serve this.
+            self.counters.bump(self.counters.failures, "fetch_not_pinned")
+            self._send(TransferDone(msg.req, msg.gen, msg.job, False, "not pinned"))
+            return
         if serve is None:
             if len(self._serves) >= self.limits.max_serves:
                 self._send(TransferDone(msg.req, msg.gen, msg.job, False, "busy"))

@@ -63,6 +63,7 @@ SAMPLES: list[Any] = [
     Revoke(req="req-1", gen=3),
     Fetch(req="req-1", gen=3, job=42, keys=[K1, K2], slots=[7, 0]),
     Fetch(req="req-1", gen=2**63 - 1, job=0, keys=[], slots=[]),
+    Fetch(req="req-1", gen=3, job=42, keys=[K1], slots=[7], parked=False),
     TransferDone(req="req-1", gen=3, job=42, ok=True),
     TransferDone(req="req-1", gen=3, job=42, ok=False, reason="write failed"),
     Abort(req="req-1", gen=3),
@@ -106,6 +107,14 @@ def test_round_trip(msg: Any) -> None:
     assert decode(bytearray(frame)) == msg
     assert decode(memoryview(frame)) == msg
     assert encode(back) == frame
+
+
+def test_a_fetch_that_does_not_say_parked_may_wait_for_parked_stores() -> None:
+    # A peer of the version before ``parked`` sends five fields: it gets
+    # the behaviour it had (the producer waits for parked stores).
+    frame = msgspec.msgpack.encode(["fetch", "r", 1, 2, [K1], [3]])
+    assert decode(frame) == Fetch(req="r", gen=1, job=2, keys=[K1], slots=[3])
+    assert Fetch(req="r", gen=1, job=2, keys=[K1], slots=[3]).parked
 
 
 def test_largest_legal_lookup_fits_a_frame() -> None:

@@ -25,7 +25,15 @@ from p2p_kv.protocol import (
 from p2p_kv.session import Session, Timeouts
 
 from .memnet import POISON, Net, key, payload
-from .test_manager import KEYS, assert_drained, collect_all, load, make_net, probe
+from .test_manager import (
+    KEYS,
+    assert_drained,
+    collect_all,
+    load,
+    make_net,
+    probe,
+    wait,
+)
 
 SLOTS = [5, 6, 7, 30]
 
@@ -111,6 +119,28 @@ def test_an_expired_offer_falls_back_to_fetch() -> None:
     load(net, "r1", SLOTS)
     net.step(deliver=False)
     assert sent(net, "b") == ["Fetch"]
+
+
+def test_a_fetch_after_the_pins_lifetime_fails_at_once() -> None:
+    # The request was scheduled after the producer's pins ended: only they
+    # could have served this Fetch, and the producer says so at once
+    # instead of waiting for parked stores that will never come (the
+    # consumer sat out its 2 s fetch deadline before).
+    timeouts = Timeouts(pin_ttl_s=1.0)
+    net = make_net(timeouts=timeouts)
+    probe(net, "r1", "kv1")
+    wait(net, 1.5)  # the producer's pins end with their lifetime
+    assert session(net, "a").pinned_blocks == 0
+    job = load(net, "r1", SLOTS)
+    net.run()
+    (result,) = net.engines["b"].collect(net.now)
+    assert (result.job_id, result.success) == (job, False)
+    assert result.reason == "peer: not pinned"
+    assert session(net, "a").counters.failures == {"fetch_not_pinned": 1}
+    net.engines["b"].manager.on_request_finished("r1", net.now)
+    net.run()
+    collect_all(net)
+    assert_drained(net)
 
 
 def test_a_read_that_ends_after_its_window_fails_even_with_whole_bytes() -> None:
