@@ -629,3 +629,48 @@ def test_same_host_copy_only_from_the_process_we_talk_to() -> None:
                 assert np.array_equal(got[ll], rows[r]), (case, r, ll)
             c.remove_peer(info.agent_name)
             assert c.same_host_peers == 0
+
+
+# ---------------------------------------------------------------------------
+# The fence's known hole (session 8): a READ over UCX's TCP transport
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known hole, open: over UCX's TCP transport a READ cancelled while "
+    "its peer does not progress lands when the peer does, even after "
+    "remove_peer; neither releasing the handle nor invalidating the agent "
+    "stops it (docs/architecture.md, 'Where the fence does not hold')",
+)
+def test_a_read_cancelled_while_it_runs_never_lands_after(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from p2p_kv.data import NixlDataTransport
+
+    # Over TCP a READ needs the peer's progress: a peer that makes no NIXL
+    # call (a stalled engine) leaves it running for as long as we like.
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    bs, n = 64 * KIB, 16
+    src = np.random.default_rng(5).integers(1, 256, n * bs, dtype=np.uint8)
+    dst = np.zeros(n * bs, dtype=np.uint8)
+    with (
+        NixlDataTransport(src, bs, name="hole-prod", same_host=False) as prod,
+        NixlDataTransport(
+            dst, bs, name="hole-cons", same_host=False, drain_timeout_s=0.3
+        ) as cons,
+    ):
+        cons.add_peer(prod.local_region())
+        prod.add_peer(cons.local_region())
+        tid = cons.post_read(prod.agent_name, [0, 1, 2, 3], [4, 5, 6, 7])
+        time.sleep(0.3)
+        assert cons.poll_completions() == [] and cons.in_flight() == 1
+        cons.remove_peer(prod.agent_name)  # what a dead session's fence does
+        assert cons.poll_completions() == [(tid, False)]
+        # The engine reuses the slots; the peer wakes up and progresses.
+        for _ in range(100):
+            prod.poll_notifs()
+            cons.poll_notifs()
+            time.sleep(0.005)
+        landed = [s for s in (4, 5, 6, 7) if dst.reshape(n, bs)[s].any()]
+        assert landed == [], f"a failed READ wrote slots {landed} afterwards"
