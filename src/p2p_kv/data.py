@@ -559,9 +559,9 @@ class NixlDataTransport:
         opened for copies, once the pid it names proves to hold the far end.
 
         Idempotent per agent name: the same info again is a no-op (but for
-        same-host copies, if now we have the connection); a different info
-        under a known name replaces the old one (after the same fencing as
-        :meth:`remove_peer`).
+        same-host copies, if now we have the connection). A different info
+        under a known name is refused: the known one serves a live session,
+        and only a peer passing off another's name would send it.
         """
         self._check_geometry(info)
         with self._lock:
@@ -571,11 +571,20 @@ class NixlDataTransport:
                 if known.info == info:
                     self._maybe_map(known, conn_inode)
                     return
-                self._remove_peer_locked(info.agent_name)
+                raise ValueError(
+                    f"agent {info.agent_name!r} is known here with another "
+                    "region: refusing the second"
+                )
             loaded = self._agent.add_remote_agent(info.agent_metadata)
             loaded_name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
             if loaded_name != info.agent_name:
-                self._invalidate(loaded_name)
+                if loaded_name in self._peers:
+                    # Its metadata may now be the sender's: fence the known
+                    # peer's transfers and drop it (its session's loads fail
+                    # and recompute) rather than trust it.
+                    self._remove_peer_locked(loaded_name)
+                elif loaded_name != self._name:
+                    self._invalidate(loaded_name)
                 raise ValueError(
                     f"peer metadata names agent {loaded_name!r}, "
                     f"but RegionInfo says {info.agent_name!r}"

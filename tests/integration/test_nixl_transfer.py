@@ -674,3 +674,37 @@ def test_a_read_cancelled_while_it_runs_never_lands_after(
             time.sleep(0.005)
         landed = [s for s in (4, 5, 6, 7) if dst.reshape(n, bs)[s].any()]
         assert landed == [], f"a failed READ wrote slots {landed} afterwards"
+
+
+def test_a_region_passed_off_under_another_peers_name_is_refused() -> None:
+    """A RegionInfo is the sender's word. One naming a known agent with
+    other contents used to replace that agent (another session's), and
+    metadata naming a known agent under a new name used to invalidate it
+    without fencing its transfers."""
+    from p2p_kv.data import NixlDataTransport
+
+    bs, n = 4 * KIB, 16
+    bufs = [
+        np.random.default_rng(i).integers(0, 256, n * bs, np.uint8) for i in range(3)
+    ]
+    with (
+        NixlDataTransport(bufs[0], bs, name="pass-a", same_host=False) as a,
+        NixlDataTransport(bufs[1], bs, name="pass-b", same_host=False) as b,
+        NixlDataTransport(bufs[2], bs, name="pass-c", same_host=False) as c,
+    ):
+        ia, ib = a.local_region(), b.local_region()
+        c.add_peer(ia)
+        c.add_peer(ib)
+        with pytest.raises(ValueError, match="another region"):
+            c.add_peer(msgspec.structs.replace(ib, agent_name=ia.agent_name))
+        assert sorted(c.peers()) == sorted([ia.agent_name, ib.agent_name])
+        assert _read_all(c, ia.agent_name, [1], [2])
+        # a's metadata under a new name: a's NIXL state may now be the
+        # sender's, so a is dropped (fenced), never left half-invalidated.
+        with pytest.raises(ValueError, match="names agent"):
+            c.add_peer(msgspec.structs.replace(ia, agent_name="pass-x"))
+        assert c.peers() == [ib.agent_name]
+        assert _read_all(c, ib.agent_name, [3], [4])
+        got = bufs[2].reshape(n, bs)
+        assert np.array_equal(got[2], bufs[0].reshape(n, bs)[1])
+        assert np.array_equal(got[4], bufs[1].reshape(n, bs)[3])
