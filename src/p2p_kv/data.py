@@ -1022,12 +1022,15 @@ class NixlDataTransport:
             raise RuntimeError("NixlDataTransport is closed")
 
     def _state(self, handle: Any) -> str:
-        if isinstance(handle, CopyInFlight):
-            return handle.state()
+        # Never raises: a caller holding completions it already took would
+        # lose them (a CUDA error is sticky; the copy is then reported
+        # failed, and its release waits on it as far as CUDA still can).
         try:
+            if isinstance(handle, CopyInFlight):
+                return handle.state()
             return str(self._agent.check_xfer_state(handle))
         except Exception:
-            logger.warning("checking a NIXL transfer failed", exc_info=True)
+            logger.warning("checking a transfer failed", exc_info=True)
             return "ERR"
 
     def _release(self, handle: Any) -> None:

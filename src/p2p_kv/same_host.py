@@ -40,7 +40,7 @@ import logging
 import mmap
 import os
 from bisect import bisect_left
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from itertools import accumulate
 from operator import itemgetter
 from typing import TYPE_CHECKING
@@ -298,8 +298,11 @@ class HostCopier:
                 self._threads - 1, thread_name_prefix="p2p_kv-copy"
             )
         first, *rest = split_segments(segments, self._threads)
-        futures = [self._pool.submit(self._copy, fd, part) for part in rest]
+        futures: list[Future[None]] = []
         try:
+            # Inside the try: a submit that fails (interpreter shutdown)
+            # must still wait for the parts already running.
+            futures.extend(self._pool.submit(self._copy, fd, part) for part in rest)
             self._copy(fd, first)
         finally:
             # Even on an error here: no thread may still write our slots

@@ -708,3 +708,25 @@ def test_a_region_passed_off_under_another_peers_name_is_refused() -> None:
         got = bufs[2].reshape(n, bs)
         assert np.array_equal(got[2], bufs[0].reshape(n, bs)[1])
         assert np.array_equal(got[4], bufs[1].reshape(n, bs)[3])
+
+
+def test_a_copy_whose_check_raises_is_reported_failed_and_nothing_is_lost() -> None:
+    """A CUDA error is sticky: the check of a GPU copy in flight raises
+    (simulated here: no GPU in CI). The completions taken before it in the
+    same call used to be lost with the exception."""
+    from p2p_kv.data import NixlDataTransport, _Xfer
+    from p2p_kv.same_host_cuda import CopyInFlight
+
+    class BrokenEvent:
+        def query(self) -> bool:
+            raise RuntimeError("CUDA error: an illegal memory access")
+
+        def synchronize(self) -> None:
+            raise RuntimeError("CUDA error: an illegal memory access")
+
+    bs = 4 * KIB
+    with NixlDataTransport(np.zeros(4 * bs, np.uint8), bs, name="broken") as t:
+        t._done.append((100, True))
+        t._inflight[101] = _Xfer(CopyInFlight(BrokenEvent()), "somebody")
+        assert sorted(t.poll_completions()) == [(100, True), (101, False)]
+        assert t.in_flight() == 0
