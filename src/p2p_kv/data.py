@@ -709,7 +709,10 @@ class NixlDataTransport:
         metadata and connection on our side. It cannot stop a *live*
         producer's one-sided writes into our memory (with CMA those need no
         cooperation from us); slots are safe to reuse once the producer is
-        known dead or has acknowledged.
+        known dead or has acknowledged. Nor, over UCX's TCP transport, a
+        READ of ours still running: its reply lands when the producer
+        progresses again (docs/architecture.md, "Where the fence does not
+        hold"; a strict xfail in test_nixl_transfer).
         """
         with self._lock:
             if self._closed:
