@@ -60,6 +60,27 @@ def collect_all(net: Net) -> None:
         eng.collect(net.now)
 
 
+def two_held_loads(net: Net) -> tuple[int, int]:
+    """Requests r1 and r2 on b, each with a load held in flight."""
+    probe(net, "r1", "kv1")
+    probe(net, "r2", "kv2")
+    net.hold_writes = True
+    j1 = load(net, "r1", [1, 2, 3, 4])
+    j2 = load(net, "r2", [11, 12, 13, 14])
+    net.run(2)
+    return j1, j2
+
+
+def held_load(net: Net, req: str = "r1", kv_id: str = "kv1") -> int:
+    """A remote hit on b whose load is in flight and stays so (the
+    producer's writes are held)."""
+    probe(net, req, kv_id)
+    net.hold_writes = True
+    job = load(net, req, [1, 2, 3, 4])
+    net.run(2)
+    return job
+
+
 def test_remote_hit_loads_the_right_bytes_and_leaves_nothing() -> None:
     net = make_net()
     assert probe(net, "r1", "kv1", [*KEYS, key(99)]) == [Answer.HIT] * 4 + [Answer.MISS]
@@ -136,10 +157,7 @@ def test_a_finished_requests_settling_load_keeps_nobody_waiting() -> None:
     # its sockets for them (may_wait compares this with live requests).
     net = make_net()
     b = net.engines["b"].manager
-    probe(net, "r1", "kv1")
-    net.hold_writes = True
-    job = load(net, "r1", [1, 2, 3, 4])
-    net.run(2)
+    job = held_load(net)
     assert b.waiting_requests() == 1  # its load is in flight
     b.on_request_finished("r1", net.now)
     assert b.waiting_requests() == 0
@@ -160,10 +178,7 @@ def test_a_live_id_started_again_ends_the_old_request_first() -> None:
     # here would take the engine down.
     net = make_net()
     b = net.engines["b"].manager
-    probe(net, "r1", "kv1")
-    net.hold_writes = True
-    job = load(net, "r1", [1, 2, 3, 4])
-    net.run(2)
+    job = held_load(net)
     assert b.on_new_request("r1", net.roles("a", "kv2"), net.now) is True
     assert b.protocol_errors == {"reused_live_id": 1}
     assert b.lookup("r1", KEYS[0]) is Answer.RETRY  # a real lookup, anew
@@ -202,12 +217,7 @@ def test_aborting_one_request_waits_out_its_write_and_spares_the_others() -> Non
     wait closed the whole session and failed every sibling load."""
     t = Timeouts(fetch_floor_s=3.0, abort_ack_s=0.5, heartbeat_interval_s=0.2)
     net = make_net(timeouts=t)
-    probe(net, "r1", "kv1")
-    probe(net, "r2", "kv2")
-    net.hold_writes = True
-    j1 = load(net, "r1", [1, 2, 3, 4])
-    j2 = load(net, "r2", [11, 12, 13, 14])
-    net.run(2)
+    j1, j2 = two_held_loads(net)
     b = net.engines["b"]
     b.manager.on_request_finished("r1", net.now)
     wait(net, 1.5)  # past abort_ack_s, well inside the writes' 3 s deadline
@@ -225,12 +235,7 @@ def test_aborting_one_request_waits_out_its_write_and_spares_the_others() -> Non
 
 def test_session_close_fails_loads_but_not_finished_ids() -> None:
     net = make_net()
-    probe(net, "r1", "kv1")
-    probe(net, "r2", "kv2")
-    net.hold_writes = True
-    j1 = load(net, "r1", [1, 2, 3, 4])
-    j2 = load(net, "r2", [11, 12, 13, 14])
-    net.run(2)
+    j1, j2 = two_held_loads(net)
     b = net.engines["b"]
     b.manager.on_request_finished("r1", net.now)
     b.manager.close_all("shutdown")
