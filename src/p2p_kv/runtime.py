@@ -408,7 +408,7 @@ class TierRuntime:
         self.has_waker = True
 
         def run() -> None:
-            failing = False  # log a failure once, not every tick
+            failing = calls_failing = False  # log a failure once, not every tick
             try:
                 while not self._stop.is_set():
                     if not self.lock.acquire(timeout=interval_s):
@@ -440,8 +440,14 @@ class TierRuntime:
                         self._called_at = now
                         try:
                             wake_engine()
+                            calls_failing = False
                         except Exception:
-                            log.exception("p2p_kv: waking the engine failed")
+                            log.log(
+                                logging.DEBUG if calls_failing else logging.ERROR,
+                                "p2p_kv: waking the engine failed",
+                                exc_info=True,
+                            )
+                            calls_failing = True
                     if wanted:
                         sleep_s = min(sleep_s, REWAKE_S)
                     if not self._stop.is_set():
