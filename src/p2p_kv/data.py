@@ -968,15 +968,18 @@ class NixlDataTransport:
                 out.extend((name, bytes(m)) for m in msgs)
             return out
 
-    def cancel(self, transfer_id: int) -> None:
-        """Stop tracking one transfer; no-op if it has already finished.
+    def cancel(self, *transfer_ids: int) -> None:
+        """Stop tracking these transfers; no-op for one already finished.
 
-        The transfer is still reported once by :meth:`poll_completions`:
-        as ``ok`` if it had in fact completed, as failed otherwise.
+        Each is still reported once by :meth:`poll_completions`: as ``ok``
+        if it had in fact completed, as failed otherwise. They are drained
+        together, so the caller's thread waits one drain at most however
+        many are stuck (one call per transfer waited one drain each).
+        Over UCX's TCP transport a READ still running is not stopped by
+        this (docs/architecture.md, "Where the fence does not hold").
         """
         with self._lock:
-            if transfer_id in self._inflight:
-                self._finish([transfer_id])
+            self._finish([t for t in transfer_ids if t in self._inflight])
 
     def close(self) -> None:
         """Release every handle, peer and registration; idempotent."""

@@ -167,10 +167,9 @@ class TierRuntime:
         m.tick(now)
         for peer in m.take_connects():
             self.control.connect(peer)
-        for cancel in m.take_cancels():
-            for xfer_id, what in list(self._xfers.items()):
-                if what == cancel:
-                    self.data.cancel(xfer_id)
+        cancels = set(m.take_cancels())
+        if cancels:
+            self.data.cancel(*(x for x, what in self._xfers.items() if what in cancels))
         # Reads first: they need nothing from the peer, so they start the
         # moment the engine asks, ahead of this step's messages.
         posted = self._post_reads()
@@ -195,8 +194,7 @@ class TierRuntime:
                     # The same engine, other direction (its inbound and our
                     # outbound session share one NIXL agent): end only this
                     # session's transfers; the agent stays for the other.
-                    for xfer_id in mine:
-                        self.data.cancel(xfer_id)
+                    self.data.cancel(*mine)
                 else:
                     self.data.remove_peer(agent)  # fences: nothing lands after
                 for xfer_id in mine:

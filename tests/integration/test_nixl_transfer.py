@@ -730,3 +730,34 @@ def test_a_copy_whose_check_raises_is_reported_failed_and_nothing_is_lost() -> N
         t._inflight[101] = _Xfer(CopyInFlight(BrokenEvent()), "somebody")
         assert sorted(t.poll_completions()) == [(100, True), (101, False)]
         assert t.in_flight() == 0
+
+
+def test_stuck_transfers_cancelled_together_cost_one_drain(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The engine's thread waits out a cancel's drain: three READs stuck
+    on a peer that makes no NIXL call (over TCP a READ needs its progress)
+    used to cost three drains, one call each."""
+    from p2p_kv.data import NixlDataTransport
+
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    bs, n, drain = 4 * KIB, 16, 0.4
+    src = np.ones(n * bs, dtype=np.uint8)
+    with (
+        NixlDataTransport(src, bs, name="drain-prod", same_host=False) as prod,
+        NixlDataTransport(
+            np.zeros(n * bs, np.uint8),
+            bs,
+            name="drain-cons",
+            same_host=False,
+            drain_timeout_s=drain,
+        ) as cons,
+    ):
+        cons.add_peer(prod.local_region())
+        tids = [cons.post_read(prod.agent_name, [i], [i]) for i in range(3)]
+        assert cons.in_flight() == 3
+        t0 = time.monotonic()
+        cons.cancel(*tids)
+        took = time.monotonic() - t0
+        assert drain <= took < 2 * drain, took
+        assert sorted(cons.poll_completions()) == [(t, False) for t in tids]

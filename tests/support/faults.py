@@ -410,14 +410,15 @@ class FaultyData:
     def in_flight(self) -> int:
         return int(self.inner.in_flight()) + len(self._held) + len(self._done)
 
-    def cancel(self, transfer_id: int) -> None:
-        if self._held.pop(transfer_id, None) is not None:
-            self._done.append((transfer_id, False))
-            return
-        for real, tid in self._real.items():
-            if tid == transfer_id:
-                self.inner.cancel(real)
-                return
+    def cancel(self, *transfer_ids: int) -> None:
+        real_ids: list[int] = []
+        for transfer_id in transfer_ids:
+            if self._held.pop(transfer_id, None) is not None:
+                self._done.append((transfer_id, False))
+                continue
+            real_ids.extend(r for r, tid in self._real.items() if tid == transfer_id)
+        if real_ids:
+            self.inner.cancel(*real_ids)
 
     def remove_peer(self, agent_name: str) -> None:
         for tid, h in list(self._held.items()):

@@ -149,8 +149,8 @@ class FakeData:
     def in_flight(self) -> int:
         return len(self.pending)
 
-    def cancel(self, tid: int) -> None:
-        self.cancelled.append(tid)
+    def cancel(self, *tids: int) -> None:
+        self.cancelled.extend(tids)
 
     def remove_peer(self, agent: str) -> None:
         self.removed.append(agent)
