@@ -406,7 +406,7 @@ class TierRuntime:
         self.has_waker = True
 
         def run() -> None:
-            failing = calls_failing = False  # log a failure once, not every tick
+            sweeps, calls = _FailureLog("waker poll"), _FailureLog("waking the engine")
             try:
                 while not self._stop.is_set():
                     if not self.lock.acquire(timeout=interval_s):
@@ -415,16 +415,11 @@ class TierRuntime:
                         if self._stop.is_set():
                             break  # close() took over; the transports may be gone
                         wanted, fds, sleep_s = self._waker_sweep(interval_s)
-                        failing = False
+                        sweeps.ok()
                     except Exception:
                         # When in doubt, hand it to the engine: its own
                         # step may get past what failed here.
-                        log.log(
-                            logging.DEBUG if failing else logging.ERROR,
-                            "p2p_kv: waker poll failed",
-                            exc_info=True,
-                        )
-                        failing = True
+                        sweeps.failed()
                         wanted, fds, sleep_s = True, [], interval_s
                     finally:
                         self.lock.release()
@@ -438,14 +433,9 @@ class TierRuntime:
                         self._called_at = now
                         try:
                             wake_engine()
-                            calls_failing = False
+                            calls.ok()
                         except Exception:
-                            log.log(
-                                logging.DEBUG if calls_failing else logging.ERROR,
-                                "p2p_kv: waking the engine failed",
-                                exc_info=True,
-                            )
-                            calls_failing = True
+                            calls.failed()
                     if wanted:
                         sleep_s = min(sleep_s, REWAKE_S)
                     if not self._stop.is_set():
@@ -491,3 +481,20 @@ class TierRuntime:
             self.pump()
             self.control.close()
             self.data.close()
+
+
+class _FailureLog:
+    """A failure that repeats every tick is logged once with its traceback,
+    then at debug level until it stops: one line, not a hundred a second."""
+
+    def __init__(self, what: str) -> None:
+        self._what = what
+        self._failing = False
+
+    def ok(self) -> None:
+        self._failing = False
+
+    def failed(self) -> None:
+        level = logging.DEBUG if self._failing else logging.ERROR
+        log.log(level, "p2p_kv: %s failed", self._what, exc_info=True)
+        self._failing = True
