@@ -611,8 +611,7 @@ def _handshake(
     try:
         t0 = time.monotonic()
         end = t0 + timeout_s
-        m.on_new_request(req, Roles(Source(kv_id, target, probe=True)), rt.clock())
-        rt.live_requests += 1
+        rt.start_request(req, Roles(Source(kv_id, target, probe=True)))
         session = m.session(target)
         if session is None:  # pragma: no cover - a fresh manager always dials
             return CheckResult(name, False, "could not start a session", "", details)
@@ -648,8 +647,7 @@ def _handshake(
             )
         details["state"] = "READY"
         details["lookup_ms"] = round((time.monotonic() - t1) * 1000, 2)
-        m.on_request_finished(req, rt.clock())
-        rt.live_requests -= 1
+        rt.end_request(req)
         finished = True
         return CheckResult(
             name,

@@ -32,7 +32,7 @@ import msgspec
 
 from p2p_kv.control import ControlTransport, wait_readable
 from p2p_kv.data import NixlDataTransport, RegionInfo
-from p2p_kv.manager import JobResult, LoadManager
+from p2p_kv.manager import JobResult, LoadManager, Roles
 from p2p_kv.protocol import Heartbeat, Message, ProtocolError, decode, encode
 from p2p_kv.session import Pinner
 
@@ -73,9 +73,8 @@ class TierRuntime:
         self._unproven: set[str] = set()
         #: nixl id -> (peer, "write" | "read", write id or job id)
         self._xfers: dict[int, tuple[str, str, int]] = {}
+        #: the engine's requests between start_request and end_request
         self.live_requests = 0
-        self.steps = 0
-        self.waits = 0
         self._idle_streak = 0
         #: Held by whoever is inside the runtime: the engine's thread or the
         #: waker (vLLM 0.33 also calls from its tier-poll thread).
@@ -120,7 +119,6 @@ class TierRuntime:
         send what it produced. When the engine is idle, wait for work: a
         heartbeat is answered without ending the wait, so an idle engine is
         not stepped for its peers' keep-alives."""
-        self.steps += 1
         now = self.clock()
         if not (wait if wait is not None else self.may_wait()):
             self._idle_streak = 0
@@ -128,7 +126,6 @@ class TierRuntime:
             return
         backoff = 0.002 * (2 ** min(self._idle_streak, 10))
         self._idle_streak += 1
-        self.waits += 1
         # With live requests every one of them waits on a peer whose
         # reply wakes us anyway; keep the cap short so a new request is
         # not held up. With none, the engine is idle: wait the longest.
@@ -342,6 +339,18 @@ class TierRuntime:
         """End of an engine step: send the lookups gathered during it."""
         self.manager.flush(self.clock())
         self.pump()
+
+    def start_request(self, req_id: str, roles: Roles) -> bool:
+        """A request of the engine's begins; True if its id was live and
+        the earlier request ended first (:meth:`LoadManager.on_new_request`).
+        Counted either way: the engine will finish both."""
+        self.live_requests += 1
+        return self.manager.on_new_request(req_id, roles, self.clock())
+
+    def end_request(self, req_id: str) -> None:
+        """A request of the engine's ended."""
+        self.manager.on_request_finished(req_id, self.clock())
+        self.live_requests = max(0, self.live_requests - 1)
 
     def submit_load(
         self, job_id: int, req_id: str, keys: list[bytes], slots: list[int]

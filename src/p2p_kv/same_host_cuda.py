@@ -292,7 +292,6 @@ class CudaCopier:
         self._torch: Any = torch
         self._dst = region.view(torch.uint8).reshape(-1)
         self._device = region.device
-        self._device_index: int = region.device.index
         self._streams = [
             torch.cuda.Stream(device=region.device)  # type: ignore[no-untyped-call]
             for _ in range(BATCH_STREAMS)
@@ -358,10 +357,10 @@ class CudaCopier:
             if self._batch is None and self._memcpy is None:
                 with torch.cuda.stream(main):
                     self._queue_torch(self._src[id(src)], plan.runs())
-            elif torch.cuda.current_device() == self._device_index:
+            elif torch.cuda.current_device() == self._device.index:
                 self._queue_cudart(src.addr, plan)
             else:  # a caller on another device: the runtime wants ours
-                with torch.cuda.device(self._device_index):
+                with torch.cuda.device(self._device.index):
                     self._queue_cudart(src.addr, plan)
         except BaseException:
             # The caller fails the load and may reuse its slots at once:

@@ -180,8 +180,7 @@ class StandalonePeer:
                 }
             }
         )
-        if not self.manager.on_new_request(req_id, roles, self.runtime.clock()):
-            self.runtime.live_requests += 1
+        self.runtime.start_request(req_id, roles)
 
     def fetch(
         self,
@@ -231,8 +230,7 @@ class StandalonePeer:
             return outcome
         finally:
             if finish:
-                m.on_request_finished(req_id, rt.clock())
-                rt.live_requests -= 1
+                rt.end_request(req_id)
                 rt.pump()
 
     def close(self) -> None:

@@ -254,8 +254,7 @@ def wait_result(v: StandalonePeer, job: int, timeout: float = 5.0) -> Any:
 
 
 def finish(v: StandalonePeer, req: str) -> None:
-    v.manager.on_request_finished(req, v.runtime.clock())
-    v.runtime.live_requests -= 1
+    v.runtime.end_request(req)
     v.runtime.pump()
 
 
@@ -562,8 +561,7 @@ def test_producer_offering_slots_outside_its_region_is_refused(
             for k, c in s.counters.protocol_errors.items()
         }
         assert errors.get("offer_out_of_range", 0) >= 1, errors
-        m.on_request_finished("offer-req", rt.clock())
-        rt.live_requests -= 1
+        rt.end_request("offer-req")
         rt.pump()
     finally:
         srv.close()

@@ -143,8 +143,7 @@ class Soak:
     def finish(self, lane: Lane) -> None:
         if not lane.finished:
             lane.finished = True
-            self.c.manager.on_request_finished(lane.req, self.c.runtime.clock())
-            self.c.runtime.live_requests -= 1
+            self.c.runtime.end_request(lane.req)
 
     def advance(self, lane: Lane) -> None:
         m, rt = self.c.manager, self.c.runtime

@@ -410,8 +410,7 @@ def open_request(
 
 
 def finish_request(c: StandalonePeer, req: str) -> None:
-    c.manager.on_request_finished(req, c.runtime.clock())
-    c.runtime.live_requests -= 1
+    c.runtime.end_request(req)
     c.runtime.pump()
 
 
@@ -663,3 +662,27 @@ def test_idle_producer_is_cheap_and_responsive(
         assert cpu < 5.0
         assert med < 0.050
         settle(c, live, "live")
+
+
+def test_a_request_id_started_twice_counts_both_until_both_end() -> None:
+    """vLLM may start an id again before the earlier request's end reaches
+    the tier: it will finish both, so the runtime's count of live requests
+    (what may_wait and the live_requests gauge read) holds both until then
+    and comes back to zero, not below."""
+    from p2p_kv.manager import Roles, Source
+
+    peer = StandalonePeer(4, 4096, engine_id=f"twice-{os.getpid()}")
+    try:
+        rt = peer.runtime
+        roles = Roles(Source("kv1", "127.0.0.1:9", probe=True))
+        assert not rt.start_request("r1", roles)
+        assert rt.start_request("r1", roles)
+        assert rt.live_requests == 2
+        assert rt.manager.protocol_errors == {"reused_live_id": 1}
+        rt.end_request("r1")
+        assert rt.live_requests == 1
+        rt.end_request("r1")
+        assert rt.live_requests == 0
+        assert not any(rt.manager.state_report().values())
+    finally:
+        peer.close()

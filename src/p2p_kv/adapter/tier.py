@@ -210,14 +210,12 @@ class P2PKVTier(SecondaryTierManager):
             log.warning("p2p_kv: request %s: %s; recomputing", req_context.req_id, exc)
             rt.manager.on_bad_frame("", "bad_kv_transfer_params")
             roles = Roles()
-        if rt.manager.on_new_request(req_context.req_id, roles, rt.clock()):
+        if rt.start_request(req_context.req_id, roles):
             log.warning(
                 "p2p_kv: request id %s reused while live: its earlier request "
                 "ends here",
                 req_context.req_id,
             )
-        else:
-            rt.live_requests += 1
         if roles.dest_kv_id:
             return RequestOffloadingContext(policy=OffloadPolicy.REQUEST_LEVEL)
         return RequestOffloadingContext()
@@ -251,9 +249,7 @@ class P2PKVTier(SecondaryTierManager):
 
     @_locked
     def on_request_finished(self, req_context: ReqContext) -> None:
-        rt = self.runtime
-        rt.manager.on_request_finished(req_context.req_id, rt.clock())
-        rt.live_requests = max(0, rt.live_requests - 1)
+        self.runtime.end_request(req_context.req_id)
 
     # -- the engine's step ----------------------------------------------------
 
