@@ -18,6 +18,7 @@ a tensor. A CUDA IPC offer is proved exactly like a shared file
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import warnings
@@ -211,7 +212,11 @@ def export_cuda_region(addr: int, nbytes: int, device: int) -> CudaIpcRegion:
         raise OSError(f"no cuMemGetAddressRange_v2 in {path}") from exc
     base, size = ctypes.c_uint64(0), ctypes.c_size_t(0)
     handle = _IpcHandle()
-    with torch.cuda.device(device):
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(torch.cuda.device(device))
+        except RuntimeError as exc:  # no such GPU here: torch raises
+            raise OSError(f"cannot use cuda:{device}: {exc}") from exc
         rc = address_range(
             ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(addr)
         )
