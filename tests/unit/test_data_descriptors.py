@@ -262,6 +262,13 @@ def test_module_imports_without_nixl(monkeypatch: pytest.MonkeyPatch) -> None:
     """The pure helpers must not pull NIXL in (it is imported lazily)."""
     import importlib
 
+    import p2p_kv
+    import p2p_kv.data
+
+    # The import below rebinds the package's attribute as well as the
+    # module table's entry: later tests' `from p2p_kv import data` must get
+    # back the module everything else uses (they patched a copy, once).
+    monkeypatch.setattr(p2p_kv, "data", p2p_kv.data)
     for name in [m for m in sys.modules if m == "nixl" or m.startswith("nixl.")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "nixl", None)  # makes `import nixl` fail
