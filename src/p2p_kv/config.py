@@ -56,6 +56,12 @@ class TierConfig:
     #: parallel reads into host memory, DMA speed into GPU memory. Off:
     #: every READ goes through NIXL.
     same_host_copy: bool = True
+    #: READs through NIXL land in this much staging memory (host or GPU,
+    #: like the region) and are copied into the engine's slots once done,
+    #: so a READ given up on can never write slots the engine reused (over
+    #: TCP a stalled peer that resumes still serves it). Larger loads move
+    #: in pieces. 0: READs land in place, one copy fewer, with that risk.
+    read_staging_mib: float = 64.0
 
     @classmethod
     def from_dict(
@@ -103,6 +109,11 @@ class TierConfig:
             raise ConfigError(
                 f"p2p_kv: pin_ttl_s {self.pin_ttl_s} is over 3600: the protocol "
                 "announces pin lifetimes of at most an hour"
+            )
+        if self.read_staging_mib < 0:
+            raise ConfigError(
+                f"p2p_kv: read_staging_mib {self.read_staging_mib} is negative "
+                "(0 turns staging off)"
             )
         if not self.host:
             raise ConfigError("p2p_kv: host is empty; set the address peers dial")

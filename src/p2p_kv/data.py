@@ -1,7 +1,9 @@
 """NIXL data transport: moves KV blocks between peers, one-sided.
 
 A READ from a peer on the same host whose region lives in a shared file is
-a plain copy instead (``p2p_kv.same_host``), with the same contract.
+a plain copy instead (``p2p_kv.same_host``), with the same contract. Any
+other READ lands in staging first (``p2p_kv.staging``): NIXL cannot stop
+one it has posted.
 
 This module is deliberately thin. The sans-IO session decides *what* to move
 (which of our blocks go into which of the peer's slots, and when); this file
@@ -78,6 +80,7 @@ from p2p_kv.same_host_cuda import (
     CudaIpcRegion,
     export_cuda_region,
 )
+from p2p_kv.staging import DEFAULT_READ_STAGING_BYTES, StagingMemory, StagingPool
 
 __all__ = [
     "DEFAULT_DRAIN_TIMEOUT_S",
@@ -374,8 +377,38 @@ def _may_copy(
 
 @dataclass
 class _Xfer:
-    handle: Any  # nixl_xfer_handle
+    handle: Any  # nixl_xfer_handle, CopyInFlight or _StagedRead
     peer: str
+
+
+#: Staging of transports closed while READs into it still ran (see close).
+_KEPT_STAGING: list[StagingMemory | None] = []
+
+
+@dataclass
+class _StagedRead:
+    """A READ landing in staging (``p2p_kv.staging``), one piece at a time:
+    ``local[lo:hi]`` is the piece in flight under ``handle``, in ``stage``."""
+
+    peer: _Peer
+    local: npt.NDArray[np.int64]
+    remote: npt.NDArray[np.int64]
+    lo: int = 0
+    hi: int = 0
+    handle: Any = None
+    stage: npt.NDArray[np.int64] | None = None
+
+
+@dataclass
+class _Zombie:
+    """A staged READ given up on while UCX still runs it: its staging blocks
+    stay taken until UCX ends it (``lost``: until close, when its state can
+    no longer be read)."""
+
+    handle: Any
+    stage: npt.NDArray[np.int64]
+    peer: str
+    lost: bool = False
 
 
 def _load_nixl() -> tuple[Any, Any, Any]:
@@ -425,6 +458,7 @@ class NixlDataTransport:
         ucx_error_handling_mode: str = DEFAULT_UCX_ERROR_HANDLING_MODE,
         drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
         same_host: bool = True,
+        read_staging_bytes: int = DEFAULT_READ_STAGING_BYTES,
     ) -> None:
         if block_bytes <= 0:
             raise ValueError(f"block_bytes must be positive, got {block_bytes}")
@@ -473,6 +507,16 @@ class NixlDataTransport:
         self._copier: HostCopier | CudaCopier | None = None
         #: READs done as same-host copies (the rest went through NIXL)
         self.local_reads = 0
+        if read_staging_bytes < 0:
+            raise ValueError(f"read_staging_bytes is negative: {read_staging_bytes}")
+        self._stage_mem: StagingMemory | None = None
+        self._stage_pool: StagingPool | None = None
+        self._stage_descs: Any = None
+        self._stage_prepped: Any = None
+        self._zombies: list[_Zombie] = []
+        #: Peers removed while zombies of theirs run: their agent stays
+        #: loaded (a zombie's state cannot be read once it is invalidated).
+        self._retiring: dict[str, _Peer] = {}
 
         ucx_mode = check_ucx_error_handling_mode(
             ucx_error_handling_mode, os.environ.get("UCX_TLS")
@@ -497,9 +541,28 @@ class NixlDataTransport:
             # Metadata must be taken after registration: it carries the keys
             # a peer needs to write into the region.
             self._metadata: bytes = bytes(self._agent.get_agent_metadata())
+            if read_staging_bytes:
+                self._setup_staging(read_staging_bytes)
         except BaseException:
             self._agent = None
             raise
+
+    def _setup_staging(self, nbytes: int) -> None:
+        """Staging beside the region, registered after the metadata was
+        taken: only we address it, so peers get no key to it."""
+        span = self._span
+        mem = StagingMemory(
+            max(1, nbytes // self._block_bytes),
+            self._block_bytes,
+            span.addr,
+            span.nbytes,
+            self._region_obj if span.mem_kind == MEM_VRAM else None,
+        )
+        self._stage_descs = self._agent.register_memory(
+            [(mem.addr, mem.nbytes, mem.device_id, "")], span.mem_kind
+        )
+        self._stage_mem = mem
+        self._stage_pool = StagingPool(mem.num_blocks)
 
     def _create_backend(self, backend: str, ucx_mode: str) -> None:
         params = {}
@@ -566,7 +629,14 @@ class NixlDataTransport:
         self._check_geometry(info)
         with self._lock:
             self._check_open()
-            known = self._peers.get(info.agent_name)
+            back = self._retiring.get(info.agent_name)
+            if back is not None and back.info == info:
+                # Removed while a READ of ours from it still ran (a stalled
+                # peer that came back): its agent never left.
+                del self._retiring[info.agent_name]
+                self._peers[info.agent_name] = back
+                back.map_tried = False
+            known = self._peers.get(info.agent_name) or back
             if known is not None:
                 if known.info == info:
                     self._maybe_map(known, conn_inode)
@@ -578,7 +648,13 @@ class NixlDataTransport:
             loaded = self._agent.add_remote_agent(info.agent_metadata)
             loaded_name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
             if loaded_name != info.agent_name:
-                if loaded_name in self._peers:
+                gone = self._retiring.pop(loaded_name, None)
+                if gone is not None:
+                    # Its zombies' states are unreadable from now on.
+                    for z in self._zombies:
+                        z.lost = z.lost or z.peer == loaded_name
+                    self._drop_agent(loaded_name, gone)
+                elif loaded_name in self._peers:
                     # Its metadata may now be the sender's: fence the known
                     # peer's transfers and drop it (its session's loads fail
                     # and recompute) rather than trust it.
@@ -709,10 +785,9 @@ class NixlDataTransport:
         metadata and connection on our side. It cannot stop a *live*
         producer's one-sided writes into our memory (with CMA those need no
         cooperation from us); slots are safe to reuse once the producer is
-        known dead or has acknowledged. Nor, over UCX's TCP transport, a
-        READ of ours still running: its reply lands when the producer
-        progresses again (docs/architecture.md, "Where the fence does not
-        hold"; a strict xfail in test_nixl_transfer).
+        known dead or has acknowledged. A staged READ of ours still running
+        is not stopped either: it keeps its staging, and the peer's agent
+        stays loaded until UCX ends it (``p2p_kv.staging``).
         """
         with self._lock:
             if self._closed:
@@ -724,9 +799,11 @@ class NixlDataTransport:
         self._finish(tids)
         peer = self._peers.pop(agent_name, None)
         if peer is not None:
-            self._release_prepped(peer)
             self._unmap(peer)
-            self._invalidate(agent_name)
+            if any(z.peer == agent_name and not z.lost for z in self._zombies):
+                self._retiring[agent_name] = peer  # until its zombies end
+            else:
+                self._drop_agent(agent_name, peer)
 
     def _release_prepped(self, peer: _Peer) -> None:
         if peer.prepped is not None:
@@ -842,6 +919,8 @@ class NixlDataTransport:
                 )
                 if isinstance(mapping, PeerMapping) or len(plan.counts) >= IPC_MIN_RUNS:
                     return self._copy(peer, plan)
+            if op == "READ" and self._stage_pool is not None and mapping is None:
+                return self._post_staged(peer, local_blocks, remote_blocks)
             # Every index is checked (range, duplicates) before any NIXL
             # call; prepared lists need no coalescing plan (NIXL merges),
             # but a plan made already is not made twice.
@@ -893,6 +972,168 @@ class NixlDataTransport:
                 self._release(handle)
                 self._done.append((tid, state == "DONE"))
             return tid
+
+    def _post_staged(
+        self, peer: _Peer, local_blocks: Indices, remote_blocks: Indices
+    ) -> int:
+        """A READ through staging (``p2p_kv.staging``); same contract."""
+        local = as_int_list("src_blocks", local_blocks)
+        remote = as_int_list("dst_blocks", remote_blocks)
+        check_mapping(local, remote, self._num_blocks, peer.info.num_blocks)
+        tid = next(self._ids)
+        read = _StagedRead(
+            peer, np.asarray(local, dtype=np.int64), np.asarray(remote, np.int64)
+        )
+        state = self._advance(read)
+        if state == "PROC":
+            self._inflight[tid] = _Xfer(read, peer.info.agent_name)
+        else:
+            self._done.append((tid, state == "DONE"))
+        return tid
+
+    def _advance(self, read: _StagedRead) -> str:
+        """Copy out a piece that landed and post the next: "PROC" while a
+        piece runs or waits for free staging, then "DONE" or "ERR".
+
+        A check that raises is raised: the piece's fate is then unknown,
+        and the caller's release buries it (its staging is not reused)."""
+        pool, mem = self._stage_pool, self._stage_mem
+        assert pool is not None and mem is not None
+        state = "PROC"
+        while True:
+            if read.handle is not None:
+                if state == "PROC":
+                    state = str(self._agent.check_xfer_state(read.handle))
+                    if state == "PROC":
+                        return state
+                self._release(read.handle)
+                read.handle = None
+                stage, read.stage = read.stage, None
+                assert stage is not None
+                try:
+                    if state != "DONE":
+                        return "ERR"
+                    mem.copy_out(stage, read.local[read.lo : read.hi])
+                except Exception:
+                    logger.warning(
+                        "copying a READ out of staging failed", exc_info=True
+                    )
+                    return "ERR"
+                finally:
+                    pool.give(stage)
+                read.lo = read.hi
+            if read.lo == read.local.size:
+                return "DONE"
+            stage = pool.take(int(read.local.size) - read.lo)
+            if not stage.size:
+                return "PROC"  # every staging block is taken: wait for one
+            read.hi = read.lo + int(stage.size)
+            handle = None
+            try:
+                handle = self._stage_xfer(
+                    read.peer, stage, read.remote[read.lo : read.hi]
+                )
+                state = str(self._agent.transfer(handle))
+            except Exception as exc:
+                logger.warning(
+                    "READ of %d blocks from %s failed to post: %s",
+                    stage.size,
+                    read.peer.info.agent_name,
+                    exc,
+                )
+                logger.debug("post failure detail", exc_info=True)
+                if handle is not None:
+                    self._release(handle)
+                pool.give(stage)
+                return "ERR"
+            read.handle, read.stage = handle, stage
+            if state == "PROC":
+                return state
+
+    def _stage_xfer(
+        self, peer: _Peer, stage: npt.NDArray[np.int64], remote: npt.NDArray[np.int64]
+    ) -> Any:
+        """A READ of the peer's ``remote`` blocks into staging ``stage``."""
+        mem = self._stage_mem
+        assert mem is not None
+        agent, info = self._agent, peer.info
+        prepped = self._prepare(peer)
+        if prepped is not None:
+            if self._stage_prepped is None:
+                self._stage_prepped = agent.prep_xfer_dlist(
+                    "NIXL_INIT_AGENT",
+                    self._block_list(mem.addr, mem.num_blocks, mem.device_id),
+                    self._span.mem_kind,
+                )
+            return agent.make_prepped_xfer(
+                "READ",
+                self._stage_prepped,
+                stage.tolist(),
+                prepped[1],
+                remote.tolist(),
+                b"",
+            )
+        plan = plan_write(stage, remote, mem.num_blocks, info.num_blocks)
+        local = build_descs(
+            mem.addr, self._block_bytes, mem.device_id, plan.src_starts, plan.counts
+        )
+        return agent.initialize_xfer(
+            "READ",
+            self._xfer_dlist(agent.nixl_mems[self._span.mem_kind], local),
+            self._descs(plan.dst_starts, plan.counts, info),
+            info.agent_name,
+            b"",
+        )
+
+    def _bury(self, read: _StagedRead) -> None:
+        """A staged READ given up on: its piece in flight becomes a zombie."""
+        if read.handle is not None and read.stage is not None:
+            self._zombies.append(
+                _Zombie(read.handle, read.stage, read.peer.info.agent_name)
+            )
+        read.handle = read.stage = None
+
+    def _settle(self) -> None:
+        """Free the staging of zombies UCX has ended, and drop the agents of
+        removed peers that have none left."""
+        pool = self._stage_pool
+        assert pool is not None
+        live: list[_Zombie] = []
+        for z in self._zombies:
+            if not z.lost:
+                try:
+                    state = str(self._agent.check_xfer_state(z.handle))
+                except Exception as exc:
+                    logger.warning(
+                        "a cancelled READ from %s can no longer be checked (%s): "
+                        "its %d staging blocks stay taken until close",
+                        z.peer,
+                        exc,
+                        z.stage.size,
+                    )
+                    z.lost = True
+                    state = "PROC"
+                if state != "PROC":
+                    self._release(z.handle)
+                    pool.give(z.stage)
+                    continue
+            live.append(z)
+        self._zombies = live
+        busy = {z.peer for z in live if not z.lost}
+        for name in [n for n in self._retiring if n not in busy]:
+            self._drop_agent(name, self._retiring.pop(name))
+
+    def _drop_agent(self, name: str, peer: _Peer) -> None:
+        self._release_prepped(peer)
+        self._invalidate(name)
+
+    def staging_blocks(self) -> tuple[int, int, int]:
+        """Staging blocks: (all, free, held by READs given up on)."""
+        with self._lock:
+            pool = self._stage_pool
+            if pool is None:
+                return 0, 0, 0
+            return pool.size, pool.free, sum(int(z.stage.size) for z in self._zombies)
 
     def _copy(self, peer: _Peer, plan: WritePlan) -> int:
         """A READ as a same-host copy; the same contract as a NIXL one."""
@@ -948,6 +1189,8 @@ class NixlDataTransport:
                         finished.append(tid)
                 for tid in finished:
                     del self._inflight[tid]
+            if self._zombies:
+                self._settle()
             return out
 
     def poll_notifs(self) -> list[tuple[str, bytes]]:
@@ -972,11 +1215,12 @@ class NixlDataTransport:
         """Stop tracking these transfers; no-op for one already finished.
 
         Each is still reported once by :meth:`poll_completions`: as ``ok``
-        if it had in fact completed, as failed otherwise. They are drained
-        together, so the caller's thread waits one drain at most however
-        many are stuck (one call per transfer waited one drain each).
-        Over UCX's TCP transport a READ still running is not stopped by
-        this (docs/architecture.md, "Where the fence does not hold").
+        if it had in fact completed, as failed otherwise. A staged READ is
+        not waited for: it keeps its staging until UCX ends it. The rest
+        are drained together, so the caller's thread waits one drain at
+        most however many are stuck (one call per transfer waited one
+        drain each). An unstaged READ still running after the drain is not
+        stopped by this: over TCP it lands when a stalled peer resumes.
         """
         with self._lock:
             self._finish([t for t in transfer_ids if t in self._inflight])
@@ -992,28 +1236,40 @@ class NixlDataTransport:
             try:
                 self._finish(list(self._inflight))
                 self._done.clear()
-                for name, peer in self._peers.items():
-                    self._release_prepped(peer)
+                if self._zombies:
+                    # UCX may still write into their staging until the agent
+                    # is gone, and we cannot know when that is: it is kept
+                    # for the life of the process (at most the pool).
+                    _KEPT_STAGING.append(self._stage_mem)
+                for z in self._zombies:
+                    self._release(z.handle)
+                self._zombies.clear()
+                for name, peer in [*self._peers.items(), *self._retiring.items()]:
                     self._unmap(peer)
-                    self._invalidate(name)
+                    self._drop_agent(name, peer)
                 self._peers.clear()
-                if self._local_prepped is not None:
-                    self._release(self._local_prepped)
-                    self._local_prepped = None
+                self._retiring.clear()
+                for prepped in (self._local_prepped, self._stage_prepped):
+                    if prepped is not None:
+                        self._release(prepped)
+                self._local_prepped = self._stage_prepped = None
                 if self._copier is not None:
                     self._copier.close()
                     self._copier = None
-                if self._reg_descs is not None:
+                for descs in (self._reg_descs, self._stage_descs):
+                    if descs is None:
+                        continue
                     try:
-                        self._agent.deregister_memory(self._reg_descs)
+                        self._agent.deregister_memory(descs)
                     except Exception:
                         logger.warning(
                             "deregistering NIXL memory failed", exc_info=True
                         )
-                    self._reg_descs = None
+                self._reg_descs = self._stage_descs = None
             finally:
                 self._agent = None
                 self._region_obj = None
+                self._stage_mem = None
 
     def __enter__(self) -> NixlDataTransport:
         return self
@@ -1032,6 +1288,8 @@ class NixlDataTransport:
         # lose them (a CUDA error is sticky; the copy is then reported
         # failed, and its release waits on it as far as CUDA still can).
         try:
+            if isinstance(handle, _StagedRead):
+                return self._advance(handle)
             if isinstance(handle, CopyInFlight):
                 return handle.state()
             return str(self._agent.check_xfer_state(handle))
@@ -1040,6 +1298,9 @@ class NixlDataTransport:
             return "ERR"
 
     def _release(self, handle: Any) -> None:
+        if isinstance(handle, _StagedRead):
+            self._bury(handle)
+            return
         try:
             handle.release()
         except Exception:
@@ -1062,7 +1323,9 @@ class NixlDataTransport:
         while pending:
             for tid, xfer in list(pending.items()):
                 state = self._state(xfer.handle)
-                if state != "PROC":
+                if state != "PROC" or isinstance(xfer.handle, _StagedRead):
+                    # A staged READ is not waited for: its staging, not the
+                    # engine's slots, holds what may still land.
                     self._release(xfer.handle)
                     self._done.append((tid, state == "DONE"))
                     del pending[tid]

@@ -52,6 +52,7 @@ PROTOCOL_ERRORS = PREFIX + "protocol_errors"
 LIVE_REQUESTS = PREFIX + "live_requests"
 FAILED_IDS = PREFIX + "failed_ids"
 FENCED_SLOTS = PREFIX + "fenced_slots"
+STAGING_HELD = PREFIX + "read_staging_held_blocks"
 PARKED_STORES = PREFIX + "parked_stores"
 SESSIONS = PREFIX + "sessions"
 
@@ -154,6 +155,11 @@ DEFINITIONS: dict[str, MetricDef] = {
         "gauge",
         "Destination slots a transfer (our READ, a peer's WRITE) may still land in.",
         _PEER,
+    ),
+    STAGING_HELD: MetricDef(
+        "gauge",
+        "Read-staging blocks held by READs given up on while they ran; freed "
+        "when UCX ends those READs (a stalled peer resumes or dies).",
     ),
     PARKED_STORES: MetricDef("gauge", "Store jobs parked for a remote decoder."),
     SESSIONS: MetricDef("gauge", "Peer sessions, by link state.", ("peer", "state")),
@@ -270,10 +276,11 @@ class MetricsExporter:
         *,
         live_requests: int = 0,
         same_host_reads: int = 0,
+        staging_held: int = 0,
     ) -> None:
         """Add everything new since the last call to ``sink``.
-        ``same_host_reads`` is the data plane's running count (the manager
-        cannot tell a copy from a NIXL READ)."""
+        ``same_host_reads`` and ``staging_held`` are the data plane's (the
+        manager cannot tell a copy from a NIXL READ, nor sees staging)."""
         if same_host_reads > self._same_host_reads:
             sink.increase_counter(
                 SAME_HOST_READS, same_host_reads - self._same_host_reads, ()
@@ -292,7 +299,7 @@ class MetricsExporter:
                 del self._seen[session]
         self._loads(manager, sink)
         self._manager_errors_deltas(manager, sink)
-        self._gauges_now(manager, live, sink, live_requests)
+        self._gauges_now(manager, live, sink, live_requests, staging_held)
 
     def _session_deltas(self, session: Session, sink: StatsSink) -> None:
         c = session.counters
@@ -355,9 +362,11 @@ class MetricsExporter:
         sessions: Iterable[Session],
         sink: StatsSink,
         live_requests: int,
+        staging_held: int,
     ) -> None:
         now: dict[tuple[str, tuple[str, ...]], float] = {
             (LIVE_REQUESTS, ()): live_requests,
+            (STAGING_HELD, ()): staging_held,
             (FAILED_IDS, ()): len(manager.failed_ids()),
             (PARKED_STORES, ()): manager.parked_store_count(),
         }

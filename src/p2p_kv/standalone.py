@@ -27,6 +27,7 @@ from p2p_kv.handshake import Identity
 from p2p_kv.manager import Answer, JobResult, LoadManager, Roles
 from p2p_kv.runtime import TierRuntime, fresh_nonce
 from p2p_kv.session import PinResult, Timeouts
+from p2p_kv.staging import DEFAULT_READ_STAGING_BYTES
 
 
 def canonical_hashes(seed: str, block_tokens: int = 16) -> tuple[bytes, ...]:
@@ -84,6 +85,7 @@ class StandalonePeer:
         region: object | None = None,
         reads: bool = True,
         same_host: bool = True,
+        read_staging_bytes: int = DEFAULT_READ_STAGING_BYTES,
     ) -> None:
         self.region = (
             shared_region(num_blocks * block_bytes) if region is None else region
@@ -94,6 +96,7 @@ class StandalonePeer:
             block_bytes,
             name=engine_id,
             same_host=same_host,
+            read_staging_bytes=read_staging_bytes,
         )
         control = ControlTransport(
             host, port, heartbeat_s=(timeouts or Timeouts()).heartbeat_interval_s

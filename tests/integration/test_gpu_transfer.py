@@ -49,6 +49,9 @@ COPY_MODES = {
 }
 CASES = [(kind, path) for kind in ("vram", "dram") for path in PATHS]
 CASES += [("vram", "read_ipc"), ("dram", "read_per_run"), ("dram", "read_torch")]
+#: ``nixl_read`` with 3 blocks of staging (GPU memory): loads in pieces.
+CASES += [("vram", "nixl_read_pieces"), ("dram", "nixl_read_pieces")]
+STAGING_BLOCKS = {"nixl_read_pieces": 3}
 
 
 def _devices() -> tuple[str, str]:
@@ -152,7 +155,8 @@ def pair(
             engine_id="gpu-test-cons",
             region=region,
             reads=path != "write",
-            same_host=path != "nixl_read",
+            same_host=not path.startswith("nixl_read"),
+            read_staging_bytes=STAGING_BLOCKS.get(path, 1024) * BS,
         )
         try:
             yield consumer, msg[1], msg[2], region, path
@@ -202,6 +206,9 @@ def test_fetch_into_gpu_memory(pair: tuple[Any, str, str, Any, str]) -> None:
         _check_region(region, expect)
     report = consumer.manager.state_report()
     assert not any(report.values()), report
+    # Every READ through NIXL went through staging, and left none taken.
+    size, free, held = consumer.runtime.data.staging_blocks()
+    assert (size, free, held) == (STAGING_BLOCKS.get(path, 1024),) * 2 + (0,)
     # Only the read paths copy without NIXL: from a host region every load
     # in every copy mode; from a GPU region only loads of many runs, here
     # (``read_ipc``, any number of runs) the scattered and reversed ones:

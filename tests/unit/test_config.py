@@ -69,3 +69,11 @@ def test_missing_nixl_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setitem(sys.modules, "nixl._api", None)
     with pytest.raises(ConfigError, match=r"nixl-cu13==1\.5\.1"):
         check_nixl()
+
+
+def test_read_staging_size() -> None:
+    assert TierConfig.from_dict({}, env={}).read_staging_mib == 64.0
+    env = {"VLLM_P2P_KV_READ_STAGING_MIB": "0"}
+    assert TierConfig.from_dict({}, env=env).read_staging_mib == 0.0
+    with pytest.raises(ConfigError, match=r"read_staging_mib -1\.0 is negative"):
+        TierConfig.from_dict({"read_staging_mib": -1}, env={})

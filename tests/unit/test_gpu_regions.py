@@ -160,6 +160,30 @@ class _Handle:
         pass
 
 
+STAGE_BASE = 0x7D00_0000_0000
+
+
+class FakeStaging:
+    """Read staging without CUDA: an address on the region's device, and
+    the copies out of it that were asked for."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_bytes: int,
+        region_addr: int,
+        region_bytes: int,
+        cuda_region: Any = None,
+    ) -> None:
+        self.num_blocks, self.block_bytes = num_blocks, block_bytes
+        self.addr, self.nbytes = STAGE_BASE, num_blocks * block_bytes
+        self.device_id = 0 if cuda_region is None else cuda_region.device.index
+        self.copies: list[tuple[list[int], list[int]]] = []
+
+    def copy_out(self, stage: Any, slots: Any) -> None:
+        self.copies.append((stage.tolist(), slots.tolist()))
+
+
 def _dlist(mem: str, descs: Any) -> FakeDList:
     rows = descs.tolist() if isinstance(descs, np.ndarray) else descs
     return FakeDList(mem, [tuple(int(v) for v in r) for r in rows])
@@ -191,6 +215,7 @@ def agents(
     monkeypatch.setattr(
         data, "_load_nixl", lambda: (agent, lambda **kw: kw, _dlist), raising=True
     )
+    monkeypatch.setattr(data, "StagingMemory", FakeStaging)
     return made
 
 
@@ -210,9 +235,13 @@ def test_cuda_tensor_registers_one_vram_span_on_its_device(
     agents: list[FakeAgent],
 ) -> None:
     region = FakeCudaTensor(0x7F00_0000_0000, 16 * BS, index=1)
-    t = NixlDataTransport(region, BS, name="gpu")
+    t = NixlDataTransport(region, BS, name="gpu", read_staging_bytes=4 * BS)
     (agent,) = agents
-    assert agent.registered == [([(0x7F00_0000_0000, 16 * BS, 1, "")], MEM_VRAM)]
+    # The region, then its read staging: GPU memory on the same GPU.
+    assert agent.registered == [
+        ([(0x7F00_0000_0000, 16 * BS, 1, "")], MEM_VRAM),
+        ([(STAGE_BASE, 4 * BS, 1, "")], MEM_VRAM),
+    ]
     info = t.local_region()
     assert (info.mem_kind, info.device_id, info.base_addr) == (
         MEM_VRAM,
@@ -223,7 +252,7 @@ def test_cuda_tensor_registers_one_vram_span_on_its_device(
     # Metadata is taken after registration: it carries the region's keys.
     assert info.agent_metadata == f"md:{t.agent_name}".encode()
     t.close()
-    assert agent.deregistered == [("reg", 1)]
+    assert agent.deregistered == [("reg", 1), ("reg", 2)]
 
 
 def test_vram_to_vram_descriptors_name_each_sides_gpu(
@@ -247,21 +276,30 @@ def test_vram_to_vram_descriptors_name_each_sides_gpu(
     assert [d[1] for d in agents[0].xfers[0][1].descs] == [3 * BS, BS]
 
 
-def test_vram_read_names_each_sides_gpu(agents: list[FakeAgent]) -> None:
-    """A READ describes our VRAM as the destination, the peer's as the
-    source: the device ids must not swap with the direction."""
+@pytest.mark.parametrize("staged", [True, False], ids=["staged", "in_place"])
+def test_vram_read_names_each_sides_gpu(agents: list[FakeAgent], staged: bool) -> None:
+    """A READ describes our VRAM (its staging, or in place our slots) as the
+    destination, the peer's as the source: the device ids must not swap
+    with the direction. Staged, the landed blocks are copied to the slots."""
     local_base, remote_base = 0x7F00_0000_0000, 0x7E00_0000_0000
-    t = NixlDataTransport(FakeCudaTensor(local_base, 16 * BS, index=1), BS)
+    t = NixlDataTransport(
+        FakeCudaTensor(local_base, 16 * BS, index=1),
+        BS,
+        read_staging_bytes=4 * BS if staged else 0,
+    )
     t.add_peer(_peer(MEM_VRAM, 0, remote_base, 32))
-    t.post_read("peer-1", [30, 31], [7, 8])  # remote blocks, then ours
+    tid = t.post_read("peer-1", [30, 31, 5], [7, 8, 9])  # remote blocks, then ours
+    assert t.poll_completions() == [(tid, True)]
     ((op, local, remote, _, _),) = _sent(agents[0])
     assert op == "READ"
-    assert local == FakeDList(
-        "mem:VRAM", [(local_base + 7 * BS, BS, 1), (local_base + 8 * BS, BS, 1)]
-    )
+    base, rows = (STAGE_BASE, (0, 1, 2)) if staged else (local_base, (7, 8, 9))
+    assert local == FakeDList("mem:VRAM", [(base + r * BS, BS, 1) for r in rows])
     assert remote == FakeDList(
-        "mem:VRAM", [(remote_base + 30 * BS, BS, 0), (remote_base + 31 * BS, BS, 0)]
+        "mem:VRAM", [(remote_base + r * BS, BS, 0) for r in (30, 31, 5)]
     )
+    if staged:
+        assert t._stage_mem.copies == [([0, 1, 2], [7, 8, 9])]
+        assert t.staging_blocks() == (4, 4, 0)
 
 
 def test_host_to_gpu_descriptors_mix_memory_types(

@@ -30,6 +30,7 @@ from p2p_kv.metrics import (
     SAME_HOST_READS,
     SERVED_BYTES,
     SESSIONS,
+    STAGING_HELD,
     MetricsExporter,
 )
 
@@ -109,7 +110,7 @@ def probe_and_load(net: Net, req: str, slots: list[int]) -> int:
 
 
 def test_definitions_are_prometheus_names_with_bounded_labels() -> None:
-    assert len(DEFINITIONS) == 19
+    assert len(DEFINITIONS) == 20
     for name, d in DEFINITIONS.items():
         assert name.startswith(PREFIX) and name.startswith("vllm:kv_offload")
         assert not name.endswith("_total")  # prometheus_client adds it
@@ -277,3 +278,16 @@ def test_same_host_reads_are_sent_as_increments_of_the_data_planes_count() -> No
     later = Sink()
     exp.collect(b, later, same_host_reads=5)
     assert later.counters[SAME_HOST_READS] == {(): 2}
+
+
+def test_staging_held_gauge_follows_the_data_plane() -> None:
+    """The manager never sees staging: the data plane's count is passed in,
+    and a gauge that fell to 0 is set to 0 (not left at its last value)."""
+    net = make_net()
+    exp = MetricsExporter()
+    sink = Sink()
+    exp.collect(net.engines["b"].manager, sink, staging_held=3)
+    assert sink.gauges[STAGING_HELD] == {(): 3}
+    sink = Sink()
+    exp.collect(net.engines["b"].manager, sink, staging_held=0)
+    assert sink.gauges[STAGING_HELD] == {(): 0}

@@ -163,7 +163,11 @@ class P2PKVTier(SecondaryTierManager):
         if port:
             port += offloading_spec.config.parallel.data_parallel_index
         data = NixlDataTransport(
-            region, block_bytes, name="p2p_kv", same_host=self.cfg.same_host_copy
+            region,
+            block_bytes,
+            name="p2p_kv",
+            same_host=self.cfg.same_host_copy,
+            read_staging_bytes=int(self.cfg.read_staging_mib * (1 << 20)),
         )
         control = ControlTransport(
             self.cfg.host, port, heartbeat_s=self.cfg.heartbeat_ms / 1000
@@ -342,6 +346,7 @@ class P2PKVTier(SecondaryTierManager):
             stats,
             live_requests=rt.live_requests,
             same_host_reads=rt.data.local_reads,
+            staging_held=rt.data.staging_blocks()[2],
         )
         return None if stats.is_empty() else stats
 

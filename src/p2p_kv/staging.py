@@ -1,0 +1,124 @@
+"""Read staging: where a NIXL READ lands before its bytes reach the slots.
+
+Why it exists: a READ we give up on (cancelled, its peer dropped) is not
+stopped by NIXL. Over UCX's TCP transport the peer's progress serves it and
+ours writes the reply, so a peer that stalls past the READ's deadline and
+then resumes writes into the buffer the READ named, seconds later; NIXL
+has no forced close of the connection, and invalidating the peer's agent
+closes it gracefully (after the READ). Had the READ named the engine's
+slots, those would by then hold another request's KV.
+
+So a READ from a peer we do not copy from ourselves lands in staging blocks
+of ours (registered once, beside the region). Its bytes are copied into the
+engine's slots only after UCX reports it done. One given up on hands the
+engine's slots back at once (reported failed, no drain to wait out) and
+keeps its staging blocks, quarantined, until UCX ends it: a peer that
+resumes lands its bytes there, a dead one errors it. A load larger than
+the free staging moves in pieces, each posted when the last has landed.
+
+:class:`StagingPool` is the allocator (pure); :class:`StagingMemory` owns
+the bytes and the copy out of them. ``p2p_kv.data`` drives both.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any, Final
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["DEFAULT_READ_STAGING_BYTES", "StagingMemory", "StagingPool"]
+
+#: 64 MiB: 32 blocks of 2 MiB, 1024 of 64 KiB. Host memory for host
+#: regions, GPU memory for GPU ones; larger loads move in pieces.
+DEFAULT_READ_STAGING_BYTES: Final = 64 << 20
+
+Blocks = npt.NDArray[np.int64]
+
+
+class StagingPool:
+    """Which staging blocks are free. Blocks are handed out lowest first,
+    so a piece's blocks are mostly one run (one descriptor)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"a staging pool needs blocks, got {num_blocks}")
+        self._free = np.ones(num_blocks, dtype=bool)
+        self._nfree = num_blocks
+
+    @property
+    def size(self) -> int:
+        return int(self._free.size)
+
+    @property
+    def free(self) -> int:
+        return self._nfree
+
+    def take(self, want: int) -> Blocks:
+        """Up to ``want`` free blocks (none when all are taken)."""
+        if want <= 0 or not self._nfree:
+            return np.empty(0, dtype=np.int64)
+        got = np.flatnonzero(self._free)[:want].astype(np.int64)
+        self._free[got] = False
+        self._nfree -= int(got.size)
+        return got
+
+    def give(self, blocks: Blocks) -> None:
+        """Return blocks; one not taken is a bug in the caller."""
+        if blocks.size and self._free[blocks].any():
+            raise ValueError(f"staging blocks {blocks.tolist()} were not taken")
+        self._free[blocks] = True
+        self._nfree += int(blocks.size)
+
+
+class StagingMemory:
+    """The staging bytes, in the region's kind of memory, and the copy from
+    them into the region's blocks (rows of ``block_bytes``)."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_bytes: int,
+        region_addr: int,
+        region_bytes: int,
+        cuda_region: Any = None,
+    ) -> None:
+        self.num_blocks = num_blocks
+        self.block_bytes = block_bytes
+        rows = region_bytes // block_bytes
+        if cuda_region is None:
+            self._buf: Any = np.zeros((num_blocks, block_bytes), dtype=np.uint8)
+            self.addr = int(self._buf.ctypes.data)
+            self.device_id = 0
+            raw: Any = (ctypes.c_uint8 * region_bytes).from_address(region_addr)
+            self._region: Any = np.frombuffer(raw, dtype=np.uint8).reshape(
+                rows, block_bytes
+            )
+        else:
+            import torch
+
+            device = cuda_region.device
+            self._buf = torch.zeros(
+                (num_blocks, block_bytes), dtype=torch.uint8, device=device
+            )
+            self.addr = int(self._buf.data_ptr())
+            self.device_id = int(device.index or 0)
+            self._region = (
+                cuda_region.reshape(-1).view(torch.uint8).view(rows, block_bytes)
+            )
+        self.nbytes = num_blocks * block_bytes
+
+    def copy_out(self, stage: Blocks, slots: Blocks) -> None:
+        """Staging block ``stage[i]`` into region block ``slots[i]``; done
+        (on the GPU: finished) when this returns."""
+        if isinstance(self._buf, np.ndarray):
+            self._region[slots] = self._buf[stage]
+            return
+        import torch
+
+        device = self._buf.device
+        self._region[torch.as_tensor(slots, device=device)] = self._buf[
+            torch.as_tensor(stage, device=device)
+        ]
+        torch.cuda.current_stream(device).synchronize()

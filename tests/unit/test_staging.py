@@ -1,0 +1,51 @@
+"""The staging pool and the copy out of staging (pure; the READs that use
+them are tested between real NIXL agents in test_nixl_transfer)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from p2p_kv.staging import StagingMemory, StagingPool
+
+
+def test_blocks_go_lowest_first_and_only_what_is_free() -> None:
+    pool = StagingPool(5)
+    a = pool.take(2)
+    assert a.tolist() == [0, 1] and pool.free == 3
+    b = pool.take(9)  # more than is free: what is free
+    assert b.tolist() == [2, 3, 4] and pool.free == 0
+    assert pool.take(1).size == 0
+    pool.give(np.array([1, 3], dtype=np.int64))
+    assert pool.take(5).tolist() == [1, 3]
+    assert pool.take(0).size == 0 and pool.size == 5
+
+
+def test_giving_back_a_block_not_taken_is_refused_and_changes_nothing() -> None:
+    pool = StagingPool(3)
+    pool.take(1)
+    with pytest.raises(ValueError, match=r"\[0, 1\] were not taken"):
+        pool.give(np.array([0, 1], dtype=np.int64))
+    assert pool.free == 2
+    with pytest.raises(ValueError, match="needs blocks"):
+        StagingPool(0)
+
+
+def test_copy_out_puts_each_staging_block_in_its_slot() -> None:
+    bs, n = 64, 8
+    region = np.zeros(n * bs, dtype=np.uint8)
+    mem = StagingMemory(3, bs, region.ctypes.data, region.nbytes)
+    assert mem.nbytes == 3 * bs and mem.device_id == 0
+    stage = np.frombuffer(
+        (
+            np.ctypeslib.as_array(
+                (np.ctypeslib.ctypes.c_uint8 * mem.nbytes).from_address(mem.addr)
+            )
+        ),
+        dtype=np.uint8,
+    ).reshape(3, bs)
+    stage[:] = np.arange(1, 4, dtype=np.uint8)[:, None]
+    mem.copy_out(np.array([2, 0], dtype=np.int64), np.array([5, 1], dtype=np.int64))
+    rows = region.reshape(n, bs)
+    assert (rows[5] == 3).all() and (rows[1] == 1).all()
+    assert not rows[[0, 2, 3, 4, 6, 7]].any()
