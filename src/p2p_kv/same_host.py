@@ -39,6 +39,7 @@ import ctypes
 import logging
 import mmap
 import os
+import weakref
 from bisect import bisect_left
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from itertools import accumulate
@@ -344,3 +345,19 @@ class HostCopier:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+def shared_region(nbytes: int) -> np.ndarray:
+    """Zeroed bytes in a memfd, as vLLM keeps its primary tier in a shared
+    file: a peer on this host can then read them without NIXL. The fd stays
+    open for the life of the mapping (same-host peers open it through
+    ``/proc``); both go when the array does."""
+    fd = os.memfd_create("p2p_kv-region", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, nbytes)
+        mapped = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+    except BaseException:
+        os.close(fd)
+        raise
+    weakref.finalize(mapped, os.close, fd)
+    return np.frombuffer(mapped, dtype=np.uint8)

@@ -23,10 +23,14 @@ the bytes and the copy out of them. ``p2p_kv.data`` drives both.
 from __future__ import annotations
 
 import ctypes
+import heapq
 from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
+
+from p2p_kv.plan import coalesce
+from p2p_kv.same_host import shared_region
 
 __all__ = ["DEFAULT_READ_STAGING_BYTES", "StagingMemory", "StagingPool"]
 
@@ -39,37 +43,58 @@ Blocks = npt.NDArray[np.int64]
 
 class StagingPool:
     """Which staging blocks are free. Blocks are handed out lowest first,
-    so a piece's blocks are mostly one run (one descriptor)."""
+    so a piece's blocks are mostly one run (one descriptor). A heap: a
+    one-block take and give cost about 2 us (a numpy scan of 1,024 flags
+    cost 10)."""
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks <= 0:
             raise ValueError(f"a staging pool needs blocks, got {num_blocks}")
-        self._free = np.ones(num_blocks, dtype=bool)
-        self._nfree = num_blocks
+        self._size = num_blocks
+        self._heap = list(range(num_blocks))  # sorted: already a heap
+        self._taken = bytearray(num_blocks)
 
     @property
     def size(self) -> int:
-        return int(self._free.size)
+        return self._size
 
     @property
     def free(self) -> int:
-        return self._nfree
+        return len(self._heap)
 
     def take(self, want: int) -> Blocks:
-        """Up to ``want`` free blocks (none when all are taken)."""
-        if want <= 0 or not self._nfree:
-            return np.empty(0, dtype=np.int64)
-        got = np.flatnonzero(self._free)[:want].astype(np.int64)
-        self._free[got] = False
-        self._nfree -= int(got.size)
-        return got
+        """Up to ``want`` free blocks, ascending (none when all are taken)."""
+        heap, taken = self._heap, self._taken
+        got = [heapq.heappop(heap) for _ in range(min(max(want, 0), len(heap)))]
+        for b in got:
+            taken[b] = 1
+        return np.array(got, dtype=np.int64)
 
     def give(self, blocks: Blocks) -> None:
         """Return blocks; one not taken is a bug in the caller."""
-        if blocks.size and self._free[blocks].any():
-            raise ValueError(f"staging blocks {blocks.tolist()} were not taken")
-        self._free[blocks] = True
-        self._nfree += int(blocks.size)
+        items = blocks.tolist()
+        taken = self._taken
+        if not all(taken[b] for b in items) or len(set(items)) != len(items):
+            raise ValueError(f"staging blocks {items} were not taken")
+        for b in items:
+            taken[b] = 0
+            heapq.heappush(self._heap, b)
+
+
+def _runs(stage: Blocks, slots: Blocks) -> list[tuple[int, int, int]]:
+    """``(stage start, slot start, count)`` runs, in the given order: one
+    pass, no sort (coalescing a one-block pair cost 6 us)."""
+    if stage.size > 64:
+        return coalesce(stage, slots)
+    runs: list[tuple[int, int, int]] = []
+    for a, b in zip(stage.tolist(), slots.tolist(), strict=True):
+        if runs:
+            s0, d0, n = runs[-1]
+            if a == s0 + n and b == d0 + n:
+                runs[-1] = (s0, d0, n + 1)
+                continue
+        runs.append((a, b, 1))
+    return runs
 
 
 class StagingMemory:
@@ -88,7 +113,11 @@ class StagingMemory:
         self.block_bytes = block_bytes
         rows = region_bytes // block_bytes
         if cuda_region is None:
-            self._buf: Any = np.zeros((num_blocks, block_bytes), dtype=np.uint8)
+            # A memfd, like the regions: UCX's CMA READ of 32 MiB took
+            # 12-15 ms into it here, 28-35 ms into numpy's anonymous pages.
+            self._buf: Any = shared_region(num_blocks * block_bytes).reshape(
+                num_blocks, block_bytes
+            )
             self.addr = int(self._buf.ctypes.data)
             self.device_id = 0
             raw: Any = (ctypes.c_uint8 * region_bytes).from_address(region_addr)
@@ -113,7 +142,10 @@ class StagingMemory:
         """Staging block ``stage[i]`` into region block ``slots[i]``; done
         (on the GPU: finished) when this returns."""
         if isinstance(self._buf, np.ndarray):
-            self._region[slots] = self._buf[stage]
+            # One memcpy a run: fancy indexing copied through a temporary
+            # (32 MiB in 10 ms here, against about 5 by runs).
+            for src, dst, n in _runs(stage, slots):
+                self._region[dst : dst + n] = self._buf[src : src + n]
             return
         import torch
 

@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import mmap
-import os
 import time
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -26,6 +23,7 @@ from p2p_kv.data import NixlDataTransport
 from p2p_kv.handshake import Identity
 from p2p_kv.manager import Answer, JobResult, LoadManager, Roles
 from p2p_kv.runtime import TierRuntime, fresh_nonce
+from p2p_kv.same_host import shared_region
 from p2p_kv.session import PinResult, Timeouts
 from p2p_kv.staging import DEFAULT_READ_STAGING_BYTES
 
@@ -247,22 +245,6 @@ class FetchOutcome:
     ok: bool = False
     job_done: bool = False
     total_s: float = 0.0
-
-
-def shared_region(nbytes: int) -> np.ndarray:
-    """Zeroed bytes in a memfd, as vLLM keeps its primary tier in a shared
-    file: a peer on this host can then read them without NIXL. The fd stays
-    open for the life of the mapping (same-host peers open it through
-    ``/proc``); both go when the array does."""
-    fd = os.memfd_create("p2p_kv-region", os.MFD_CLOEXEC)
-    try:
-        os.ftruncate(fd, nbytes)
-        mapped = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
-    except BaseException:
-        os.close(fd)
-        raise
-    weakref.finalize(mapped, os.close, fd)
-    return np.frombuffer(mapped, dtype=np.uint8)
 
 
 def block_pattern(key: bytes, nbytes: int) -> np.ndarray:
