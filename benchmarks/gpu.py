@@ -458,7 +458,7 @@ def _p2p_producer(
             engine_id=f"gpu-prod-{os.getpid()}",
             region=region,
             reads=path != "write",
-            same_host=path != "nixl_read",
+            same_host=not path.startswith("nixl_read"),
         )
         for slot in range(num_blocks):
             peer.pinner.table[_key(slot)] = slot
@@ -565,7 +565,7 @@ def phases(
 #: read: the READ path as configured by default (a same-host peer's host
 #: region is copied straight out of its shared file); nixl_read: READs
 #: through NIXL only (``same_host_copy: false``); write: Fetch + WRITE.
-PATHS = ("read", "nixl_read", "write")
+PATHS = ("read", "nixl_read", "nixl_read_in_place", "write")
 
 
 class P2PGpuPair:
@@ -606,7 +606,9 @@ class P2PGpuPair:
             engine_id=f"gpu-cons-{os.getpid()}",
             region=self.region,
             reads=path != "write",
-            same_host=path != "nixl_read",
+            same_host=not path.startswith("nixl_read"),
+            # nixl_read lands in staging (the default); in place: none.
+            read_staging_bytes=0 if path == "nixl_read_in_place" else (64 << 20),
         )
         self.consumer_mem = self.consumer.runtime.data.local_region().mem_kind
         self._events = trace_peer(self.consumer, "c")

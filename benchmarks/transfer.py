@@ -13,7 +13,10 @@ both load paths:
   is a copy out of its shared region (``p2p_kv.same_host``), not a NIXL
   transfer;
 * ``nixl_read``: the same with ``same_host_copy`` off: the READ goes
-  through NIXL (UCX, CMA here), as it does between hosts;
+  through NIXL (UCX, CMA here), as it does between hosts, into read
+  staging, then a copy into the slots (``p2p_kv.staging``);
+* ``nixl_read_in_place``: the same with ``read_staging_mib: 0``: the READ
+  lands in the slots (the cost of staging is the gap between the two);
 * ``write`` (reads off, as for disaggregated prefill): lookup, Fetch, the
   producer WRITEs with NIXL, TransferDone, job result.
 
@@ -77,13 +80,14 @@ BIG_BYTES = 16 * MIB  # throughput target applies from here
 SMALL_BYTES = 1 * MIB  # latency target applies up to here
 TARGET_RATIO = 0.8
 TARGET_LATENCY_X = 2.0
-PATHS = ("read", "nixl_read", "write")
+PATHS = ("read", "nixl_read", "nixl_read_in_place", "write")
 #: p2p_kv cells and the raw NIXL baseline each is compared with
 P2P_CELLS = {
     "submit": ("read", "submit", "raw_read"),
     "e2e": ("read", "e2e", "raw_read"),
     "n_submit": ("nixl_read", "submit", "raw_read"),
     "n_e2e": ("nixl_read", "e2e", "raw_read"),
+    "i_submit": ("nixl_read_in_place", "submit", "raw_read"),
     "dp": ("read", "data_plane", "raw_read"),
     "n_dp": ("nixl_read", "data_plane", "raw_read"),
     "w_submit": ("write", "submit", "raw_nixl"),
@@ -154,7 +158,8 @@ class P2PPair:
                 block_bytes,
                 engine_id=f"bench-cons-{path}-{os.getpid()}",
                 reads=path != "write",
-                same_host=path != "nixl_read",
+                same_host=not path.startswith("nixl_read"),
+                read_staging_bytes=0 if path == "nixl_read_in_place" else 64 * MIB,
             )
             for path in PATHS
         }
@@ -505,6 +510,7 @@ HEADER = (
     f"{'block':>6} {'n':>4} {'MiB':>6} | {'memcpy':>6} | "
     f"{'raw RD':>7} {'us':>7} | {'read sub':>8} {'us':>7} {'x raw':>5} | "
     f"{'read e2e':>8} {'us':>7} | {'nixl sub':>8} {'us':>7} {'x raw':>5} | "
+    f"{'in place':>8} {'x raw':>5} | "
     f"{'raw WR':>7} {'us':>7} | {'write sub':>9} {'us':>7} {'x raw':>5} | "
     f"{'vLLM':>5} {'x raw':>5} | {'dp us':>6} {'nixl dp':>7}"
 )
@@ -515,6 +521,7 @@ def _line(row: dict[str, Any]) -> str:
     block = f"{bs // KIB}K" if bs < MIB else f"{bs // MIB}M"
     rr, sub, e2e, nsub = row["raw_read"], row["submit"], row["e2e"], row["n_submit"]
     rw, wsub, vl = row["raw_nixl"], row["w_submit"], row["vllm"]
+    isub = row["i_submit"]
     vcell = (
         f"{vl['gbps']:>5.2f} {vl['ratio_raw']:>5.2f}"
         if "gbps" in vl
@@ -526,6 +533,7 @@ def _line(row: dict[str, Any]) -> str:
         f"{sub['gbps']:>8.2f} {sub['latency_us']:>7.1f} {sub['ratio_raw']:>5.2f} | "
         f"{e2e['gbps']:>8.2f} {e2e['latency_us']:>7.1f} | "
         f"{nsub['gbps']:>8.2f} {nsub['latency_us']:>7.1f} {nsub['ratio_raw']:>5.2f} | "
+        f"{isub['gbps']:>8.2f} {isub['ratio_raw']:>5.2f} | "
         f"{rw['gbps']:>7.2f} {rw['latency_us']:>7.1f} | "
         f"{wsub['gbps']:>9.2f} {wsub['latency_us']:>7.1f} {wsub['ratio_raw']:>5.2f} | "
         f"{vcell} | {row['dp']['latency_us']:>6.1f} {row['n_dp']['latency_us']:>7.1f}"
@@ -539,6 +547,7 @@ def _print_verdicts(result: dict[str, Any]) -> None:
         ("submit", "read path submit->result (vs raw READ)"),
         ("e2e", "read path lookup->result (vs raw READ)"),
         ("n_submit", "NIXL read submit->result (vs raw READ)"),
+        ("i_submit", "NIXL read in place submit->result (vs raw READ)"),
         ("w_submit", "write path submit->result (vs raw WRITE)"),
         ("dp", "read path data plane alone, post->completion (vs raw READ)"),
         ("n_dp", "NIXL read data plane alone, post->completion (vs raw READ)"),
@@ -580,7 +589,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     print("GB/s (median); us = median latency; x raw = GB/s ratio to raw NIXL")
     print("sub = submit_load->result, e2e = lookup->result; read path (same-host")
-    print("copy) and NIXL read path vs raw READ, write path (reads off) vs raw WRITE;")
+    print("copy) and NIXL read path (staged; in place: no staging) vs raw READ,")
+    print("write path (reads off) vs raw WRITE;")
     print("dp = the read's data plane alone (post_read -> completion), us")
     print(HEADER)
     result = run(cells, base, rounds, lambda row: print(_line(row), flush=True))
