@@ -509,6 +509,12 @@ class NixlDataTransport:
         self.local_reads = 0
         if read_staging_bytes < 0:
             raise ValueError(f"read_staging_bytes is negative: {read_staging_bytes}")
+        #: Staging is made at the first READ that needs it: an engine whose
+        #: peers are all copied from on this host never holds it. (Made at
+        #: start, its 64 MiB coincided with 16 s stalls of an idle `vllm
+        #: serve` pair in about half of test_serve_metrics' runs: not
+        #: explained, gone when made lazily.)
+        self._stage_bytes = read_staging_bytes
         self._stage_mem: StagingMemory | None = None
         self._stage_pool: StagingPool | None = None
         self._stage_descs: Any = None
@@ -541,18 +547,16 @@ class NixlDataTransport:
             # Metadata must be taken after registration: it carries the keys
             # a peer needs to write into the region.
             self._metadata: bytes = bytes(self._agent.get_agent_metadata())
-            if read_staging_bytes:
-                self._setup_staging(read_staging_bytes)
         except BaseException:
             self._agent = None
             raise
 
-    def _setup_staging(self, nbytes: int) -> None:
+    def _setup_staging(self) -> None:
         """Staging beside the region, registered after the metadata was
         taken: only we address it, so peers get no key to it."""
         span = self._span
         mem = StagingMemory(
-            max(1, nbytes // self._block_bytes),
+            max(1, self._stage_bytes // self._block_bytes),
             self._block_bytes,
             span.addr,
             span.nbytes,
@@ -919,7 +923,7 @@ class NixlDataTransport:
                 )
                 if isinstance(mapping, PeerMapping) or len(plan.counts) >= IPC_MIN_RUNS:
                     return self._copy(peer, plan)
-            if op == "READ" and self._stage_pool is not None and mapping is None:
+            if op == "READ" and self._stage_bytes and mapping is None:
                 return self._post_staged(peer, local_blocks, remote_blocks)
             # Every index is checked (range, duplicates) before any NIXL
             # call; prepared lists need no coalescing plan (NIXL merges),
@@ -981,6 +985,15 @@ class NixlDataTransport:
         remote = as_int_list("dst_blocks", remote_blocks)
         check_mapping(local, remote, self._num_blocks, peer.info.num_blocks)
         tid = next(self._ids)
+        if self._stage_pool is None:
+            try:
+                self._setup_staging()
+            except Exception as exc:
+                # No READ may land in place instead: this one fails (the
+                # request recomputes) and the next tries again.
+                logger.warning("cannot make read staging: %s", exc)
+                self._done.append((tid, False))
+                return tid
         read = _StagedRead(
             peer, np.asarray(local, dtype=np.int64), np.asarray(remote, np.int64)
         )

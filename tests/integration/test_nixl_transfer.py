@@ -671,6 +671,16 @@ def _tcp_pair(
         yield prod, cons, src.reshape(n, bs), dst.reshape(n, bs)
 
 
+def _completions(prod: Any, cons: Any) -> list[tuple[int, bool]]:
+    """The consumer's first completions, the producer progressing."""
+    end = time.monotonic() + STEP_TIMEOUT_S
+    done: list[tuple[int, bool]] = []
+    while not done and time.monotonic() < end:
+        prod.poll_notifs()
+        done = cons.poll_completions()
+    return done
+
+
 def _progress(*transports: Any, rounds: int = 100) -> None:
     """The stalled peer wakes up: everyone progresses UCX a while."""
     for _ in range(rounds):
@@ -735,12 +745,7 @@ def test_a_removed_peer_that_comes_back_while_its_read_runs_is_taken_back(
         cons.add_peer(prod.local_region())
         assert cons.peers() == [prod.agent_name] and cons._retiring == {}
         tid = cons.post_read(prod.agent_name, [5], [9])
-        end = time.monotonic() + STEP_TIMEOUT_S
-        done: list[tuple[int, bool]] = []
-        while not done and time.monotonic() < end:
-            prod.poll_notifs()
-            done = cons.poll_completions()
-        assert done == [(tid, True)]
+        assert _completions(prod, cons) == [(tid, True)]
         assert np.array_equal(got[9], src[5])
         assert not got[2].any() and not got[3].any()
         _progress(prod, cons, rounds=20)
@@ -762,12 +767,7 @@ def test_a_read_larger_than_staging_moves_in_pieces_and_waits_for_staging(
         local = [0, 2, 3, 4, 9, 10, 11, 12, 20, 17, 15, 1, 30]
         remote = [5, 6, 7, 8, 1, 2, 3, 4, 28, 27, 26, 25, 0]
         tid = cons.post_read(prod.agent_name, remote, local)
-        end = time.monotonic() + STEP_TIMEOUT_S
-        done: list[tuple[int, bool]] = []
-        while not done and time.monotonic() < end:
-            prod.poll_notifs()
-            done = cons.poll_completions()
-        assert done == [(tid, True)]
+        assert _completions(prod, cons) == [(tid, True)]
         for ll, r in zip(local, remote, strict=True):
             assert np.array_equal(got[ll], src[r]), (ll, r)
         assert not got[31].any()

@@ -237,11 +237,13 @@ def test_cuda_tensor_registers_one_vram_span_on_its_device(
     region = FakeCudaTensor(0x7F00_0000_0000, 16 * BS, index=1)
     t = NixlDataTransport(region, BS, name="gpu", read_staging_bytes=4 * BS)
     (agent,) = agents
-    # The region, then its read staging: GPU memory on the same GPU.
-    assert agent.registered == [
-        ([(0x7F00_0000_0000, 16 * BS, 1, "")], MEM_VRAM),
-        ([(STAGE_BASE, 4 * BS, 1, "")], MEM_VRAM),
-    ]
+    assert agent.registered == [([(0x7F00_0000_0000, 16 * BS, 1, "")], MEM_VRAM)]
+    # Read staging comes with the first READ through NIXL: GPU memory on
+    # the region's GPU, registered as such.
+    t.add_peer(_peer(MEM_VRAM, 0, 0x7E00_0000_0000, 32))
+    tid = t.post_read("peer-1", [3], [4])
+    assert t.poll_completions() == [(tid, True)]
+    assert agent.registered[1:] == [([(STAGE_BASE, 4 * BS, 1, "")], MEM_VRAM)]
     info = t.local_region()
     assert (info.mem_kind, info.device_id, info.base_addr) == (
         MEM_VRAM,
