@@ -9,12 +9,13 @@ closes it gracefully (after the READ). Had the READ named the engine's
 slots, those would by then hold another request's KV.
 
 So a READ from a peer we do not copy from ourselves lands in staging blocks
-of ours (registered once, beside the region). Its bytes are copied into the
-engine's slots only after UCX reports it done. One given up on hands the
-engine's slots back at once (reported failed, no drain to wait out) and
-keeps its staging blocks, quarantined, until UCX ends it: a peer that
-resumes lands its bytes there, a dead one errors it. A load larger than
-the free staging moves in pieces, each posted when the last has landed.
+of ours (made and registered once, at the first such READ). Its bytes are
+copied into the engine's slots only after UCX reports it done. One given
+up on hands the engine's slots back at once (reported failed, no drain to
+wait out) and keeps its staging blocks, quarantined, until UCX ends it: a
+peer that resumes lands its bytes there, a dead one errors it. A load
+larger than the free staging moves in pieces, each posted when the last
+has landed.
 
 :class:`StagingPool` is the allocator (pure); :class:`StagingMemory` owns
 the bytes and the copy out of them. ``p2p_kv.data`` drives both.
