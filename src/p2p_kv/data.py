@@ -388,13 +388,12 @@ _KEPT_STAGING: list[StagingMemory | None] = []
 @dataclass
 class _StagedRead:
     """A READ landing in staging (``p2p_kv.staging``), one piece at a time:
-    ``local[lo:hi]`` is the piece in flight under ``handle``, in ``stage``."""
+    the piece in flight under ``handle`` is ``local[lo:lo + stage.size]``."""
 
     peer: _Peer
     local: npt.NDArray[np.int64]
     remote: npt.NDArray[np.int64]
     lo: int = 0
-    hi: int = 0
     handle: Any = None
     stage: npt.NDArray[np.int64] | None = None
 
@@ -560,7 +559,7 @@ class NixlDataTransport:
             self._block_bytes,
             span.addr,
             span.nbytes,
-            self._region_obj if span.mem_kind == MEM_VRAM else None,
+            cuda_region=self._region_obj if span.mem_kind == MEM_VRAM else None,
         )
         self._stage_descs = self._agent.register_memory(
             [(mem.addr, mem.nbytes, mem.device_id, "")], span.mem_kind
@@ -1026,7 +1025,7 @@ class NixlDataTransport:
                 try:
                     if state != "DONE":
                         return "ERR"
-                    mem.copy_out(stage, read.local[read.lo : read.hi])
+                    mem.copy_out(stage, read.local[read.lo : read.lo + stage.size])
                 except Exception:
                     logger.warning(
                         "copying a READ out of staging failed", exc_info=True
@@ -1034,17 +1033,16 @@ class NixlDataTransport:
                     return "ERR"
                 finally:
                     pool.give(stage)
-                read.lo = read.hi
+                read.lo += int(stage.size)
             if read.lo == read.local.size:
                 return "DONE"
             stage = pool.take(int(read.local.size) - read.lo)
             if not stage.size:
                 return "PROC"  # every staging block is taken: wait for one
-            read.hi = read.lo + int(stage.size)
             handle = None
             try:
                 handle = self._stage_xfer(
-                    read.peer, stage, read.remote[read.lo : read.hi]
+                    read.peer, stage, read.remote[read.lo : read.lo + stage.size]
                 )
                 state = str(self._agent.transfer(handle))
             except Exception as exc:

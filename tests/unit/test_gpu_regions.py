@@ -168,12 +168,7 @@ class FakeStaging:
     the copies out of it that were asked for."""
 
     def __init__(
-        self,
-        num_blocks: int,
-        block_bytes: int,
-        region_addr: int,
-        region_bytes: int,
-        cuda_region: Any = None,
+        self, num_blocks: int, block_bytes: int, *_region: int, cuda_region: Any = None
     ) -> None:
         self.num_blocks, self.block_bytes = num_blocks, block_bytes
         self.addr, self.nbytes = STAGE_BASE, num_blocks * block_bytes
