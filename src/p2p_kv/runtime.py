@@ -27,6 +27,8 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from queue import Queue
+from typing import Any
 
 import msgspec
 
@@ -113,6 +115,46 @@ class TierRuntime:
             # lookup it answered.
             return not self.has_waker
         return m.waiting_requests() >= self.live_requests
+
+    def engine_hold_s(self) -> float:
+        """How long an idle engine's thread may sleep at its step; 0: not
+        at all. Only with a waker, which wakes it for anything of ours.
+
+        vLLM keeps stepping an engine while its tiering manager has jobs in
+        flight, and a pin we hold for a peer is one (a store job of the
+        parent's). A producer with no request of its own would then step
+        ~750 times a second until the peer's Release or the pin's deadline
+        (15 s when the peer stalls): a core burnt, and on a small host the
+        very stall that keeps the peer from reading. Work of ours that ends
+        by a peer's message or a deadline needs no step; the waker sees it
+        end and wakes the engine, as does any new client request."""
+        if not self.has_waker or self.live_requests:
+            return 0.0
+        m = self.manager
+        if (
+            not m.jobs_in_flight()
+            or self._xfers
+            or self.data.in_flight()
+            or m.has_lookups_to_serve
+            or m.results_ready()
+        ):
+            # Nothing of ours keeps it stepping (whatever does is vLLM's
+            # own), or the engine has something of ours to do now.
+            return 0.0
+        return self.idle_wait_s
+
+    def park_engine(self, queue: Queue[Any]) -> None:
+        """Called by the engine's thread at its step, not holding
+        :attr:`lock`: sleep as vLLM's idle engine does, on its input
+        ``queue``, for :meth:`engine_hold_s`. A client request or the
+        waker's call (both put on that queue) ends the sleep at once."""
+        with self.lock:
+            hold_s = self.engine_hold_s()
+        if hold_s <= 0:
+            return
+        with queue.not_empty:
+            if not queue.queue:
+                queue.not_empty.wait(hold_s)
 
     def poll(self, wait: bool | None = None) -> None:
         """One sweep: receive, feed the manager, progress the data plane,

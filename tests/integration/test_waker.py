@@ -11,7 +11,9 @@ producer only when the waker calls it.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import queue
 import threading
 import time
 from collections.abc import Iterator
@@ -19,6 +21,7 @@ from collections.abc import Iterator
 import pytest
 
 from p2p_kv.control import ControlTransport, wait_readable
+from p2p_kv.manager import Answer
 from p2p_kv.session import Timeouts
 from p2p_kv.standalone import StandalonePeer, make_key
 
@@ -192,3 +195,92 @@ def test_a_frame_that_arrives_as_we_send_still_ends_the_wakers_sleep(
     finally:
         a.close()
         b.close()
+
+
+class EngineCoreLoop:
+    """vLLM 0.32's engine-core loop as the tier meets it: asleep on its
+    input queue while it has no work; while it has some it steps, pausing
+    1 ms between steps. A pin held for a peer is work to vLLM (a store job
+    of its tiering manager), so without :meth:`TierRuntime.park_engine` a
+    producer steps ~750 times a second until the peer lets go."""
+
+    def __init__(self, peer: StandalonePeer) -> None:
+        self.peer = peer
+        self.queue: queue.Queue[str] = queue.Queue()
+        self.steps = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _has_work(self) -> bool:
+        with self.peer.runtime.lock:
+            return bool(self.peer.pinner.pinned) or (
+                self.peer.manager.has_pending_work()
+            )
+
+    def _run(self) -> None:
+        rt = self.peer.runtime
+        while not self._stop.is_set():
+            if not self._has_work():
+                with contextlib.suppress(queue.Empty):
+                    self.queue.get(timeout=0.05)
+                continue
+            while not self.queue.empty():  # client requests, the waker's call
+                self.queue.get_nowait()
+            rt.park_engine(self.queue)  # the tier's get_finished_jobs does this
+            with rt.lock:
+                rt.engine_stepped()
+                self.peer.step(wait=False)
+            self.steps += 1
+            time.sleep(0.001)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2.0)
+
+
+def test_pins_held_for_a_peer_do_not_keep_an_idle_engine_stepping() -> None:
+    pid = os.getpid()
+    # Parked for up to 5 s a step: only a wake-up can end a park in time.
+    producer = StandalonePeer(
+        16, 4096, engine_id=f"park-p-{pid}", timeouts=QUIET, idle_wait_s=TICK_S
+    )
+    consumer = StandalonePeer(16, 4096, engine_id=f"park-c-{pid}", timeouts=QUIET)
+    for slot in range(4):
+        producer.pinner.table[make_key(slot)] = slot
+    engine = EngineCoreLoop(producer)
+    producer.runtime.start_waker(lambda: engine.queue.put_nowait("wake"), 0.05)
+    try:
+        m = consumer.manager
+        keys = [make_key(1), make_key(2)]
+        consumer.open("r1", producer.address, "kv1")
+        end = time.monotonic() + IN_TIME_S
+        while (answers := [m.lookup("r1", k) for k in keys]).count(Answer.RETRY):
+            assert time.monotonic() < end, "no lookup answer"
+            consumer.runtime.flush()
+            consumer.step()
+        assert answers == [Answer.HIT, Answer.HIT]
+        # The consumer now holds the producer's pins and does nothing.
+        steps = engine.steps
+        time.sleep(1.0)
+        held = engine.steps - steps
+        assert producer.pinner.pinned, "the pins went early"
+        assert held <= 3, f"the idle producer stepped {held} times in 1 s"
+        # A client request ends the park at once...
+        steps = engine.steps
+        engine.queue.put_nowait("add")
+        end = time.monotonic() + IN_TIME_S
+        while engine.steps == steps:
+            assert time.monotonic() < end, "a new request waited on the park"
+            time.sleep(0.01)
+        # ...and so does the waker, once the Release has ended the pins.
+        t0 = time.monotonic()
+        consumer.runtime.end_request("r1")
+        consumer.runtime.pump()
+        while producer.pinner.pinned:
+            assert time.monotonic() - t0 < IN_TIME_S, "the Release waited on the park"
+            time.sleep(0.01)
+    finally:
+        engine.close()
+        consumer.close()
+        producer.close()

@@ -13,6 +13,7 @@ import functools
 import logging
 import sys
 from collections.abc import Callable, Collection, Iterable, Sequence
+from queue import Queue
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import msgspec
@@ -189,6 +190,13 @@ class P2PKVTier(SecondaryTierManager):
             manager, control, data, idle_wait_s=self.cfg.idle_wait_ms / 1000
         )
         queue = None if HAS_TIER_POLL_THREAD else _engine_input_queue()
+        #: the engine's input queue, where its thread may sleep at a step
+        self._engine_queue: Queue[Any] | None = (
+            queue if isinstance(queue, Queue) else None
+        )
+        #: inside serve_external_requests, where vLLM's parent may call
+        #: get_finished_jobs under our lock: no sleep there
+        self._serving = False
         if queue is not None:
             from vllm.v1.engine import EngineCoreRequestType
 
@@ -257,8 +265,13 @@ class P2PKVTier(SecondaryTierManager):
 
     # -- the engine's step ----------------------------------------------------
 
-    @_locked
     def get_finished_jobs(self) -> Iterable[JobResult]:
+        if self._engine_queue is not None and not self._serving:
+            self.runtime.park_engine(self._engine_queue)
+        return self._finished_jobs()
+
+    @_locked
+    def _finished_jobs(self) -> list[JobResult]:
         # With vLLM 0.33's tier-poll thread we are called every millisecond
         # under the manager's lock: never wait there.
         wait = False if HAS_TIER_POLL_THREAD else None
@@ -297,7 +310,11 @@ class P2PKVTier(SecondaryTierManager):
 
     @_locked
     def serve_external_requests(self, parent: ParentManager) -> None:
-        self.runtime.serve(_ParentPinner(parent))
+        self._serving = True
+        try:
+            self.runtime.serve(_ParentPinner(parent))
+        finally:
+            self._serving = False
 
     @_locked
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
