@@ -58,7 +58,7 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final, NamedTuple, Protocol, TypeAlias, runtime_checkable
 
 import msgspec
@@ -385,17 +385,34 @@ class _Xfer:
 _KEPT_STAGING: list[StagingMemory | None] = []
 
 
+#: Pieces of one staged READ in flight at once, each at most this share of
+#: the staging: one is posted (and the one before copied out) while another
+#: runs, instead of each waiting for the last.
+PIECES_IN_FLIGHT = 2
+
+
+@dataclass
+class _Piece:
+    """One piece of a staged READ: the peer's blocks for ``local[lo:lo +
+    stage.size]``, landing in staging blocks ``stage``."""
+
+    handle: Any
+    stage: npt.NDArray[np.int64]
+    lo: int
+    state: str
+
+
 @dataclass
 class _StagedRead:
-    """A READ landing in staging (``p2p_kv.staging``), one piece at a time:
-    the piece in flight under ``handle`` is ``local[lo:lo + stage.size]``."""
+    """A READ landing in staging (``p2p_kv.staging``) in pieces, up to
+    :data:`PIECES_IN_FLIGHT` at once; ``posted`` blocks of ``local`` have
+    gone to pieces so far."""
 
     peer: _Peer
     local: npt.NDArray[np.int64]
     remote: npt.NDArray[np.int64]
-    lo: int = 0
-    handle: Any = None
-    stage: npt.NDArray[np.int64] | None = None
+    posted: int = 0
+    pieces: list[_Piece] = field(default_factory=list)
 
 
 @dataclass
@@ -996,7 +1013,12 @@ class NixlDataTransport:
         read = _StagedRead(
             peer, np.asarray(local, dtype=np.int64), np.asarray(remote, np.int64)
         )
-        state = self._advance(read)
+        try:
+            state = self._advance(read)
+        except Exception:
+            logger.warning("checking a staged READ failed", exc_info=True)
+            self._bury(read)
+            state = "ERR"
         if state == "PROC":
             self._inflight[tid] = _Xfer(read, peer.info.agent_name)
         else:
@@ -1004,45 +1026,48 @@ class NixlDataTransport:
         return tid
 
     def _advance(self, read: _StagedRead) -> str:
-        """Copy out a piece that landed and post the next: "PROC" while a
-        piece runs or waits for free staging, then "DONE" or "ERR".
+        """Copy out the pieces that landed and post the next ones: "PROC"
+        while pieces run or wait for free staging, then "DONE" or "ERR"
+        (the pieces still running are then buried).
 
         A check that raises is raised: the piece's fate is then unknown,
         and the caller's release buries it (its staging is not reused)."""
         pool, mem = self._stage_pool, self._stage_mem
         assert pool is not None and mem is not None
-        state = "PROC"
         while True:
-            if read.handle is not None:
-                if state == "PROC":
-                    state = str(self._agent.check_xfer_state(read.handle))
-                    if state == "PROC":
-                        return state
-                self._release(read.handle)
-                read.handle = None
-                stage, read.stage = read.stage, None
-                assert stage is not None
+            for piece in list(read.pieces):
+                if piece.state == "PROC":
+                    piece.state = str(self._agent.check_xfer_state(piece.handle))
+                    if piece.state == "PROC":
+                        continue
+                read.pieces.remove(piece)
+                self._release(piece.handle)
                 try:
-                    if state != "DONE":
+                    if piece.state != "DONE":
+                        self._bury(read)
                         return "ERR"
-                    mem.copy_out(stage, read.local[read.lo : read.lo + stage.size])
+                    end = piece.lo + piece.stage.size
+                    mem.copy_out(piece.stage, read.local[piece.lo : end])
                 except Exception:
                     logger.warning(
                         "copying a READ out of staging failed", exc_info=True
                     )
+                    self._bury(read)
                     return "ERR"
                 finally:
-                    pool.give(stage)
-                read.lo += int(stage.size)
-            if read.lo == read.local.size:
-                return "DONE"
-            stage = pool.take(int(read.local.size) - read.lo)
+                    pool.give(piece.stage)
+            left = int(read.local.size) - read.posted
+            if not left:
+                return "PROC" if read.pieces else "DONE"
+            if len(read.pieces) >= PIECES_IN_FLIGHT:
+                return "PROC"
+            stage = pool.take(min(left, max(1, pool.size // PIECES_IN_FLIGHT)))
             if not stage.size:
                 return "PROC"  # every staging block is taken: wait for one
-            handle = None
+            lo, handle = read.posted, None
             try:
                 handle = self._stage_xfer(
-                    read.peer, stage, read.remote[read.lo : read.lo + stage.size]
+                    read.peer, stage, read.remote[lo : lo + stage.size]
                 )
                 state = str(self._agent.transfer(handle))
             except Exception as exc:
@@ -1056,10 +1081,10 @@ class NixlDataTransport:
                 if handle is not None:
                     self._release(handle)
                 pool.give(stage)
+                self._bury(read)
                 return "ERR"
-            read.handle, read.stage = handle, stage
-            if state == "PROC":
-                return state
+            read.pieces.append(_Piece(handle, stage, lo, state))
+            read.posted += int(stage.size)
 
     def _stage_xfer(
         self, peer: _Peer, stage: npt.NDArray[np.int64], remote: npt.NDArray[np.int64]
@@ -1097,12 +1122,12 @@ class NixlDataTransport:
         )
 
     def _bury(self, read: _StagedRead) -> None:
-        """A staged READ given up on: its piece in flight becomes a zombie."""
-        if read.handle is not None and read.stage is not None:
+        """A staged READ given up on: its pieces in flight become zombies."""
+        for piece in read.pieces:
             self._zombies.append(
-                _Zombie(read.handle, read.stage, read.peer.info.agent_name)
+                _Zombie(piece.handle, piece.stage, read.peer.info.agent_name)
             )
-        read.handle = read.stage = None
+        read.pieces.clear()
 
     def _settle(self) -> None:
         """Free the staging of zombies UCX has ended, and drop the agents of

@@ -14,8 +14,8 @@ copied into the engine's slots only after UCX reports it done. One given
 up on hands the engine's slots back at once (reported failed, no drain to
 wait out) and keeps its staging blocks, quarantined, until UCX ends it: a
 peer that resumes lands its bytes there, a dead one errors it. A load
-larger than the free staging moves in pieces, each posted when the last
-has landed.
+larger than half the staging moves in pieces of at most half, two in
+flight: one lands and is copied out while the next runs.
 
 :class:`StagingPool` is the allocator (pure); :class:`StagingMemory` owns
 the bytes and the copy out of them. ``p2p_kv.data`` drives both.

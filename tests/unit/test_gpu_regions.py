@@ -89,6 +89,11 @@ class FakeAgent:
     xfers: list[tuple[str, FakeDList, FakeDList, str, bytes]] = field(
         default_factory=list
     )
+    handles: list[object] = field(default_factory=list)
+    #: transfers run until ``landed`` holds their handle
+    hold: bool = False
+    landed: list[object] = field(default_factory=list)
+    failed: list[object] = field(default_factory=list)
     nixl_mems: dict[str, str] = field(
         default_factory=lambda: {MEM_DRAM: "mem:DRAM", MEM_VRAM: "mem:VRAM"}
     )
@@ -116,7 +121,8 @@ class FakeAgent:
         self, op: str, local: FakeDList, remote: FakeDList, peer: str, notif: bytes
     ) -> object:
         self.xfers.append((op, local, remote, peer, notif))
-        return _Handle()
+        self.handles.append(_Handle())
+        return self.handles[-1]
 
     def prep_xfer_dlist(self, agent: str, descs: Any, mem: str) -> FakePrepped:
         if not self.can_prep:
@@ -143,13 +149,16 @@ class FakeAgent:
                 notif,
             )
         )
-        return _Handle()
+        self.handles.append(_Handle())
+        return self.handles[-1]
 
     def transfer(self, handle: object) -> str:
-        return "DONE"
+        return self.check_xfer_state(handle)
 
     def check_xfer_state(self, handle: object) -> str:
-        return "DONE"
+        if handle in self.failed:
+            return "ERR"
+        return "PROC" if self.hold and handle not in self.landed else "DONE"
 
     def get_new_notifs(self) -> dict[str, list[bytes]]:
         return {}
@@ -282,7 +291,8 @@ def test_vram_read_names_each_sides_gpu(agents: list[FakeAgent], staged: bool) -
     t = NixlDataTransport(
         FakeCudaTensor(local_base, 16 * BS, index=1),
         BS,
-        read_staging_bytes=4 * BS if staged else 0,
+        # 8 staging blocks: the 3 go as one piece (at most half the pool)
+        read_staging_bytes=8 * BS if staged else 0,
     )
     t.add_peer(_peer(MEM_VRAM, 0, remote_base, 32))
     tid = t.post_read("peer-1", [30, 31, 5], [7, 8, 9])  # remote blocks, then ours
@@ -296,7 +306,56 @@ def test_vram_read_names_each_sides_gpu(agents: list[FakeAgent], staged: bool) -
     )
     if staged:
         assert t._stage_mem.copies == [([0, 1, 2], [7, 8, 9])]
-        assert t.staging_blocks() == (4, 4, 0)
+        assert t.staging_blocks() == (8, 8, 0)
+
+
+def test_a_staged_read_keeps_two_pieces_in_flight(agents: list[FakeAgent]) -> None:
+    """A load larger than half the staging moves in pieces of at most half,
+    two running at once: one lands (and is copied out) while the next runs,
+    instead of every piece waiting for the one before."""
+    t = NixlDataTransport(
+        FakeCudaTensor(0x7F00_0000_0000, 16 * BS, index=1),
+        BS,
+        read_staging_bytes=4 * BS,
+    )
+    t.add_peer(_peer(MEM_VRAM, 0, 0x7E00_0000_0000, 32))
+    agent = agents[0]
+    agent.hold = True
+    slots = [1, 3, 5, 7, 9, 11]
+    tid = t.post_read("peer-1", [20, 21, 22, 23, 24, 25], slots)
+    assert len(agent.handles) == 2  # two pieces of 2 blocks, both running
+    assert t.poll_completions() == []
+    assert t.staging_blocks() == (4, 0, 0)
+    agent.landed.append(agent.handles[1])  # the second piece lands first
+    assert t.poll_completions() == []
+    assert len(agent.handles) == 3  # its staging went to the third piece
+    agent.landed.extend(agent.handles)
+    assert t.poll_completions() == [(tid, True)]
+    copies = t._stage_mem.copies
+    assert sorted(s for _, out in copies for s in out) == slots
+    assert [out for _, out in copies] == [[5, 7], [1, 3], [9, 11]]
+    assert t.staging_blocks() == (4, 4, 0)
+
+
+def test_a_failed_piece_buries_the_piece_still_running(agents: list[FakeAgent]) -> None:
+    """The READ fails at once; the other piece's staging stays held until
+    UCX ends it, and nothing of it is copied into the slots."""
+    t = NixlDataTransport(
+        FakeCudaTensor(0x7F00_0000_0000, 16 * BS, index=1),
+        BS,
+        read_staging_bytes=4 * BS,
+    )
+    t.add_peer(_peer(MEM_VRAM, 0, 0x7E00_0000_0000, 32))
+    agent = agents[0]
+    agent.hold = True
+    tid = t.post_read("peer-1", [20, 21, 22, 23, 24, 25], [1, 3, 5, 7, 9, 11])
+    agent.failed.append(agent.handles[0])
+    assert t.poll_completions() == [(tid, False)]
+    assert t.staging_blocks() == (4, 2, 2)
+    agent.landed.append(agent.handles[1])
+    assert t.poll_completions() == []
+    assert t.staging_blocks() == (4, 4, 0)
+    assert t._stage_mem.copies == []
 
 
 def test_host_to_gpu_descriptors_mix_memory_types(
