@@ -54,6 +54,7 @@ FILL = 64
 LANES = 8
 PER_LANE = 8
 KV_POOL = 24
+STAGING_BLOCKS = 6
 TIMEOUTS = {
     "heartbeat_interval_s": 0.2,
     "lookup_s": 0.5,
@@ -227,14 +228,23 @@ def rss() -> int:
     return int(psutil.Process().memory_info().rss)
 
 
-@pytest.fixture
-def peers() -> Iterator[tuple[StandalonePeer, list[PeerProc]]]:
+@pytest.fixture(params=["same_host", "staged"])
+def peers(
+    request: pytest.FixtureRequest,
+) -> Iterator[tuple[StandalonePeer, list[PeerProc]]]:
+    """``same_host``: the default read path, our own copies out of the
+    producers' regions. ``staged``: every READ through NIXL into 6 blocks
+    of read staging, so the lanes' loads (up to 8 blocks) move in pieces,
+    wait for staging, and leave zombies when given up on."""
     procs: list[PeerProc] = []
+    staged = request.param == "staged"
     consumer = StandalonePeer(
         LANES * PER_LANE,
         BLOCK,
         engine_id=f"soak-c-{os.getpid()}",
         timeouts=Timeouts(**TIMEOUTS),
+        same_host=not staged,
+        read_staging_bytes=STAGING_BLOCKS * BLOCK if staged else 0,
     )
     try:
         procs = [producer(f"soak-p{i}", free_port(), seed=i) for i in range(2)]
@@ -257,6 +267,9 @@ def settle(s: Soak, procs: list[PeerProc], within: float = 10.0) -> dict[str, An
         left: dict[str, Any] = {}
         if mine:
             left["consumer"] = mine
+        size, free, held = data.inner.staging_blocks()
+        if free != size or held:
+            left["staging"] = (size, free, held)
         if rt.transfers_in_flight or data.inner.in_flight() or data.handles():
             left["consumer_xfers"] = (
                 rt.transfers_in_flight,
@@ -342,6 +355,9 @@ def test_soak(peers: tuple[StandalonePeer, list[PeerProc]]) -> None:
         f"{[round(r['rss'] / 2**20, 1) for r in reports]} MiB; injected "
         f"{ {k: v for k, v in injected.items() if v} }"
     )
+    # Each variant's loads took its own path (staged: through NIXL only).
+    inner = consumer.runtime.data.inner
+    assert (inner.local_reads > 0) != (inner.staging_blocks()[0] > 0)
     assert not s.bad, s.bad[:10]
     assert not left, left
     assert not s.pending, f"jobs without a result: {sorted(s.pending)[:10]}"
