@@ -309,10 +309,13 @@ def test_vram_read_names_each_sides_gpu(agents: list[FakeAgent], staged: bool) -
         assert t.staging_blocks() == (8, 8, 0)
 
 
-def test_a_staged_read_keeps_two_pieces_in_flight(agents: list[FakeAgent]) -> None:
-    """A load larger than half the staging moves in pieces of at most half,
-    two running at once: one lands (and is copied out) while the next runs,
-    instead of every piece waiting for the one before."""
+PIECES_SLOTS = [1, 3, 5, 7, 9, 11]
+
+
+def _six_block_staged_read(
+    agents: list[FakeAgent],
+) -> tuple[NixlDataTransport, FakeAgent, int]:
+    """A READ of 6 blocks into 4 of staging, its transfers held running."""
     t = NixlDataTransport(
         FakeCudaTensor(0x7F00_0000_0000, 16 * BS, index=1),
         BS,
@@ -321,8 +324,14 @@ def test_a_staged_read_keeps_two_pieces_in_flight(agents: list[FakeAgent]) -> No
     t.add_peer(_peer(MEM_VRAM, 0, 0x7E00_0000_0000, 32))
     agent = agents[0]
     agent.hold = True
-    slots = [1, 3, 5, 7, 9, 11]
-    tid = t.post_read("peer-1", [20, 21, 22, 23, 24, 25], slots)
+    return t, agent, t.post_read("peer-1", [20, 21, 22, 23, 24, 25], PIECES_SLOTS)
+
+
+def test_a_staged_read_keeps_two_pieces_in_flight(agents: list[FakeAgent]) -> None:
+    """A load larger than half the staging moves in pieces of at most half,
+    two running at once: one lands (and is copied out) while the next runs,
+    instead of every piece waiting for the one before."""
+    t, agent, tid = _six_block_staged_read(agents)
     assert len(agent.handles) == 2  # two pieces of 2 blocks, both running
     assert t.poll_completions() == []
     assert t.staging_blocks() == (4, 0, 0)
@@ -332,7 +341,7 @@ def test_a_staged_read_keeps_two_pieces_in_flight(agents: list[FakeAgent]) -> No
     agent.landed.extend(agent.handles)
     assert t.poll_completions() == [(tid, True)]
     copies = t._stage_mem.copies
-    assert sorted(s for _, out in copies for s in out) == slots
+    assert sorted(s for _, out in copies for s in out) == PIECES_SLOTS
     assert [out for _, out in copies] == [[5, 7], [1, 3], [9, 11]]
     assert t.staging_blocks() == (4, 4, 0)
 
@@ -340,15 +349,7 @@ def test_a_staged_read_keeps_two_pieces_in_flight(agents: list[FakeAgent]) -> No
 def test_a_failed_piece_buries_the_piece_still_running(agents: list[FakeAgent]) -> None:
     """The READ fails at once; the other piece's staging stays held until
     UCX ends it, and nothing of it is copied into the slots."""
-    t = NixlDataTransport(
-        FakeCudaTensor(0x7F00_0000_0000, 16 * BS, index=1),
-        BS,
-        read_staging_bytes=4 * BS,
-    )
-    t.add_peer(_peer(MEM_VRAM, 0, 0x7E00_0000_0000, 32))
-    agent = agents[0]
-    agent.hold = True
-    tid = t.post_read("peer-1", [20, 21, 22, 23, 24, 25], [1, 3, 5, 7, 9, 11])
+    t, agent, tid = _six_block_staged_read(agents)
     agent.failed.append(agent.handles[0])
     assert t.poll_completions() == [(tid, False)]
     assert t.staging_blocks() == (4, 2, 2)
