@@ -33,10 +33,7 @@ class TierConfig:
     secret: str | None = None
     #: Longest wait on the control sockets inside an idle engine step: the
     #: idle engine's CPU (lower with longer waits) against the time it may
-    #: take a fully idle vLLM 0.32 engine to start a new request. Also the
-    #: longest sleep of a 3-process engine's step while it has no request
-    #: and holds pins for a peer (vLLM steps it for those; a new request or
-    #: the peer's Release ends the sleep at once).
+    #: take a fully idle vLLM 0.32 engine to start a new request.
     idle_wait_ms: float = 200.0
     # The protocol's deadlines default to the core's own (one source).
     heartbeat_ms: float = _CORE.heartbeat_interval_s * 1000

@@ -856,6 +856,10 @@ class LoadManager:
     def parked_store_count(self) -> int:
         return sum(len(e.stores) for e in self._parked.values())
 
+    def fetches_waiting(self) -> bool:
+        """A peer's Fetch waits for stores our engine has yet to park."""
+        return any(e.waiting for e in self._parked.values())
+
     def sessions(self) -> Iterable[Session]:
         return self._sessions.values()
 

@@ -40,6 +40,12 @@ from p2p_kv.session import Pinner
 
 log = logging.getLogger("vllm.p2p_kv")
 
+#: Longest sleep of an idle engine's step while it only holds work for
+#: peers (:meth:`TierRuntime.engine_hold_s`): past vLLM's worker's
+#: one-second spin after each step, so the worker idles most of the time;
+#: vLLM's own leftover work waits at most this long a step, and only then.
+PARK_MAX_S = 5.0
+
 #: How long the waker waits for the engine to answer its call before
 #: calling again (a call costs the engine one no-op input).
 REWAKE_S = 0.05
@@ -122,12 +128,17 @@ class TierRuntime:
 
         vLLM keeps stepping an engine while its tiering manager has jobs in
         flight, and a pin we hold for a peer is one (a store job of the
-        parent's). A producer with no request of its own would then step
-        ~750 times a second until the peer's Release or the pin's deadline
-        (15 s when the peer stalls): a core burnt, and on a small host the
-        very stall that keeps the peer from reading. Work of ours that ends
-        by a peer's message or a deadline needs no step; the waker sees it
-        end and wakes the engine, as does any new client request."""
+        parent's), as is a parked store. A producer with no request of its
+        own then stepped ~750 times a second until the peer's Release or
+        the pin's deadline (15 s when the peer was slow), and each step of
+        the 3-process engine wakes its worker, which then spins for a
+        second: on a small host that spin stalled the very peer that was to
+        read (its OpenMP threads share the cores). Work of ours ends by a
+        peer's message or a deadline, which the waker sees, and it wakes
+        the engine, as does any client request: so the sleep is long
+        (:data:`PARK_MAX_S`), and never while a peer's Fetch waits for
+        stores this engine has yet to park (vLLM's own leftover steps,
+        such as a finished request's stores, make them)."""
         if not self.has_waker or self.live_requests:
             return 0.0
         m = self.manager
@@ -137,11 +148,12 @@ class TierRuntime:
             or self.data.in_flight()
             or m.has_lookups_to_serve
             or m.results_ready()
+            or m.fetches_waiting()
         ):
             # Nothing of ours keeps it stepping (whatever does is vLLM's
-            # own), or the engine has something of ours to do now.
+            # own), or it has something to do for us or a waiting peer.
             return 0.0
-        return self.idle_wait_s
+        return PARK_MAX_S
 
     def park_engine(self, queue: Queue[Any]) -> None:
         """Called by the engine's thread at its step, not holding
@@ -504,7 +516,13 @@ class TierRuntime:
         wanted, the descriptors to sleep on, and for how long at most."""
         self._sweep()
         m = self.manager
-        wanted = m.has_lookups_to_serve or m.results_ready()
+        wanted = (
+            m.has_lookups_to_serve
+            or m.results_ready()
+            # A peer waits for stores of a finished request, which only the
+            # engine's steps make; it may be asleep (engine_hold_s).
+            or (self.live_requests == 0 and m.fetches_waiting())
+        )
         fds = self.control.readiness_fds()
         due_s = m.next_deadline() - self.clock()
         # At least 1 ms: a deadline the poll did not clear must not turn

@@ -273,6 +273,23 @@ def test_pins_held_for_a_peer_do_not_keep_an_idle_engine_stepping() -> None:
         while engine.steps == steps:
             assert time.monotonic() < end, "a new request waited on the park"
             time.sleep(0.01)
+        # A peer's Fetch that waits for stores the engine has yet to park
+        # wakes it, and keeps it stepping while it waits.
+        other = StandalonePeer(16, 4096, engine_id=f"park-f-{pid}", timeouts=QUIET)
+        waiter = threading.Thread(
+            target=lambda: other.fetch(
+                producer.address, "kv-later", keys, [5, 6], probe=False, timeout_s=1.5
+            )
+        )
+        try:
+            time.sleep(0.3)  # asleep again
+            steps = engine.steps
+            waiter.start()
+            time.sleep(1.0)
+            assert engine.steps - steps > 20, "a waiting Fetch left the engine asleep"
+        finally:
+            waiter.join()
+            other.close()
         # ...and so does the waker, once the Release has ended the pins.
         t0 = time.monotonic()
         consumer.runtime.end_request("r1")
