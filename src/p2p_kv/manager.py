@@ -857,8 +857,13 @@ class LoadManager:
         return sum(len(e.stores) for e in self._parked.values())
 
     def fetches_waiting(self) -> bool:
-        """A peer's Fetch waits for stores our engine has yet to park."""
-        return any(e.waiting for e in self._parked.values())
+        """A peer's Fetch waits for stores our engine has yet to park (an
+        entry may still list one that ended since: aborted, timed out)."""
+        return any(
+            serve.state is State.FETCH_WAITING
+            for e in self._parked.values()
+            for _, serve in e.waiting
+        )
 
     def sessions(self) -> Iterable[Session]:
         return self._sessions.values()

@@ -41,10 +41,12 @@ from p2p_kv.session import Pinner
 log = logging.getLogger("vllm.p2p_kv")
 
 #: Longest sleep of an idle engine's step while it only holds work for
-#: peers (:meth:`TierRuntime.engine_hold_s`): past vLLM's worker's
-#: one-second spin after each step, so the worker idles most of the time;
-#: vLLM's own leftover work waits at most this long a step, and only then.
-PARK_MAX_S = 5.0
+#: peers (:meth:`TierRuntime.engine_hold_s`). Each step ends in vLLM's
+#: worker spinning for a second, so this is that second's share of a core
+#: while a peer's work is held (5 s cost a prefiller holding parked stores
+#: 26-28% of a core); vLLM's own leftover work (a finished request's
+#: stores) waits at most this long a step, and only while no request runs.
+PARK_MAX_S = 30.0
 
 #: How long the waker waits for the engine to answer its call before
 #: calling again (a call costs the engine one no-op input).

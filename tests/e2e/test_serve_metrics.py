@@ -191,6 +191,59 @@ def test_remote_hit_through_openai_api_and_metrics_endpoint(
     assert hits and float(hits[0].rsplit(" ", 1)[1]) >= 4, hits
 
 
+def loaded_bytes(server: Server, pa: int) -> float:
+    peer = f'peer="127.0.0.1:{pa}"'
+    for ln in server.metrics().splitlines():
+        if ln.startswith("vllm:kv_offload_p2p_loaded_bytes") and peer in ln:
+            return float(ln.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def cpu_of(server: Server, seconds: float) -> float:
+    """Cores' worth of CPU that all of a server's processes used."""
+    import psutil
+
+    root = psutil.Process(server.proc.pid)
+    procs = [root, *root.children(recursive=True)]
+    before = {p.pid: sum(p.cpu_times()[:2]) for p in procs}
+    time.sleep(seconds)
+    return sum(sum(p.cpu_times()[:2]) - before[p.pid] for p in procs) / seconds
+
+
+def test_disaggregated_prefill_parks_while_idle_then_serves(
+    servers: tuple[Server, Server, int],
+) -> None:
+    """A prefills for B (``remote_decoder``) and holds the stores parked for
+    it: vLLM counts them as jobs in flight and kept A's engine (and so its
+    worker) stepping flat out; A must idle meanwhile, and B's Fetch must
+    still be served by A's sleeping engine."""
+    a, b, pa = servers
+    rng = random.Random(11)
+    ids = [rng.randrange(4, TINY.vocab_size) for _ in range(160)]
+    decoder = {"remote_decoder": {"kv_request_id": "serve-pd"}}
+    prefiller = {
+        "remote_prefiller": {
+            "kv_request_id": "serve-pd",
+            "remote_host": "127.0.0.1",
+            "remote_port": pa,
+        }
+    }
+    before = loaded_bytes(b, pa)
+    out_a = a.complete(ids, decoder)
+    time.sleep(1.5)  # the worker's one-second spin after A's last step
+    used = cpu_of(a, 2.0)
+    print(f"A holding a parked store, all processes: {used:.1%} of a core")
+    assert used < 0.10, f"{used:.1%} of a core"
+    out_b = b.complete(ids, prefiller)
+    assert out_b["choices"][0]["text"] == out_a["choices"][0]["text"]
+    deadline = time.monotonic() + 30
+    while loaded_bytes(b, pa) <= before:
+        assert time.monotonic() < deadline, (
+            f"B loaded nothing from A\n--- A ---\n{a.tail()}\n--- B ---\n{b.tail()}"
+        )
+        time.sleep(1)
+
+
 def test_idle_three_process_engine_stays_idle(
     servers: tuple[Server, Server, int],
 ) -> None:

@@ -404,3 +404,28 @@ def test_roles_parse_rejects_incomplete_legs() -> None:
     assert roles.source is not None and roles.source.peer == "[::1]:7"
     assert not roles.source.probe
     assert Roles.parse({"remote_decoder": {}}).dest_kv_id == ""
+
+
+def test_a_fetch_waiting_for_stores_counts_until_it_ends() -> None:
+    """What keeps a producer's idle engine awake (``fetches_waiting``): a
+    decoder's Fetch for stores not parked yet, and only while it waits."""
+    net = make_net()
+    a, b = net.engines["a"], net.engines["b"]
+    roles = Roles.parse(
+        {
+            "remote_prefiller": {
+                "kv_request_id": "kvW",
+                "remote_host": "a",
+                "remote_port": 1,
+            }
+        }
+    )
+    b.manager.on_new_request("d1", roles, net.now)
+    load(net, "d1", [1, 2, 3, 4])
+    net.run()
+    assert a.manager.fetches_waiting()
+    wait(net, 3.0)  # past the Fetch's deadline: the decoder gives up
+    assert not a.manager.fetches_waiting()
+    b.manager.on_request_finished("d1", net.now)
+    net.run()
+    collect_all(net)
