@@ -857,13 +857,9 @@ class LoadManager:
         return sum(len(e.stores) for e in self._parked.values())
 
     def fetches_waiting(self) -> bool:
-        """A peer's Fetch waits for stores our engine has yet to park (an
-        entry may still list one that ended since: aborted, timed out)."""
-        return any(
-            serve.state is State.FETCH_WAITING
-            for e in self._parked.values()
-            for _, serve in e.waiting
-        )
+        """A peer's Fetch waits for stores our engine has yet to park, as of
+        the last :meth:`end_step` (which drops fetches that ended)."""
+        return bool(self._waiting_kv)
 
     def sessions(self) -> Iterable[Session]:
         return self._sessions.values()

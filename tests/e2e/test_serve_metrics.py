@@ -163,26 +163,8 @@ def test_remote_hit_through_openai_api_and_metrics_endpoint(
     }
     out_b = b.complete(ids, params)
     assert out_b["choices"][0]["text"] == out_a["choices"][0]["text"]
+    text = wait_loaded_past(a, b, pa, 0.0)
     peer = f'peer="127.0.0.1:{pa}"'
-    deadline = time.monotonic() + 30
-    lines: list[str] = []
-    while time.monotonic() < deadline:
-        text = b.metrics()
-        lines = [
-            ln
-            for ln in text.splitlines()
-            if ln.startswith("vllm:kv_offload_p2p_loaded_bytes") and peer in ln
-        ]
-        if lines and float(lines[0].rsplit(" ", 1)[1]) > 0:
-            break
-        time.sleep(1)
-    if not (lines and float(lines[0].rsplit(" ", 1)[1]) > 0):
-        p2p = [ln for ln in text.splitlines() if ln.startswith("vllm:kv_offload_p2p_")]
-        raise AssertionError(
-            "B loaded nothing from A; B's p2p metrics:\n"
-            + "\n".join(p2p)
-            + f"\n--- A's log tail ---\n{a.tail()}\n--- B's log tail ---\n{b.tail()}"
-        )
     hits = [
         ln
         for ln in text.splitlines()
@@ -191,12 +173,34 @@ def test_remote_hit_through_openai_api_and_metrics_endpoint(
     assert hits and float(hits[0].rsplit(" ", 1)[1]) >= 4, hits
 
 
-def loaded_bytes(server: Server, pa: int) -> float:
+def loaded_bytes(text: str, pa: int) -> float:
+    """B's bytes loaded from the peer at port ``pa``, from /metrics text."""
     peer = f'peer="127.0.0.1:{pa}"'
-    for ln in server.metrics().splitlines():
+    for ln in text.splitlines():
         if ln.startswith("vllm:kv_offload_p2p_loaded_bytes") and peer in ln:
             return float(ln.rsplit(" ", 1)[1])
     return 0.0
+
+
+def wait_loaded_past(a: Server, b: Server, pa: int, before: float) -> str:
+    """B's /metrics text once its bytes loaded from A exceed ``before``
+    (stats reach the API server every few seconds); else fail saying why."""
+    deadline = time.monotonic() + 30
+    while True:
+        text = b.metrics()
+        if loaded_bytes(text, pa) > before:
+            return text
+        if time.monotonic() >= deadline:
+            p2p = [
+                ln for ln in text.splitlines() if ln.startswith("vllm:kv_offload_p2p_")
+            ]
+            raise AssertionError(
+                "B loaded nothing from A; B's p2p metrics:\n"
+                + "\n".join(p2p)
+                + f"\n--- A's log tail ---\n{a.tail()}\n--- B's log tail ---\n"
+                + b.tail()
+            )
+        time.sleep(1)
 
 
 def cpu_of(server: Server, seconds: float) -> float:
@@ -228,7 +232,7 @@ def test_disaggregated_prefill_parks_while_idle_then_serves(
             "remote_port": pa,
         }
     }
-    before = loaded_bytes(b, pa)
+    before = loaded_bytes(b.metrics(), pa)
     out_a = a.complete(ids, decoder)
     time.sleep(1.5)  # the worker's one-second spin after A's last step
     used = cpu_of(a, 2.0)
@@ -236,12 +240,7 @@ def test_disaggregated_prefill_parks_while_idle_then_serves(
     assert used < 0.10, f"{used:.1%} of a core"
     out_b = b.complete(ids, prefiller)
     assert out_b["choices"][0]["text"] == out_a["choices"][0]["text"]
-    deadline = time.monotonic() + 30
-    while loaded_bytes(b, pa) <= before:
-        assert time.monotonic() < deadline, (
-            f"B loaded nothing from A\n--- A ---\n{a.tail()}\n--- B ---\n{b.tail()}"
-        )
-        time.sleep(1)
+    wait_loaded_past(a, b, pa, before)
 
 
 def test_idle_three_process_engine_stays_idle(
@@ -250,15 +249,9 @@ def test_idle_three_process_engine_stays_idle(
     """vLLM's default engine: the worker busy-loops for a second after every
     engine step, so a tier that keeps the engine stepping costs a core. Ours
     lets it sleep and answers peers from its own thread."""
-    import psutil
-
     a, b, pa = servers
     time.sleep(2.0)  # let the last request's work settle
-    root = psutil.Process(a.proc.pid)
-    procs = [root, *root.children(recursive=True)]
-    before = {p.pid: sum(p.cpu_times()[:2]) for p in procs}
-    time.sleep(4.0)
-    used = sum(sum(p.cpu_times()[:2]) - before[p.pid] for p in procs) / 4.0
+    used = cpu_of(a, 4.0)
     print(f"idle vllm serve with p2p_kv, all processes: {used:.1%} of a core")
     # Kept stepping, the worker's busy loop costs about a core (105%); idle,
     # 4-5.5% here (vLLM's own processes included), so 5% failed on noise.
