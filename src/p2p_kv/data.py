@@ -632,6 +632,15 @@ class NixlDataTransport:
         with self._lock:
             return len(self._inflight) + len(self._done)
 
+    def settling(self) -> bool:
+        """READs given up on that UCX may still end (their staging, and a
+        removed peer's agent, wait for it): :meth:`poll_completions` frees
+        what ended, and must be called for them while nothing else is in
+        flight. Not part of :meth:`in_flight`: they are no work of the
+        engine's, which may sleep meanwhile."""
+        with self._lock:
+            return any(not z.lost for z in self._zombies)
+
     # -- peers --------------------------------------------------------------
 
     def add_peer(self, info: RegionInfo, conn_inode: str | None = None) -> None:

@@ -209,7 +209,10 @@ class TierRuntime:
         self._progress()
 
     def _progress(self) -> None:
-        if self._xfers or self.data.in_flight():
+        data = self.data
+        if self._xfers or data.in_flight() or data.settling():
+            # Settling: staging held by a READ given up on comes back once
+            # UCX ends it, on an idle engine too (the waker's passes).
             self._take_completions()
         self.data.poll_notifs()
         self.pump()

@@ -410,6 +410,9 @@ class FaultyData:
     def in_flight(self) -> int:
         return int(self.inner.in_flight()) + len(self._held) + len(self._done)
 
+    def settling(self) -> bool:
+        return bool(self.inner.settling())
+
     def cancel(self, *transfer_ids: int) -> None:
         real_ids: list[int] = []
         for transfer_id in transfer_ids:

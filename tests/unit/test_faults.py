@@ -149,6 +149,9 @@ class FakeData:
     def in_flight(self) -> int:
         return len(self.pending)
 
+    def settling(self) -> bool:
+        return False
+
     def cancel(self, *tids: int) -> None:
         self.cancelled.extend(tids)
 

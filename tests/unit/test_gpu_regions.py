@@ -359,6 +359,42 @@ def test_a_failed_piece_buries_the_piece_still_running(agents: list[FakeAgent]) 
     assert t._stage_mem.copies == []
 
 
+def test_an_idle_runtime_frees_the_staging_of_a_read_given_up_on(
+    agents: list[FakeAgent],
+) -> None:
+    """A READ whose peer was removed keeps its staging (and the peer's
+    agent) until UCX ends it. Only ``poll_completions`` frees them, and the
+    runtime called it only while transfers were in flight: once the failed
+    READ was reported, an idle engine held both until some other transfer
+    came. Its polls (the waker's passes) must free them."""
+    from p2p_kv.control import ControlTransport
+    from p2p_kv.manager import LoadManager
+    from p2p_kv.runtime import TierRuntime, fresh_nonce
+
+    from .memnet import identity
+
+    t, agent, _ = _six_block_staged_read(agents)
+    rt = TierRuntime(
+        LoadManager(identity("a"), nonces=fresh_nonce),
+        ControlTransport("127.0.0.1", 0),
+        t,
+    )
+    try:
+        t.remove_peer("peer-1")  # its session closed: the READ is given up on
+        rt.poll(wait=False)  # the failed completion is taken
+        assert t.in_flight() == 0
+        assert t.staging_blocks() == (4, 0, 4)
+        assert t.settling()
+        agent.landed.extend(agent.handles)  # UCX ends both pieces
+        rt.poll(wait=False)
+        assert t.staging_blocks() == (4, 4, 0)
+        assert not t.settling()
+        assert t._retiring == {}  # and the removed peer's agent is dropped
+        assert t._stage_mem.copies == []  # nothing of it reached the slots
+    finally:
+        rt.close()
+
+
 def test_host_to_gpu_descriptors_mix_memory_types(
     agents: list[FakeAgent], caplog: pytest.LogCaptureFixture
 ) -> None:
