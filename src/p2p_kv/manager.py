@@ -842,6 +842,16 @@ class LoadManager:
     def jobs_in_flight(self) -> int:
         return len(self._jobs) + len(self._results)
 
+    def jobs_unended(self, now: float) -> int:
+        """Jobs with no result yet: what a cache reset's drain waits for.
+        A result buffered for the engine's next :meth:`get_finished_jobs`
+        has ended (vLLM's drain contract: "yielded by a prior call or queued
+        for the next one"); counting it, as :meth:`jobs_in_flight` does,
+        held every reset that found a job for the drain's whole bound."""
+        self._collect(now)
+        ended = {r.job_id for r in self._results}
+        return sum(1 for job_id in self._jobs if job_id not in ended)
+
     def release_for_reset(self, now: float) -> None:
         """Cache reset: give back everything not mid-write (parked stores,
         pins of unfetched lookups); writes in flight finish normally."""

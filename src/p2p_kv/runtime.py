@@ -437,13 +437,14 @@ class TierRuntime:
         return results
 
     def drain(self, timeout_s: float | None = None) -> None:
-        """Block until no job is in flight (cache reset); bounded. Pins a
+        """Block until every job has ended, its result buffered for the
+        engine's next :meth:`finished_jobs` (cache reset); bounded. Pins a
         peer may be READing end at their deadline at the latest, so the
         default bound outlasts it."""
         if timeout_s is None:
             timeout_s = max(30.0, self.manager.timeouts.pin_ttl_s + 5.0)
         end = self.clock() + timeout_s
-        while self.manager.jobs_in_flight() and self.clock() < end:
+        while self.manager.jobs_unended(self.clock()) and self.clock() < end:
             self.poll(wait=not self._xfers)
             time.sleep(0 if self._xfers else 0.001)
 

@@ -686,3 +686,33 @@ def test_a_request_id_started_twice_counts_both_until_both_end() -> None:
         assert not any(rt.manager.state_report().values())
     finally:
         peer.close()
+
+
+def test_cache_reset_drain_waits_for_jobs_not_for_their_collection() -> None:
+    """vLLM's cache reset calls ``drain_jobs`` under the tier's lock and
+    then collects results: the drain waits until every job has ended, and
+    a result buffered for the next ``get_finished_jobs`` has. Counting
+    buffered results as in flight held every reset that found a job (a
+    parked store, a pin, a load) for the drain's whole bound: 30 s with
+    the engine stopped."""
+    from p2p_kv.manager import Roles
+
+    peer = StandalonePeer(4, 4096, engine_id=f"drain-{os.getpid()}")
+    try:
+        rt, m = peer.runtime, peer.manager
+        rt.start_request("p1", Roles(dest_kv_id="kv9"))
+        m.submit_store(7, "p1", [make_key(1)], [3], rt.clock())
+        rt.end_request("p1")
+        # Parked for its decoder: a job that has not ended, which the drain
+        # waits for, up to its bound.
+        t0 = time.monotonic()
+        rt.drain(timeout_s=0.3)
+        assert time.monotonic() - t0 >= 0.3
+        m.release_for_reset(rt.clock())  # what drain_jobs does first
+        t0 = time.monotonic()
+        rt.drain(timeout_s=10.0)
+        assert time.monotonic() - t0 < 1.0
+        assert [(r.job_id, r.success) for r in rt.finished_jobs(False)] == [(7, False)]
+        assert not any(m.state_report().values())
+    finally:
+        peer.close()
