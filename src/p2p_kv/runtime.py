@@ -83,8 +83,9 @@ class TierRuntime:
         self._unproven: set[str] = set()
         #: nixl id -> (peer, "write" | "read", write id or job id)
         self._xfers: dict[int, tuple[str, str, int]] = {}
-        #: the engine's requests between start_request and end_request
-        self.live_requests = 0
+        #: ids of the engine's requests between start_request and
+        #: end_request: a set, as the manager keys them (see start_request)
+        self._live: set[str] = set()
         self._idle_streak = 0
         #: Held by whoever is inside the runtime: the engine's thread or the
         #: waker (vLLM 0.33 also calls from its tier-poll thread).
@@ -399,17 +400,28 @@ class TierRuntime:
         self.manager.flush(self.clock())
         self.pump()
 
+    @property
+    def live_requests(self) -> int:
+        """The engine's requests that started and have not ended."""
+        return len(self._live)
+
     def start_request(self, req_id: str, roles: Roles) -> bool:
         """A request of the engine's begins; True if its id was live and
         the earlier request ended first (:meth:`LoadManager.on_new_request`).
-        Counted either way: the engine will finish both."""
-        self.live_requests += 1
+
+        Counted once per id, not per call: vLLM's tiering manager keeps one
+        state per id and a start overwrites it, so a finished request whose
+        end was still held back (its stores pending) never reaches the tier
+        once its id is reused. A count per call stayed one too high for
+        good after each such reuse, and with it the engine never slept."""
+        self._live.add(req_id)
         return self.manager.on_new_request(req_id, roles, self.clock())
 
     def end_request(self, req_id: str) -> None:
-        """A request of the engine's ended."""
+        """A request of the engine's ended (idempotent, as the manager's
+        end is)."""
         self.manager.on_request_finished(req_id, self.clock())
-        self.live_requests = max(0, self.live_requests - 1)
+        self._live.discard(req_id)
 
     def submit_load(
         self, job_id: int, req_id: str, keys: list[bytes], slots: list[int]
