@@ -687,8 +687,12 @@ class LoadManager:
                 self._gc_parked(kv_id)
             self._waiting_kv.discard(kv_id)
         for peer in self._dirty:
+            # Sessions with output too: a result the engine has yet to
+            # collect (a long step) must not stop the session's heartbeats
+            # and deadlines; re-armed only once it was collected, a session
+            # went silent and its peer dropped it, failing all its loads.
             session = self._sessions.get(peer)
-            if session is not None and not session.has_output:
+            if session is not None and not session.closed:
                 deadline = session.next_deadline()
                 if deadline != float("inf"):
                     heapq.heappush(self._deadlines, (deadline, peer))

@@ -429,3 +429,31 @@ def test_a_fetch_waiting_for_stores_counts_until_it_ends() -> None:
     b.manager.on_request_finished("d1", net.now)
     net.run()
     collect_all(net)
+
+
+def test_a_result_the_engine_has_not_collected_keeps_its_session_ticking() -> None:
+    """A long engine step leaves a finished load's result uncollected while
+    the waker keeps pumping. The session must keep its heartbeats and
+    deadlines meanwhile: it was re-armed only once its results were taken,
+    so past ``silence_s`` its peer dropped it as dead, with every other
+    load on it."""
+    net = make_net()
+    assert probe(net, "r1", "kv1") == [Answer.HIT] * 4
+    job = load(net, "r1", [5, 6, 7, 30])
+    net.run(2)
+    b, a = net.engines["b"], net.engines["a"]
+    (sb,) = b.manager.sessions()
+    (sa,) = a.manager.sessions()
+    assert sb.has_results  # done, and buffered for b's engine
+    for _ in range(round(2 * sb.timeouts.silence_s / 0.1)):
+        net.advance(0.1)
+        net.step()  # b's runtime pumps; b's engine does not collect
+        a.collect(net.now)
+    assert not sa.closed, sa.close_reason
+    assert not sb.closed, sb.close_reason
+    (result,) = b.collect(net.now)
+    assert result.job_id == job and result.success
+    b.manager.on_request_finished("r1", net.now)
+    net.run()
+    collect_all(net)
+    assert_drained(net)
