@@ -174,7 +174,9 @@ class ControlTransport:
         return f"{host}:{self.port}"
 
     def connect(self, peer: str) -> None:
-        """Dial ``host:port``; frames to it may be sent at once (queued)."""
+        """Dial ``host:port``; frames to it may be sent at once (queued).
+        Raises ValueError for an address libzmq refuses, leaving nothing
+        open."""
         if peer in self._dealers:
             return
         host, port = parse_peer(peer)
@@ -182,7 +184,13 @@ class ControlTransport:
         # The monitor first: on loopback the connection can be up before
         # connect() returns, and its CONNECTED event names our socket.
         monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        sock.connect(zmq_endpoint(host, port))
+        try:
+            sock.connect(zmq_endpoint(host, port))
+        except zmq.ZMQError as exc:
+            sock.disable_monitor()
+            monitor.close(linger=0)
+            sock.close(linger=0)
+            raise ValueError(f"cannot dial {peer}: {exc}") from exc
         self._dealers[peer] = sock
         self._by_socket[sock] = peer
         self._poller.register(sock, zmq.POLLIN)

@@ -101,7 +101,11 @@ class Roles:
                     f"kv_transfer_params.{name} needs kv_request_id, remote_host "
                     f"and remote_port (got {sorted(leg)})"
                 )
-            source = Source(str(kv_id), format_peer(str(host), int(port)), probe)
+            source = Source(
+                str(kv_id),
+                format_peer(_check_host(name, host), _check_port(name, port)),
+                probe,
+            )
             break
         dest = params.get("remote_decoder")
         dest_kv_id = None
@@ -112,6 +116,37 @@ class Roles:
                 else ""
             )
         return Roles(source, dest_kv_id)
+
+
+def _check_host(leg: str, host: object) -> str:
+    """A client's ``remote_host``: a name or an address, nothing the
+    socket layer would choke on later, inside the engine's step."""
+    if (
+        not isinstance(host, str)
+        or not host.strip("[]")
+        or any(c.isspace() or c in "/\\@?#;*" for c in host)
+    ):
+        raise ValueError(
+            f"kv_transfer_params.{leg}.remote_host must be a host name or an "
+            f"IP address (got {host!r})"
+        )
+    return host.strip("[]")
+
+
+def _check_port(leg: str, port: object) -> int:
+    """A client's ``remote_port``: an int (or its decimal string) in
+    1..65535."""
+    value = -1
+    if isinstance(port, int) and not isinstance(port, bool):
+        value = port
+    elif isinstance(port, str) and port.isdecimal():
+        value = int(port)
+    if not 0 < value < 65536:
+        raise ValueError(
+            f"kv_transfer_params.{leg}.remote_port must be a port number "
+            f"1-65535 (got {port!r})"
+        )
+    return value
 
 
 def format_peer(host: str, port: int) -> str:

@@ -223,7 +223,12 @@ class TierRuntime:
         m, now = self.manager, self.clock()
         m.tick(now)
         for peer in m.take_connects():
-            self.control.connect(peer)
+            try:
+                self.control.connect(peer)
+            except ValueError as exc:
+                # Its requests recompute; every other peer is dialled.
+                log.warning("p2p_kv: %s", exc)
+                m.on_disconnected(peer, str(exc), now)
         cancels = set(m.take_cancels())
         if cancels:
             self.data.cancel(*(x for x, what in self._xfers.items() if what in cancels))

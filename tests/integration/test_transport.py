@@ -719,3 +719,36 @@ def test_cache_reset_drain_waits_for_jobs_not_for_their_collection() -> None:
         assert not any(m.state_report().values())
     finally:
         peer.close()
+
+
+def test_a_peer_address_libzmq_refuses_costs_only_its_request() -> None:
+    """A host name the tier's check lets through can still be one libzmq
+    refuses when dialling ("-"): that raised out of the engine's step, left
+    the half-made socket open and dropped every other dial queued in the
+    same step. Now the request misses (recomputes) and the others go on."""
+    from p2p_kv.manager import Roles
+
+    def roles(host: str, port: int) -> Roles:
+        leg = {"kv_request_id": "kv1", "remote_host": host, "remote_port": port}
+        return Roles.parse({"remote_kv_source": leg})
+
+    peer = StandalonePeer(4, 4096, engine_id=f"baddial-{os.getpid()}")
+    try:
+        rt, m = peer.runtime, peer.manager
+        rt.start_request("bad", roles("-", 5555))
+        rt.start_request("good", roles("127.0.0.1", 9))
+        k = make_key(1)
+        assert m.lookup("bad", k) is Answer.RETRY
+        assert m.lookup("good", k) is Answer.RETRY
+        rt.flush()  # dials both
+        peer.step()
+        assert m.lookup("bad", k) is Answer.MISS
+        assert "127.0.0.1:9" in rt.control._dealers
+        assert "-:5555" not in rt.control._dealers
+        assert len(rt.control._monitors) == len(rt.control._dealers) == 1
+        rt.end_request("bad")
+        rt.end_request("good")
+        peer.step()
+        assert not any(m.state_report().values())
+    finally:
+        peer.close()

@@ -406,6 +406,47 @@ def test_roles_parse_rejects_incomplete_legs() -> None:
     assert Roles.parse({"remote_decoder": {}}).dest_kv_id == ""
 
 
+@pytest.mark.parametrize(
+    ("host", "port", "field"),
+    [
+        ("h", [1], "remote_port"),
+        ("h", {"a": 1}, "remote_port"),
+        ("h", True, "remote_port"),
+        ("h", -1, "remote_port"),
+        ("h", 65536, "remote_port"),
+        ("h", "80x", "remote_port"),
+        ("bad host", 80, "remote_host"),
+        ("h/x", 80, "remote_host"),
+        ("h;eth0", 80, "remote_host"),
+        (5, 80, "remote_host"),
+        ("[]", 80, "remote_host"),
+    ],
+)
+def test_roles_parse_refuses_a_clients_bad_address(
+    host: object, port: object, field: str
+) -> None:
+    """An API client's ``kv_transfer_params`` reach the tier as they came:
+    a bad port raised TypeError past the adapter (which refuses only
+    ValueError) out of vLLM's add_request, and a bad host was accepted and
+    raised from the socket layer inside the engine's step."""
+    with pytest.raises(ValueError, match=f"remote_kv_source.{field} must be"):
+        Roles.parse(
+            {
+                "remote_kv_source": {
+                    "kv_request_id": "x",
+                    "remote_host": host,
+                    "remote_port": port,
+                }
+            }
+        )
+
+
+def test_roles_parse_takes_a_port_as_a_decimal_string_and_brackets() -> None:
+    leg = {"kv_request_id": "x", "remote_host": "[::1]", "remote_port": "5800"}
+    roles = Roles.parse({"remote_kv_source": leg})
+    assert roles.source is not None and roles.source.peer == "[::1]:5800"
+
+
 def test_a_fetch_waiting_for_stores_counts_until_it_ends() -> None:
     """What keeps a producer's idle engine awake (``fetches_waiting``): a
     decoder's Fetch for stores not parked yet, and only while it waits."""
