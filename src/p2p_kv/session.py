@@ -422,6 +422,9 @@ class Session:
         self._last_tick = now
         self._hb_seq = 0
         self._outbox: list[Message] = [self._hello]
+        #: a message did not fit max_outbox: the session is lost when the
+        #: outbox is next taken (see _send)
+        self._overflowed = False
         self._timers: list[tuple[float, int, Probe | Load | Serve]] = []
         self._timer_ids = itertools.count()
         self._writes: list[WriteOrder] = []
@@ -473,11 +476,23 @@ class Session:
         if self.link is Link.CLOSED:
             return
         if len(self._outbox) >= self.limits.max_outbox:
-            self._lose("outbox_full", "peer is not draining our messages")
+            # Dropped, and the session is lost at the next take_outbox, not
+            # here: _send runs inside handlers halfway through a transition
+            # (a serve answered, a load settled), and losing the session
+            # under them made the rest of the handler fire on machines
+            # _lose had just failed, raising out of the engine's step.
+            self._overflowed = True
             return
         self._outbox.append(msg)
 
     def take_outbox(self, now: float) -> list[Message]:
+        """What to send now. A session whose peer let its outbox overflow
+        is lost here, and nothing more is sent to it."""
+        if self._overflowed:
+            self._overflowed = False
+            self._outbox = []
+            self._lose("outbox_full", "peer is not draining our messages")
+            return []
         out, self._outbox = self._outbox, []
         if out:
             self._last_tx = now

@@ -551,8 +551,8 @@ def test_session_whose_outbox_is_not_drained_is_closed() -> None:
     for i in range(1000):
         b.receive(wire(Abort(f"r{i}", 1)), 0.0)
         assert len(b._outbox) <= limits.max_outbox
+    assert b.take_outbox(0.0) == []  # lost when its outbox is taken
     assert b.closed and b.close_reason.startswith("outbox_full")
-    assert len(b.take_outbox(0.0)) <= limits.max_outbox
     assert b.sizes() == dict.fromkeys(b.sizes(), 0)
 
 
@@ -565,7 +565,9 @@ def test_manager_closes_a_peer_that_does_not_drain() -> None:
     for i in range(100):  # nobody takes a's outgoing frames meanwhile
         a.on_message(peer, wire(Abort(f"r{i}", 1)), net.now)
     sa = a.session(peer)
-    assert sa is not None and sa.closed
+    assert sa is not None
+    assert a.take_outgoing(net.now) == []  # the next pump sends nothing
+    assert sa.closed
     assert sa.close_reason.startswith("outbox_full")
     net.run()
     assert a.session(peer) is None  # invalidated and dropped
@@ -578,6 +580,36 @@ def test_manager_closes_a_peer_that_does_not_drain() -> None:
         net.advance(0.1)
         net.run(1)
     healthy_request(net, "r2", "kv2", [30, 31, 32, 33])
+    assert_drained(net)
+
+
+def test_outbox_overflow_inside_a_serve_window_closes_cleanly() -> None:
+    """A peer queues more lookups than our outbox holds before our engine's
+    serve window. The answer that did not fit lost the session inside the
+    window's loop, which then marked the serve it had just orphaned as
+    served: IllegalTransition out of the engine's step, and pins the engine
+    had made that never came back. Now the session is lost once the window
+    ends, and every pin comes back."""
+    limits = Limits(max_outbox=8)
+    net = make_net(limits=limits, timeouts=Timeouts(pin_ttl_s=1.0))
+    probe(net, "r1", "kv1")
+    finish(net, "r1")
+    a = net.engines["a"].manager
+    peer = peer_key(net, "a")
+    for seq in range(1, 21):  # one-key lookups, one (req, gen)
+        a.on_message(peer, wire(Lookup("x", 7, seq, [KEYS[seq % 4]])), net.now)
+    net.serve()  # answers all 20: only 8 fit
+    sa = a.session(peer)
+    assert sa is not None and not sa.closed
+    assert a.take_outgoing(net.now) == []
+    assert sa.closed and sa.close_reason.startswith("outbox_full")
+    net.run()
+    assert a.session(peer) is None
+    for _ in range(30):  # offered pins are held to their deadline, then freed
+        net.advance(0.1)
+        net.run(1)
+    for eng in net.engines.values():
+        eng.collect(net.now)
     assert_drained(net)
 
 
