@@ -111,6 +111,10 @@ class Limits:
     #: Keys of a peer's lookups queued for our engine's serve window: what
     #: a peer can make us hold (and answer) before the engine looks.
     max_pending_keys: int = 1 << 19
+    #: Keys of a peer's Fetches that wait for stores our engine has yet to
+    #: park (disaggregated prefill): each is held until its stores come or
+    #: ``parked_wait_s`` passes, about 110 bytes a key.
+    max_waiting_fetch_keys: int = 1 << 19
     max_outbox: int = 65_536
 
 
@@ -1088,6 +1092,22 @@ class Session:
             return
         if serve is None:
             if len(self._serves) >= self.limits.max_serves:
+                self._send(TransferDone(msg.req, msg.gen, msg.job, False, "busy"))
+                return
+            waiting = sum(
+                len(sv.fetch.keys)
+                for sv in self._serves.values()
+                if sv.state is State.FETCH_WAITING and sv.fetch is not None
+            )
+            if waiting + len(msg.keys) > self.limits.max_waiting_fetch_keys:
+                # Counted per serve alone, a peer could make us hold 4,096
+                # Fetches of 65,536 keys each: 28 GiB.
+                self._protocol_error(
+                    "limit_waiting_fetch_keys",
+                    f"{waiting} keys of fetches already wait for our stores",
+                    msg.req,
+                    msg.gen,
+                )
                 self._send(TransferDone(msg.req, msg.gen, msg.job, False, "busy"))
                 return
             # No lookup came first: a disaggregated-prefill fetch for parked

@@ -538,6 +538,35 @@ def test_peer_over_max_serves_gets_refusals_and_state_stays_bounded() -> None:
     assert_drained(net)
 
 
+def test_fetches_waiting_for_stores_cannot_hold_unbounded_keys() -> None:
+    """Disaggregated-prefill Fetches wait for stores we have yet to park,
+    each holding its keys and slots: bounded per peer by their keys (the
+    serve count alone let one peer make us hold 4,096 of 65,536 keys)."""
+    limits = Limits(max_waiting_fetch_keys=10)
+    net = make_net(limits=limits, timeouts=Timeouts(parked_wait_s=1.0))
+    probe(net, "r1", "kv1")  # brings the link up
+    finish(net, "r1")
+    sa = session(net, "a")
+    inject(net, "a", Fetch("p1", 1, 9001, KEYS, [1, 2, 3, 4]))
+    inject(net, "a", Fetch("p2", 1, 9002, KEYS, [5, 6, 7, 8]))
+    assert errors(net, "a") == {}
+    inject(net, "a", Fetch("p3", 1, 9003, KEYS, [9, 10, 11, 12]))  # 12 > 10
+    assert errors(net, "a") == {"limit_waiting_fetch_keys": 1}
+    assert sa.sizes()["serves"] == 2
+    for _ in range(15):  # the waiting ones end at parked_wait_s
+        net.advance(0.1)
+        net.run(1)
+    assert sa.sizes()["serves"] == 0
+    inject(net, "a", Fetch("p4", 1, 9004, KEYS, [1, 2, 3, 4]))  # fits again
+    assert errors(net, "a") == {"limit_waiting_fetch_keys": 1}
+    for _ in range(15):
+        net.advance(0.1)
+        net.run(1)
+    for eng in net.engines.values():
+        eng.collect(net.now)
+    assert_drained(net)
+
+
 def test_session_whose_outbox_is_not_drained_is_closed() -> None:
     limits = Limits(max_outbox=16)
     a = Session("b:1", identity("a"), 0.0, limits=limits, nonce=b"A" * 16)
