@@ -519,11 +519,15 @@ class LoadManager:
         for peer in to_serve:
             session = self._sessions.get(peer)
             if session is not None and session.has_lookups_to_serve:
-                session.serve_lookups(pinner, now)
-                for job_id in session.new_pin_jobs:
-                    self._register_job(job_id, "pin", "")
-                session.new_pin_jobs.clear()
-                self._touch(session)
+                try:
+                    session.serve_lookups(pinner, now)
+                finally:
+                    # Pins made before anything raised are the engine's
+                    # store jobs all the same: their results must come.
+                    for job_id in session.new_pin_jobs:
+                        self._register_job(job_id, "pin", "")
+                    session.new_pin_jobs.clear()
+                    self._touch(session)
 
     # ------------------------------------------------------------------
     # transport-facing

@@ -1027,7 +1027,13 @@ class Session:
                 if len(keys) < len(lookup.keys):
                     self.counters.bump(self.counters.refused, "limit_pinned_blocks")
                 label = f"p2p_kv:{self.peer}:{serve.req}:{serve.gen}:{lookup.seq}"
-                result = pinner.pin(label, keys) if keys else PinResult([], [])
+                try:
+                    result = pinner.pin(label, keys) if keys else PinResult([], [])
+                except Exception:
+                    # The engine could not pin: an all-miss answer, and the
+                    # window goes on for every other lookup.
+                    self.counters.bump(self.counters.failures, "pin_error")
+                    result = PinResult([], [])
                 hits = result.hits or [False] * len(lookup.keys)
                 for job_id, pkeys, pslots in result.pins:
                     pinned += len(pkeys)

@@ -26,7 +26,7 @@ from p2p_kv.protocol import (
     decode,
     encode,
 )
-from p2p_kv.session import MAX_TALLY_KEYS, Limits, Session, Timeouts
+from p2p_kv.session import MAX_TALLY_KEYS, Limits, PinResult, Session, Timeouts
 
 from .memnet import NBLOCKS, Net, identity, key, payload
 
@@ -560,6 +560,46 @@ def test_fetches_waiting_for_stores_cannot_hold_unbounded_keys() -> None:
     inject(net, "a", Fetch("p4", 1, 9004, KEYS, [1, 2, 3, 4]))  # fits again
     assert errors(net, "a") == {"limit_waiting_fetch_keys": 1}
     for _ in range(15):
+        net.advance(0.1)
+        net.run(1)
+    for eng in net.engines.values():
+        eng.collect(net.now)
+    assert_drained(net)
+
+
+def test_an_engine_that_cannot_pin_costs_one_lookup_not_the_window() -> None:
+    """The engine's pin raising (vLLM's parent manager failed) answers that
+    lookup all-miss and the serve window goes on: the exception used to
+    leave the engine's step, and the pins made earlier in the window were
+    never registered, so vLLM's store jobs for them never ended."""
+    from .memnet import FakePinner
+
+    class FlakyPinner(FakePinner):
+        calls = 0
+
+        def pin(self, label: str, keys: list[bytes]) -> PinResult:  # type: ignore[override]
+            FlakyPinner.calls += 1
+            if FlakyPinner.calls == 2:
+                raise RuntimeError("parent manager failed")
+            return super().pin(label, keys)
+
+    net = make_net(timeouts=Timeouts(pin_ttl_s=1.0))
+    probe(net, "r1", "kv1")
+    finish(net, "r1")
+    a = net.engines["a"]
+    peer = peer_key(net, "a")
+    for seq, req in enumerate(("x", "y", "z"), start=1):
+        a.manager.on_message(peer, wire(Lookup(req, 1, seq, KEYS)), net.now)
+    a.manager.serve(FlakyPinner(a), net.now)  # does not raise
+    answers = {
+        m.req: m.hits
+        for _, msgs in a.manager.take_outgoing(net.now)
+        for m in msgs
+        if isinstance(m, LookupResp)
+    }
+    assert answers == {"x": [True] * 4, "y": [False] * 4, "z": [True] * 4}
+    assert session(net, "a").counters.failures == {"pin_error": 1}
+    for _ in range(20):  # the pins end at their deadline and come back
         net.advance(0.1)
         net.run(1)
     for eng in net.engines.values():

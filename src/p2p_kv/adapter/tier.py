@@ -39,6 +39,7 @@ try:
         ReqContext,
         RequestOffloadingContext,
         ScheduleEndContext,
+        TierFilter,
     )
     from vllm.v1.kv_offload.tiering.base import (
         JobResult,
@@ -101,20 +102,32 @@ def _engine_input_queue() -> Any:
 class _ParentPinner:
     """The producer's view of its own engine during a serve window."""
 
+    #: Lookups that ask the primary tier only: asking other secondary tiers
+    #: could start a promotion into the primary, which may evict a block an
+    #: earlier key of the same lookup just hit (create_store_job then
+    #: asserts, out of the engine's step), and would leave a promotion
+    #: submitted for a context that has already finished.
+    _PRIMARY_ONLY = TierFilter(matchers=())
+
     def __init__(self, parent: ParentManager) -> None:
         self._parent = parent
 
     def pin(self, label: str, keys: Sequence[bytes]) -> PinResult:
-        ctx = ReqContext(req_id=label)
+        ctx = ReqContext(req_id=label, load_tier_filter=self._PRIMARY_ONLY)
         self._parent.on_new_request(ctx)
         try:
-            # HIT_PENDING / RETRY (a block still being written or promoted)
-            # count as misses: the consumer recomputes instead of waiting.
+            # HIT_PENDING / RETRY (a block still being written) count as
+            # misses: the consumer recomputes instead of waiting.
             hits = [self._parent.lookup(k, ctx) is LookupResult.HIT for k in keys]  # type: ignore[arg-type]
             hit_keys = [k for k, h in zip(keys, hits, strict=True) if h]
             if not hit_keys:
                 return PinResult(hits, [])
-            job = self._parent.create_store_job(hit_keys, ctx)  # type: ignore[arg-type]
+            try:
+                job = self._parent.create_store_job(hit_keys, ctx)  # type: ignore[arg-type]
+            except Exception as exc:
+                # Nothing pinned: the peer hears all-miss, the engine goes on.
+                log.warning("p2p_kv: could not pin %d blocks: %r", len(hit_keys), exc)
+                return PinResult([False] * len(keys), [])
             return PinResult(
                 hits,
                 [(job.job_id, [bytes(k) for k in job.keys], job.chunk_ids.tolist())],

@@ -1,0 +1,116 @@
+"""The producer's pinner against vLLM's own tiering manager.
+
+A peer's lookup is answered inside the engine's serve window by looking
+each key up through vLLM's parent manager and pinning the hits with one
+store job. Real vLLM parts: ``TieringOffloadingManager`` and its CPU
+primary tier; the other secondary tier is a minimal one that holds every
+key (it stands in for vLLM's file-system tier: what matters is that it has
+blocks the primary does not).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from vllm.v1.kv_offload.base import (
+    LookupResult,
+    Medium,
+    ReqContext,
+    RequestOffloadingContext,
+    make_offload_key,
+)
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager
+from vllm.v1.kv_offload.tiering.manager import (
+    CPUPrimaryTierOffloadingManager,
+    TieringOffloadingManager,
+)
+
+from p2p_kv.adapter.tier import _ParentPinner
+
+PRIMARY_BLOCKS = 2
+
+
+class _Region:
+    def __init__(self) -> None:
+        self.buf = np.zeros((PRIMARY_BLOCKS, 64), dtype=np.uint8)
+
+    def create_kv_memoryview(self) -> memoryview:
+        return memoryview(self.buf)
+
+    def cleanup(self) -> None:
+        pass
+
+
+class _EverythingTier(SecondaryTierManager):
+    """A secondary tier that has every key, and records what it is asked."""
+
+    medium = Medium.STORAGE
+
+    def __init__(self, view: memoryview, name: str, hit: bool) -> None:
+        super().__init__(None, view, name)  # type: ignore[arg-type]
+        self.hit = hit
+        self.loads: list[str] = []
+        self._done: list[JobResult] = []
+
+    def lookup(self, key: Any, req_context: ReqContext) -> LookupResult:
+        return LookupResult.HIT if self.hit else LookupResult.MISS
+
+    def submit_store(self, job_metadata: Any) -> None:
+        self._done.append(JobResult(job_metadata.job_id, True))
+
+    def submit_load(self, job_metadata: Any) -> None:
+        self.loads.append(job_metadata.req_context.req_id)
+
+    def get_finished_jobs(self) -> list[JobResult]:
+        out, self._done = self._done, []
+        return out
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        pass
+
+    def drain_jobs(self) -> None:
+        pass
+
+
+def _key(i: int) -> Any:
+    return make_offload_key(bytes([i]) * 16, 0)
+
+
+@pytest.mark.parametrize("first", [1, 2])
+def test_a_peers_lookup_never_promotes_from_another_tier(first: int) -> None:
+    """A peer asks for [A, C]: A is in our full primary tier, C only in
+    another secondary tier. Looking C up through the parent started a
+    promotion into the primary, which could evict A (hit a moment before)
+    so that pinning it asserted out of the engine's step; and the
+    promotion went to the other tier for a context already finished. The
+    pinner asks the primary only: A is pinned, C is a miss, nothing is
+    promoted."""
+    primary = CPUPrimaryTierOffloadingManager(PRIMARY_BLOCKS, _Region())  # type: ignore[arg-type]
+    view = primary.get_kv_memoryview()
+    ours = _EverythingTier(view, "p2p", hit=False)
+    other = _EverythingTier(view, "fs", hit=True)
+    manager = TieringOffloadingManager(primary, [ours, other])
+    # The primary is full with blocks 1 and 2, ready and evictable, as
+    # finished requests leave it.
+    ctx = ReqContext(req_id="r0")
+    manager.on_new_request(ctx)
+    manager.prepare_store([_key(1), _key(2)], ctx)
+    manager.complete_store([_key(1), _key(2)], ctx)
+    manager.on_request_finished(ctx)
+    manager._process_finished_jobs()
+    manager._processed_jobs_this_step = True  # inside the step's serve window
+
+    pinner = _ParentPinner(manager._tier_parents[ours])
+    result = pinner.pin("p2p_kv:peer:kv:1:0", [_key(first), _key(3)])
+
+    assert result.hits == [True, False]
+    ((job_id, keys, slots),) = result.pins
+    assert keys == [bytes(_key(first))] and len(slots) == 1
+    assert job_id in manager._jobs  # the pin is a store job vLLM tracks
+    manager._flush_pending_promotions()
+    assert other.loads == []  # nothing promoted for the pinner's context
