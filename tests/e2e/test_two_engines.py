@@ -237,3 +237,20 @@ def test_producer_killed_while_consumer_loads(
     assert box["elapsed"] < 10, box
     settle(b, 1.0)
     assert residue(b) == {}
+
+
+def test_an_engine_that_fails_to_start_is_not_left_running(tmp_path: Path) -> None:
+    """A start that times out (or fails) raises before any handle reaches
+    the caller: the child (in its own session, out of a Ctrl-C's reach)
+    was left running with its log open."""
+    import psutil
+
+    from p2p_kv.adapter.engines import EngineError
+
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    spec = EngineSpec(str(tmp_path / "no-model"), f"p2pkv-dead-{uuid.uuid4().hex[:8]}")
+    with pytest.raises(EngineError, match="gave no answer"):
+        EngineProcess(spec, start_timeout_s=0.05)
+    left = [p for p in me.children(recursive=True) if p.pid not in before]
+    assert left == []

@@ -121,9 +121,16 @@ class EngineProcess:
         if spec.cpus is not None:
             with contextlib.suppress(OSError):
                 os.sched_setaffinity(self.proc.pid, spec.cpus)
-        self.info = self.call(
-            {"cmd": "start", "spec": spec.__dict__}, timeout_s=start_timeout_s
-        )
+        try:
+            self.info = self.call(
+                {"cmd": "start", "spec": spec.__dict__}, timeout_s=start_timeout_s
+            )
+        except BaseException:
+            # No handle reaches the caller, so nobody else would stop the
+            # child (its own session: a Ctrl-C does not reach it either).
+            self.kill()
+            self._log.close()
+            raise
 
     @property
     def log_path(self) -> str:
