@@ -145,6 +145,15 @@ def holds_connection(pid: int, ours: str) -> bool:
 
 
 @cache
+def process_uid(pid: int) -> int | None:
+    """The uid process ``pid`` runs as (the owner of its ``/proc`` entry),
+    or None if it is gone."""
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return None
+
+
 def shm_devices() -> frozenset[int]:
     """Devices of memory-backed files: ``/dev/shm`` and memfds. A file
     anywhere else (a FUSE or network filesystem) could stall a read."""

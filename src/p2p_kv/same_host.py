@@ -55,6 +55,7 @@ from p2p_kv.procfs import (
     boot_id,
     holds_connection,
     mapping_of,
+    process_uid,
     shm_devices,
 )
 
@@ -162,6 +163,16 @@ class PeerMapping:
                 )
             if st.st_dev not in shm_devices():
                 raise ValueError("peer's region is not in shared memory (tmpfs)")
+            owner = process_uid(info.pid)
+            if owner != 0 and st.st_uid != owner:
+                # We reopened its fd with our own rights: a peer that holds
+                # a file it may not read (an O_PATH fd to a root-only file)
+                # must not get us, running as root, to read it for it. A
+                # file of its own it could read itself; root reads anything.
+                raise ValueError(
+                    f"peer's region file belongs to uid {st.st_uid}, and the "
+                    f"peer runs as uid {owner}: not a file of its own"
+                )
             if st.st_size < info.offset + info.length:
                 raise ValueError(
                     f"peer's file holds {st.st_size} bytes, region ends at "

@@ -275,3 +275,57 @@ def test_blocks_side_by_side_at_the_peer_take_one_read_each_stretch(
             assert (rows[lb] == rb + 1).all()
     finally:
         peer.close()
+
+
+def test_a_peer_cannot_have_us_read_a_file_it_may_not_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """We reopen the peer's fd through ``/proc`` with our own rights. An
+    unprivileged peer holding an ``O_PATH`` fd to a root-only file (which
+    needs no read permission) offered it as its region, and a root engine
+    read the file for it. The file must be the peer's own (or the peer
+    root, which reads anything anyway)."""
+    import time
+
+    from p2p_kv import same_host
+
+    path = Path("/dev/shm") / f"p2p_kv-test-secret-{os.getpid()}"
+    path.write_bytes(b"S" * BB)
+    path.chmod(0o600)
+    st = os.stat(path)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the peer
+        try:
+            if os.geteuid() == 0:
+                os.setgroups([])
+                os.setgid(65534)
+                os.setuid(65534)
+            fd = os.open(path, os.O_PATH)
+            _far, _ = listener.accept()
+            os.write(ready_w, f"{fd}\n".encode())
+            time.sleep(10)
+        finally:
+            os._exit(0)
+    try:
+        address = listener.getsockname()
+        listener.close()
+        ours = socket.create_connection(address)
+        fd = int(os.read(ready_r, 64))
+        inode = socket_inode(ours.fileno())
+        assert inode is not None
+        if os.geteuid() != 0:
+            # Not root here: the peer keeps our uid, so stand in for the
+            # uid it would have dropped to.
+            monkeypatch.setattr(same_host, "process_uid", lambda _pid: os.getuid() + 1)
+        info = ShmRegion(boot_id(), pid, fd, st.st_dev, st.st_ino, 0, BB)
+        with pytest.raises(ValueError, match="not a file of its own"):
+            PeerMapping(info, inode)
+        ours.close()
+    finally:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        path.unlink()
