@@ -8,6 +8,15 @@ worse, loads wrong bytes into the right-looking slot).
 The hash seed itself never leaves the process: peers compare a salted digest
 of it, plus the hashes of a canonical token sequence, which also catches a
 different hash *function* configured under the same name.
+
+With a shared secret, proving it in the handshake is not enough: a party
+without it can relay two engines' hellos and proofs to each other and end
+up holding a proven session to each. So every frame after the handshake is
+sealed under a key derived from the secret and both hellos
+(:class:`FrameKeys`: a MAC and a sequence number per direction), which a
+relay can pass on but never forge; and the data-plane region (NIXL memory
+keys, the shared file), which lets whoever holds it write our KV cache, is
+sent only after the peer's proof checked, encrypted under that key.
 """
 
 from __future__ import annotations
@@ -15,11 +24,17 @@ from __future__ import annotations
 import hashlib
 import hmac
 from dataclasses import dataclass, field
+from typing import Final
 
 from p2p_kv.protocol import PROTOCOL_VERSION, Hello
 
 _SEED_SALT = b"p2p_kv/hash-seed/v1"
 _MAC_SALT = b"p2p_kv/handshake-mac/v1"
+_KEY_SALT = b"p2p_kv/session-key/v1"
+#: First byte of a sealed frame: one msgpack never emits, so a sealed frame
+#: can never be taken for a plain one or the other way round.
+SEALED: Final = 0xC1
+_TAG_BYTES: Final = 16
 
 
 class HandshakeRefused(Exception):
@@ -63,7 +78,6 @@ def make_hello(me: Identity, nonce: bytes) -> Hello:
         num_blocks=me.num_blocks,
         authenticated=me.secret is not None,
         nonce=nonce,
-        region=me.region,
     )
 
 
@@ -136,3 +150,74 @@ def _hello_digest(hello: Hello) -> bytes:
     from p2p_kv.protocol import encode
 
     return hashlib.sha256(encode(hello)).digest()
+
+
+class FrameRefused(Exception):
+    """A frame whose seal does not check: forged, replayed, reordered, or
+    plain where a sealed one was due."""
+
+
+@dataclass(slots=True)
+class FrameKeys:
+    """One session's sealing keys, one per direction (each bound to its
+    sender's nonce, so a frame reflected back at its sender fails), and
+    the count of frames sealed and opened each way (so a replayed, dropped
+    or reordered frame fails)."""
+
+    out: bytes
+    into: bytes
+    sent: int = 0
+    received: int = 0
+
+    def seal(self, frame: bytes) -> bytes:
+        tag = _tag(self.out, self.sent, frame)
+        self.sent += 1
+        return bytes([SEALED]) + tag + frame
+
+    def open(self, frame: bytes) -> bytes:
+        if len(frame) <= 1 + _TAG_BYTES or frame[0] != SEALED:
+            raise FrameRefused("a plain frame where a sealed one was due")
+        body = frame[1 + _TAG_BYTES :]
+        if not hmac.compare_digest(
+            frame[1 : 1 + _TAG_BYTES], _tag(self.into, self.received, body)
+        ):
+            raise FrameRefused("a frame whose seal does not match our shared secret")
+        self.received += 1
+        return body
+
+
+def frame_keys(secret: bytes | None, mine: Hello, theirs: Hello) -> FrameKeys | None:
+    """The session's keys: both sides derive the same pair from the secret
+    and both hellos (fresh nonces each), so no two sessions share one."""
+    if secret is None:
+        return None
+    first, second = sorted((_hello_digest(mine), _hello_digest(theirs)))
+    session = hmac.new(secret, _KEY_SALT + first + second, hashlib.sha256).digest()
+
+    def direction(nonce: bytes) -> bytes:
+        return hmac.new(session, b"from" + nonce, hashlib.sha256).digest()
+
+    return FrameKeys(out=direction(mine.nonce), into=direction(theirs.nonce))
+
+
+def region_cipher(key: bytes, data: bytes) -> bytes:
+    """Encrypt or decrypt (the same operation) a region blob under a
+    direction key: XOR with an HMAC-SHA256 keystream. Each key encrypts one
+    region only (one per session and direction), so the stream never
+    repeats; the frame's seal covers its integrity."""
+    stream = bytearray()
+    counter = 0
+    while len(stream) < len(data):
+        stream += hmac.new(
+            key, b"region" + counter.to_bytes(8, "little"), hashlib.sha256
+        ).digest()
+        counter += 1
+    n = len(data)
+    mixed = int.from_bytes(data, "little") ^ int.from_bytes(stream[:n], "little")
+    return mixed.to_bytes(n, "little")
+
+
+def _tag(key: bytes, seq: int, frame: bytes) -> bytes:
+    return hashlib.blake2b(
+        seq.to_bytes(8, "little") + frame, key=key, digest_size=_TAG_BYTES
+    ).digest()

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from p2p_kv.handshake import Identity
+from p2p_kv.handshake import FrameRefused, Identity
 from p2p_kv.lifecycle import Event, State
 from p2p_kv.protocol import Message
 from p2p_kv.session import (
@@ -582,6 +582,14 @@ class LoadManager:
     def on_bad_frame(self, peer: str, reason: str) -> None:
         """A frame that did not decode: counted, the session goes on."""
         tally(self.protocol_errors, reason, "other")
+
+    def on_frame_refused(self, peer: str, exc: FrameRefused) -> None:
+        """A frame from ``peer`` failed its seal: its session ends."""
+        session = self._sessions.get(peer)
+        if session is not None and not session.closed:
+            session.refuse_frame(exc)
+            tally(self.refusals, (peer, "auth"), ("other", "auth"))
+            self._touch(session)
 
     def on_disconnected(self, peer: str, reason: str, now: float) -> None:
         session = self._sessions.get(peer)

@@ -20,7 +20,7 @@ from typing import Annotated, Final
 
 import msgspec
 
-PROTOCOL_VERSION: Final = 2
+PROTOCOL_VERSION: Final = 3
 
 #: Largest frame accepted from a peer. A lookup of 65,536 keys of 36 bytes
 #: is about 2.5 MiB, so 4 MiB fits the largest legal message with room.
@@ -67,13 +67,21 @@ class Hello(_Msg, tag="hello", frozen=True):
     num_blocks: Annotated[int, msgspec.Meta(ge=0)]
     authenticated: bool
     nonce: Blob
-    region: Blob
 
 
 class HelloAck(_Msg, tag="hello_ack", frozen=True):
     """Proof of the shared secret (HMAC over both hellos); empty if none."""
 
     mac: Blob
+
+
+class Region(_Msg, tag="region", frozen=True):
+    """Our data-plane region (:class:`p2p_kv.data.RegionInfo`, encoded):
+    sent once the peer's HelloAck has checked, encrypted under the session
+    key when there is a secret (whoever holds it can write our KV cache).
+    The session is ready when both sides have it."""
+
+    region: Blob
 
 
 class Lookup(_Msg, tag="lookup", frozen=True):
@@ -185,6 +193,7 @@ class Error(_Msg, tag="error", frozen=True):
 Message = (
     Hello
     | HelloAck
+    | Region
     | Lookup
     | LookupResp
     | Fetch

@@ -34,6 +34,7 @@ import msgspec
 
 from p2p_kv.control import ControlTransport, wait_readable
 from p2p_kv.data import NixlDataTransport, RegionInfo
+from p2p_kv.handshake import FrameRefused
 from p2p_kv.manager import JobResult, LoadManager, Roles
 from p2p_kv.protocol import Heartbeat, Message, ProtocolError, decode, encode
 from p2p_kv.session import Pinner
@@ -322,13 +323,27 @@ class TierRuntime:
                 continue
             if inbound.new:
                 self.manager.on_inbound(now, inbound.conn)
+            session = self.manager.session(inbound.conn)
+            frame, sealed = inbound.frame, False
             try:
-                msg = decode(inbound.frame)
+                if session is not None:
+                    frame, sealed = session.unseal(frame)
+                msg = decode(frame)
             except ProtocolError as exc:
                 log.warning(
                     "p2p_kv: dropped a bad frame from %s: %s", inbound.conn, exc
                 )
                 self.manager.on_bad_frame(inbound.conn, "decode")
+                continue
+            except FrameRefused as exc:
+                self._refuse_frame(inbound.conn, exc)
+                work = True
+                continue
+            if session is not None and not sealed and not session.admits_plain(msg):
+                self._refuse_frame(
+                    inbound.conn, FrameRefused(f"a plain {type(msg).__name__}")
+                )
+                work = True
                 continue
             if not isinstance(msg, Heartbeat):
                 work = True
@@ -338,11 +353,20 @@ class TierRuntime:
             self._idle_streak = 0  # stay responsive while work flows
         return work
 
+    def _refuse_frame(self, conn: str, exc: FrameRefused) -> None:
+        """A frame that failed its seal ends its session: a party without
+        the secret is speaking (or a frame was lost, which over one ZeroMQ
+        connection only a dropped session does)."""
+        log.warning("p2p_kv: refusing %s: %s", conn, exc)
+        self.manager.on_frame_refused(conn, exc)
+
     def _send(self, peer: str, msgs: list[Message], now: float) -> None:
         frames = []
+        session = self.manager.session(peer)
         for msg in msgs:
             try:
-                frames.append(encode(msg))
+                frame = encode(msg)
+                frames.append(frame if session is None else session.seal(msg, frame))
             except ProtocolError as exc:
                 log.error(
                     "p2p_kv: not sending %s to %s: %s", type(msg).__name__, peer, exc
@@ -374,13 +398,13 @@ class TierRuntime:
                     self.data.prove_peer(self._agents[peer], conn)
             return
         session = self.manager.session(peer)
-        if session is None or not session.ready or session.peer_hello is None:
+        if session is None or not session.ready or session.peer_region is None:
             return
         # Our outbound connection: a same-host peer proves its pid holds
         # the far end before we open its region.
         conn = self.control.connection_inode(peer)
         try:
-            info = msgspec.msgpack.decode(session.peer_hello.region, type=RegionInfo)
+            info = msgspec.msgpack.decode(session.peer_region, type=RegionInfo)
             self.data.add_peer(info, conn_inode=conn)
         except Exception as exc:
             log.warning("p2p_kv: refusing %s: bad data-plane region: %s", peer, exc)

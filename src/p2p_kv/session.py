@@ -34,11 +34,16 @@ from itertools import compress
 from typing import Protocol, TypeVar
 
 from p2p_kv.handshake import (
+    SEALED,
+    FrameKeys,
+    FrameRefused,
     HandshakeRefused,
     Identity,
     check_hello,
+    frame_keys,
     handshake_mac,
     make_hello,
+    region_cipher,
     verify_mac,
 )
 from p2p_kv.lifecycle import (
@@ -61,6 +66,7 @@ from p2p_kv.protocol import (
     Lookup,
     LookupResp,
     Message,
+    Region,
     Release,
     Revoke,
     TransferDone,
@@ -416,6 +422,11 @@ class Session:
         self._hello = make_hello(me, nonce)
         self._peer_hello: Hello | None = None
         self._peer_acked = False
+        #: the peer's data-plane region, once its proof checked (Region)
+        self._peer_region: bytes | None = None
+        #: sealing keys, with a shared secret, once the peer's Hello checked
+        self._keys: FrameKeys | None = None
+        self._was_ready = False
         self.link = Link.HANDSHAKING
         self.close_reason = ""
         self.refusal: HandshakeRefused | None = None
@@ -467,6 +478,44 @@ class Session:
     @property
     def peer_hello(self) -> Hello | None:
         return self._peer_hello
+
+    @property
+    def peer_region(self) -> bytes | None:
+        """The peer's data-plane region (``RegionInfo``, encoded), set
+        before the session is ready."""
+        return self._peer_region
+
+    # -- sealing (with a shared secret; see p2p_kv.handshake) ----------------
+
+    def seal(self, msg: Message, frame: bytes) -> bytes:
+        """The frame to put on the wire for ``msg``: sealed once the session
+        has keys, except the handshake's own two messages and the Goodbye
+        of a session that never became ready (a refusal: a peer that failed
+        the handshake could not open it, and must read why)."""
+        if self._keys is None or isinstance(msg, (Hello, HelloAck)):
+            return frame
+        if isinstance(msg, Goodbye) and not self._was_ready:
+            return frame
+        return self._keys.seal(frame)
+
+    def unseal(self, frame: bytes) -> tuple[bytes, bool]:
+        """The plain frame, and whether it came sealed. Raises
+        :class:`FrameRefused` for a seal that does not check."""
+        if self._keys is not None and frame[:1] == bytes([SEALED]):
+            return self._keys.open(frame), True
+        return frame, False
+
+    def admits_plain(self, msg: Message) -> bool:
+        """Whether ``msg`` may come unsealed: always without a secret;
+        with one, only the handshake (and a refusal's Goodbye during it)."""
+        if self._keys is None or isinstance(msg, (Hello, HelloAck)):
+            return True
+        return isinstance(msg, Goodbye) and self.link is Link.HANDSHAKING
+
+    def refuse_frame(self, err: FrameRefused) -> None:
+        """A frame failed its seal (forged, replayed, reordered, or plain):
+        the session ends, as a failed handshake does."""
+        self._refuse(HandshakeRefused("auth", str(err)))
 
     @property
     def ready(self) -> bool:
@@ -530,8 +579,8 @@ class Session:
             self._refuse(err)
             return
         self._peer_hello = msg
+        self._keys = frame_keys(self._me.secret, self._hello, msg)
         self._send(HelloAck(mac=handshake_mac(self._me.secret, self._hello, msg)))
-        self._maybe_ready(now)
 
     def _on_hello_ack(self, msg: HelloAck, now: float) -> None:
         if self._peer_hello is None or self._peer_acked:
@@ -543,12 +592,28 @@ class Session:
             self._refuse(err)
             return
         self._peer_acked = True
+        # Only now, to a peer that proved itself: whoever holds our region
+        # can write our KV cache.
+        region = self._me.region
+        if self._keys is not None:
+            region = region_cipher(self._keys.out, region)
+        self._send(Region(region=region))
+
+    def _on_region(self, msg: Region, now: float) -> None:
+        if not self._peer_acked or self._peer_region is not None:
+            self._protocol_error("unexpected_region", "Region out of order")
+            return
+        region = msg.region
+        if self._keys is not None:
+            region = region_cipher(self._keys.into, region)
+        self._peer_region = region
         self._maybe_ready(now)
 
     def _maybe_ready(self, now: float) -> None:
-        if self._peer_hello is None or not self._peer_acked:
+        if self._peer_region is None or self.link is not Link.HANDSHAKING:
             return
         self.link = Link.READY
+        self._was_ready = True
         for probe in self._probes.values():
             if not probe.sent:
                 self._send_probe(probe)
@@ -629,6 +694,9 @@ class Session:
             return
         if isinstance(msg, HelloAck):
             self._on_hello_ack(msg, now)
+            return
+        if isinstance(msg, Region):
+            self._on_region(msg, now)
             return
         if isinstance(msg, Goodbye):
             self._lose("peer_down", f"peer said goodbye: {msg.reason}")

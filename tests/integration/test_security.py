@@ -39,7 +39,15 @@ from tests.support.procs import PeerProc
 
 from p2p_kv.control import zmq_endpoint
 from p2p_kv.data import NixlDataTransport
-from p2p_kv.handshake import Identity, handshake_mac, make_hello
+from p2p_kv.handshake import (
+    SEALED,
+    FrameKeys,
+    Identity,
+    frame_keys,
+    handshake_mac,
+    make_hello,
+    region_cipher,
+)
 from p2p_kv.manager import Answer
 from p2p_kv.protocol import (
     MAX_FRAME_BYTES,
@@ -48,12 +56,14 @@ from p2p_kv.protocol import (
     Error,
     Fetch,
     Goodbye,
+    Heartbeat,
     Hello,
     HelloAck,
     Lookup,
     LookupResp,
     Message,
     ProtocolError,
+    Region,
     TransferDone,
     decode,
     encode,
@@ -94,7 +104,9 @@ def crc_ok(peer: StandalonePeer, keys: list[bytes], slots: list[int]) -> bool:
 
 
 class Raw:
-    """A peer that is only a socket: frames are whatever we build."""
+    """A peer that is only a socket: frames are whatever we build. Once it
+    has greeted a peer under a secret it seals what it sends after the
+    handshake and opens what it gets, as a real peer does."""
 
     def __init__(self, addr: str, *, bind: bool = False) -> None:
         self.sock: zmq.Socket[bytes] = zmq.Context.instance().socket(
@@ -110,9 +122,14 @@ class Raw:
         self.ident: bytes | None = None  # the peer, when we are the ROUTER
         self.hello: Hello | None = None
         self.peer_hello: Hello | None = None
+        self.keys: FrameKeys | None = None
+        #: every frame that arrived, as it came on the wire
+        self.wire: list[bytes] = []
 
     def send(self, msg: Message | bytes) -> None:
         frame = msg if isinstance(msg, bytes) else encode(msg)
+        if self.keys is not None and not isinstance(msg, bytes | Hello | HelloAck):
+            frame = self.keys.seal(frame)
         if self.ident is not None:
             self.sock.send_multipart([self.ident, frame])
         else:
@@ -128,7 +145,13 @@ class Raw:
             parts = self.sock.recv_multipart()
             if len(parts) == 2:
                 self.ident = parts[0]
-            out.append(decode(parts[-1]))
+            frame = parts[-1]
+            self.wire.append(frame)
+            if frame[:1] == bytes([SEALED]):
+                if self.keys is None:
+                    continue  # not ours to open (a relay's view): on the wire only
+                frame = self.keys.open(frame)
+            out.append(decode(frame))
             if until is not None and isinstance(out[-1], until):
                 break
         return out
@@ -145,7 +168,19 @@ class Raw:
         theirs = next(x for x in got if isinstance(x, Hello))
         self.hello = make_hello(me, os.urandom(16))
         self.send(self.hello)
-        self.send(HelloAck(mac=handshake_mac(SECRET, self.hello, theirs)))
+        self.greet(me, theirs, SECRET)
+
+    def greet(self, me: Identity, theirs: Hello, secret: bytes | None) -> None:
+        """Our proof and our region, under ``secret``, to a peer whose Hello
+        is ``theirs`` (ours sent already): from here on frames are sealed."""
+        assert self.hello is not None
+        self.peer_hello = theirs
+        self.send(HelloAck(mac=handshake_mac(secret, self.hello, theirs)))
+        self.keys = frame_keys(secret, self.hello, theirs)
+        region = me.region
+        if self.keys is not None:
+            region = region_cipher(self.keys.out, region)
+        self.send(Region(region=region))
 
     def next_lookup(self, v: StandalonePeer) -> Lookup:
         """Step the victim until its next Lookup reaches us."""
@@ -167,8 +202,7 @@ class Raw:
         got += self.recv(5, until=Hello) if not got else []
         theirs = [m for m in got if isinstance(m, Hello)]
         assert theirs, got
-        self.peer_hello = theirs[0]
-        self.send(HelloAck(mac=handshake_mac(secret, self.hello, self.peer_hello)))
+        self.greet(me, theirs[0], secret)
         return got + self.recv(0.5)
 
     def close(self) -> None:
@@ -334,6 +368,63 @@ def test_without_the_secret_nothing_is_looked_up_fetched_or_aborted(
     settle(v, producer)
 
 
+def test_a_relay_between_two_engines_gets_no_session_and_no_region(
+    producer: PeerProc, victim: tuple[StandalonePeer, FaultyData]
+) -> None:
+    """Mallory has no secret but dials two engines and hands each one the
+    other's Hello and proof: each proof covers both hellos, so it checks.
+    That used to leave Mallory a proven session at both, to look up, fetch
+    and abort in; and every Hello carried its engine's data-plane region
+    (the NIXL keys to its KV memory) before any proof. Now the regions
+    travel only after the proofs, encrypted, and every frame after the
+    handshake is sealed: a relay can pass frames on, never speak itself."""
+    v, _ = victim
+    before = producer_report(producer)
+    to_r, to_v = Raw(producer.address), Raw(v.address)
+
+    def collect(raw: Raw, kind: type, other: StandalonePeer | None = None) -> Any:
+        for _ in range(200):
+            if other is not None:
+                other.step(wait=False)
+            got = [m for m in raw.recv(0.01) if isinstance(m, kind)]
+            if got:
+                return got[0]
+        raise AssertionError(f"no {kind.__name__}")
+
+    try:
+        for raw in (to_r, to_v):
+            raw.send(Heartbeat(seq=1))  # a first frame: the listener greets
+        hello_r, hello_v = collect(to_r, Hello), collect(to_v, Hello, v)
+        to_r.send(hello_v)
+        to_v.send(hello_r)
+        ack_r, ack_v = collect(to_r, HelloAck), collect(to_v, HelloAck, v)
+        to_r.send(ack_v)  # each proof covers (V's hello, R's hello): it checks
+        to_v.send(ack_r)
+        for _ in range(50):  # their regions, if any, reach Mallory now
+            v.step(wait=False)
+            to_r.recv(0.01)
+            to_v.recv(0.01)
+        # Whatever came is sealed and says nothing of either region.
+        for raw, name in ((to_r, "guarded"), (to_v, v.runtime.data.agent_name)):
+            late = raw.wire[2:]  # after its Hello and HelloAck
+            assert late and all(f[:1] == bytes([SEALED]) for f in late), raw.wire
+            assert not any(name.encode() in f for f in late)
+        # Mallory now speaks on her own: refused, and the session ends.
+        to_r.send(Lookup("relayed", 1, 1, KEYS))
+        to_r.send(Abort("relayed", 1))
+        replies = to_r.recv(1.0)
+        assert not any(isinstance(m, LookupResp | AbortAck) for m in replies)
+        after = producer_report(producer)
+        new_auth = sum(n for (_, r, n) in after["refusals"] if r == "auth") - sum(
+            n for (_, r, n) in before["refusals"] if r == "auth"
+        )
+        assert new_auth >= 1, after["refusals"]
+    finally:
+        to_r.close()
+        to_v.close()
+    settle(v, producer)
+
+
 # ---------------------------------------------------------------------------
 # with the secret: other peers' transfers and other generations
 # ---------------------------------------------------------------------------
@@ -368,7 +459,8 @@ def test_a_peer_cannot_abort_or_complete_another_peers_transfer(
         if any(isinstance(m, Hello) for m in got):
             break
     theirs = next(m for m in got if isinstance(m, Hello))
-    at_victim.send(HelloAck(mac=handshake_mac(SECRET, mine, theirs)))
+    at_victim.hello = mine
+    at_victim.greet(me, theirs, SECRET)
     for msg in (
         TransferDone("victim-kv2", gen, job, True),
         AbortAck("victim-kv2", gen),

@@ -20,6 +20,7 @@ from p2p_kv.protocol import (
     HelloAck,
     Lookup,
     Message,
+    Region,
     TransferDone,
     decode,
     encode,
@@ -107,12 +108,16 @@ def test_matching_peers_become_ready_with_the_same_config(
         assert getattr(ha, field) == getattr(hb, field), field
     assert ha.authenticated is (secret is not None)
     assert ha.version == PROTOCOL_VERSION
-    # each side sent exactly Hello then HelloAck, with a MAC only with a secret
+    # each side sent exactly Hello, HelloAck (a MAC only with a secret), and
+    # its region once the other's proof checked: encrypted with a secret
     for name in "ab":
-        assert sent_types(w.sent[name]) == [Hello, HelloAck]
-        ack = w.sent[name][1]
-        assert isinstance(ack, HelloAck)
+        assert sent_types(w.sent[name]) == [Hello, HelloAck, Region]
+        ack, region = w.sent[name][1:]
+        assert isinstance(ack, HelloAck) and isinstance(region, Region)
         assert (len(ack.mac) == 32) is (secret is not None)
+        plain = f"region-of-{name}".encode()
+        assert (region.region == plain) is (secret is None)
+    assert w.a.peer_region == b"region-of-b" and w.b.peer_region == b"region-of-a"
     assert not w.a.counters.protocol_errors and not w.b.counters.protocol_errors
 
 
@@ -336,3 +341,68 @@ def test_handshake_timeout_closes() -> None:
     assert not a.closed
     a.tick(a.timeouts.handshake_s)
     assert a.closed and a.close_reason.startswith("handshake_timeout")
+
+
+# ---------------------------------------------------------------------------
+# sealing: frames after the handshake, under a shared secret
+# ---------------------------------------------------------------------------
+
+
+def test_frames_after_the_handshake_are_sealed_and_checked() -> None:
+    """With a secret both sides seal every frame after their HelloAck, under
+    keys only the secret and both hellos give: a frame forged, replayed,
+    reflected back at its sender or plain is refused."""
+    from p2p_kv.handshake import FrameKeys, FrameRefused
+
+    w = pair(ident("a", secret=SECRET), ident("b", secret=SECRET))
+    w.pump()
+    assert w.a.ready and w.b.ready
+    msg = Lookup("r1", 1, 1, [b"k1"])
+    frame = encode(msg)
+    sealed = w.a.seal(msg, frame)
+    assert sealed != frame and sealed[0] == 0xC1
+    assert w.b.unseal(sealed) == (frame, True)
+    with pytest.raises(FrameRefused):
+        w.b.unseal(sealed)  # the same frame again
+    with pytest.raises(FrameRefused):
+        w.a.unseal(sealed)  # back at its sender
+    forged = FrameKeys(out=b"x" * 32, into=b"y" * 32).seal(frame)
+    with pytest.raises(FrameRefused):
+        w.b.unseal(forged)
+    tampered = bytearray(w.a.seal(msg, frame))
+    tampered[-1] ^= 1
+    with pytest.raises(FrameRefused):
+        w.b.unseal(bytes(tampered))
+    assert not w.b.admits_plain(msg)  # a plain frame where a sealed one is due
+    assert w.b.admits_plain(HelloAck(mac=b""))
+    # the handshake's own frames stay plain: a peer without keys reads them
+    hello = w.a.peer_hello
+    assert hello is not None and w.a.seal(hello, b"hello") == b"hello"
+
+
+def test_without_a_secret_nothing_is_sealed() -> None:
+    w = pair(ident("a"), ident("b"))
+    w.pump()
+    msg = Lookup("r1", 1, 1, [b"k1"])
+    assert w.a.seal(msg, encode(msg)) == encode(msg)
+    assert w.b.admits_plain(msg)
+
+
+def test_a_relay_of_two_engines_hellos_and_proofs_learns_no_region() -> None:
+    """A party without the secret hands engine V's Hello and proof to R and
+    R's to V: each proof checks (it covers both hellos). What it then gets
+    from either is encrypted, and nothing it says unsealed is admitted."""
+    v = Session("in:1", ident("v", secret=SECRET), 0.0, nonce=b"V" * 16)
+    r = Session("in:2", ident("r", secret=SECRET), 0.0, nonce=b"R" * 16)
+    (hello_v,) = v.take_outbox(0.0)
+    (hello_r,) = r.take_outbox(0.0)
+    v.receive(decode(encode(hello_r)), 0.0)
+    r.receive(decode(encode(hello_v)), 0.0)
+    (ack_v,) = v.take_outbox(0.0)
+    (ack_r,) = r.take_outbox(0.0)
+    r.receive(decode(encode(ack_v)), 0.0)
+    v.receive(decode(encode(ack_r)), 0.0)
+    for session, name in ((v, b"region-of-v"), (r, b"region-of-r")):
+        (region,) = session.take_outbox(0.0)
+        assert isinstance(region, Region) and region.region != name
+    assert not r.admits_plain(Lookup("x", 1, 1, [b"k1"]))

@@ -263,7 +263,7 @@ def test_lookup_resp_for_unknown_seq_gen_or_req_is_counted() -> None:
     b = net.engines["b"].manager
     b.on_new_request("r1", net.roles("a", "kv1"), net.now)
     assert [b.lookup("r1", k) for k in KEYS] == [Answer.RETRY] * 4
-    for _ in range(4):  # connect, handshake, lookup delivered -- no serve yet
+    for _ in range(5):  # connect, handshake, region, lookup -- no serve yet
         net.step()
     gen, state = serve_of(net, "kv1")
     assert state is State.LOOKUP_QUEUED

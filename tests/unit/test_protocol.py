@@ -28,6 +28,7 @@ from p2p_kv.protocol import (
     LookupResp,
     Message,
     ProtocolError,
+    Region,
     Release,
     Revoke,
     TransferDone,
@@ -49,9 +50,9 @@ SAMPLES: list[Any] = [
         num_blocks=4096,
         authenticated=True,
         nonce=b"\x07" * 16,
-        region=b"nixl-metadata",
     ),
     HelloAck(mac=b"\x02" * 32),
+    Region(region=b"nixl-metadata"),
     HelloAck(mac=b""),
     Lookup(req="req-1", gen=3, seq=1, keys=[K1, K2, K3]),
     Lookup(req="r", gen=0, seq=0, keys=[]),
@@ -273,7 +274,6 @@ def test_encode_refuses_oversize_message() -> None:
         num_blocks=1,
         authenticated=False,
         nonce=b"",
-        region=b"",
     )
     with pytest.raises(ProtocolError, match="Hello frame"):
         encode(blob)
