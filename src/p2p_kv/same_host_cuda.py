@@ -194,6 +194,23 @@ class _IpcHandle(ctypes.Structure):
     _fields_ = [("reserved", ctypes.c_char * _IPC_HANDLE_BYTES)]
 
 
+def _address_range(addr: int) -> tuple[int, int]:
+    """``(base, size)`` of the CUDA allocation that holds ``addr`` (on the
+    current device's context), or OSError if the driver cannot say."""
+    path = loaded_library("libcuda")
+    if path is None:
+        raise OSError("no CUDA driver loaded to call")
+    try:
+        address_range = ctypes.CDLL(path).cuMemGetAddressRange_v2
+    except (OSError, AttributeError) as exc:
+        raise OSError(f"no cuMemGetAddressRange_v2 in {path}") from exc
+    base, size = ctypes.c_uint64(0), ctypes.c_size_t(0)
+    rc = address_range(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(addr))
+    if rc:
+        raise OSError(f"cuMemGetAddressRange failed: CUDA error {rc}")
+    return base.value, size.value
+
+
 def export_cuda_region(addr: int, nbytes: int, device: int) -> CudaIpcRegion:
     """Our GPU region as a CUDA IPC offer, or OSError saying why CUDA cannot
     export it (no runtime to call; memory from ``cuMemCreate``, as PyTorch's
@@ -201,35 +218,23 @@ def export_cuda_region(addr: int, nbytes: int, device: int) -> CudaIpcRegion:
     import torch
 
     lib = _cudart()
-    path = loaded_library("libcuda")
-    if lib is None or path is None:
-        raise OSError("no CUDA runtime and driver loaded to call")
+    if lib is None:
+        raise OSError("no CUDA runtime loaded to call")
     if not boot_id():
         raise OSError("no boot id: same-host peers cannot be told apart")
-    try:
-        address_range = ctypes.CDLL(path).cuMemGetAddressRange_v2
-    except (OSError, AttributeError) as exc:
-        raise OSError(f"no cuMemGetAddressRange_v2 in {path}") from exc
-    base, size = ctypes.c_uint64(0), ctypes.c_size_t(0)
     handle = _IpcHandle()
     with contextlib.ExitStack() as stack:
         try:
             stack.enter_context(torch.cuda.device(device))
         except RuntimeError as exc:  # no such GPU here: torch raises
             raise OSError(f"cannot use cuda:{device}: {exc}") from exc
-        rc = address_range(
-            ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(addr)
-        )
-        if rc:
-            raise OSError(f"cuMemGetAddressRange failed: CUDA error {rc}")
-        if addr + nbytes > base.value + size.value:
+        base, size = _address_range(addr)
+        if addr + nbytes > base + size:
             raise OSError("the region spans allocations: one handle cannot cover it")
-        rc = lib.cudaIpcGetMemHandle(ctypes.byref(handle), ctypes.c_void_p(base.value))
+        rc = lib.cudaIpcGetMemHandle(ctypes.byref(handle), ctypes.c_void_p(base))
         if rc:
             raise OSError(f"cudaIpcGetMemHandle failed: CUDA error {rc}")
-    return CudaIpcRegion(
-        boot_id(), os.getpid(), bytes(handle), addr - base.value, nbytes
-    )
+    return CudaIpcRegion(boot_id(), os.getpid(), bytes(handle), addr - base, nbytes)
 
 
 class CudaIpcMapping:
@@ -265,6 +270,21 @@ class CudaIpcMapping:
         )
         if rc != 0 or not ptr.value:
             raise OSError(f"cudaIpcOpenMemHandle failed: CUDA error {rc}")
+        try:
+            # The handle opens one allocation, which the peer's offset and
+            # length must stay inside: past its end lies whatever we
+            # allocated next, and a copy from there would put our own
+            # private memory into the KV cache we serve.
+            base, size = _address_range(ptr.value)
+            end = self.info.offset + self.info.length
+            if base != ptr.value or end > size:
+                raise ValueError(
+                    f"the peer's region ends {end} bytes into the "
+                    f"{size}-byte allocation its handle opens"
+                )
+        except BaseException:
+            self._lib.cudaIpcCloseMemHandle(ptr)
+            raise
         self._base = ptr.value
         self.addr = self._base + self.info.offset
 

@@ -231,3 +231,77 @@ def test_pattern_detects_shifted_block() -> None:
     shifted = _pattern(1, BS, "cpu")
     assert not np.array_equal(a.numpy(), b.numpy())
     assert not np.array_equal(a.numpy(), shifted.numpy())
+
+
+def _exporter(conn: Any, stop: Any) -> None:
+    """A GPU peer: a 2 MiB tensor offered through CUDA IPC, and a listening
+    socket whose accepted connection proves its pid."""
+    import socket
+
+    import torch
+
+    from p2p_kv.same_host_cuda import export_cuda_region
+
+    tensor = torch.full((2 * 1024 * KIB,), 0x11, dtype=torch.uint8, device="cuda")
+    offer = export_cuda_region(tensor.data_ptr(), tensor.numel(), 0)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    conn.send((listener.getsockname()[1], offer.handle, offer.offset))
+    far, _ = listener.accept()
+    stop.wait(60)
+    far.close()
+
+
+def test_a_cuda_ipc_offer_past_its_allocation_is_refused() -> None:
+    """A GPU peer's offer names its handle plus an offset and length; past
+    the allocation the handle opens lies whatever the consumer allocated
+    next, and copying from there put the consumer's own private memory
+    into the KV cache it serves (shown on the H200 in review). The
+    opened allocation's size bounds the offer now."""
+    import socket
+
+    import torch
+
+    from p2p_kv import same_host_cuda
+    from p2p_kv.procfs import boot_id, socket_inode
+    from p2p_kv.same_host_cuda import CudaCopier, CudaIpcMapping, CudaIpcRegion
+
+    _devices()  # skips, saying why, without CUDA
+    ctx = mp.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    stop = ctx.Event()
+    proc = ctx.Process(target=_exporter, args=(theirs, stop), daemon=True)
+    proc.start()
+    try:
+        assert ours.poll(120), "the exporting peer did not start"
+        port, handle, offset = ours.recv()
+        sock = socket.create_connection(("127.0.0.1", port))
+        inode = socket_inode(sock.fileno())
+        assert inode is not None
+        kv = torch.zeros((8 * 1024 * KIB,), dtype=torch.uint8, device="cuda")
+        copier = CudaCopier(kv, 2 * 1024 * KIB)
+        mib2 = 2 * 1024 * KIB
+
+        def mapping(off: int, length: int) -> CudaIpcMapping:
+            region = CudaIpcRegion(boot_id(), proc.pid or 0, handle, off, length)
+            return CudaIpcMapping(region, inode)
+
+        good = mapping(offset, mib2)
+        copier.register(good)
+        # The handle opens the peer's whole allocation (torch's caching
+        # allocator hands out a segment larger than the tensor).
+        _, size = same_host_cuda._address_range(good._base)
+        copier.unregister(good)
+        good.close()
+        for off, length in ((size, mib2), (size - 4096, mib2)):  # past, over
+            bad = mapping(off, length)
+            with pytest.raises(ValueError, match="allocation its handle opens"):
+                copier.register(bad)
+            assert bad.addr == 0
+        sock.close()
+    finally:
+        stop.set()
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
