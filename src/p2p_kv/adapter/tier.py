@@ -63,6 +63,16 @@ log = logging.getLogger("vllm.p2p_kv")
 #: engine steps (under the manager's lock); 0.32 has no such thread.
 HAS_TIER_POLL_THREAD = hasattr(SecondaryTierManager, "tolerates_off_thread_polling")
 
+
+def tier_poll_thread_runs(spec: Any) -> bool:
+    """Whether vLLM polls us between steps: 0.33, unless its config turned
+    the thread off (``tier_poll_interval_s`` zero or less). Without it an
+    idle engine is never called, so, as on 0.32, our waker must keep peers
+    answered and the engine awake for them."""
+    if not HAS_TIER_POLL_THREAD:
+        return False
+    return float(getattr(spec, "tier_poll_interval_s", 1.0)) > 0
+
 _ANSWER = {
     Answer.HIT: LookupResult.HIT,
     Answer.MISS: LookupResult.MISS,
@@ -202,7 +212,9 @@ class P2PKVTier(SecondaryTierManager):
         self.runtime = TierRuntime(
             manager, control, data, idle_wait_s=self.cfg.idle_wait_ms / 1000
         )
-        queue = None if HAS_TIER_POLL_THREAD else _engine_input_queue()
+        #: vLLM's tier-poll thread calls us between steps (0.33, unless off)
+        self._polled = tier_poll_thread_runs(offloading_spec)
+        queue = None if self._polled else _engine_input_queue()
         #: the engine's input queue, where its thread may sleep at a step
         self._engine_queue: Queue[Any] | None = (
             queue if isinstance(queue, Queue) else None
@@ -287,7 +299,7 @@ class P2PKVTier(SecondaryTierManager):
     def _finished_jobs(self) -> list[JobResult]:
         # With vLLM 0.33's tier-poll thread we are called every millisecond
         # under the manager's lock: never wait there.
-        wait = False if HAS_TIER_POLL_THREAD else None
+        wait = False if self._polled else None
         self.runtime.engine_stepped()
         return [
             JobResult(
@@ -301,7 +313,7 @@ class P2PKVTier(SecondaryTierManager):
 
     @_locked
     def has_pending_work(self) -> bool:
-        if HAS_TIER_POLL_THREAD or self.runtime.has_waker:
+        if self._polled or self.runtime.has_waker:
             # 0.33's tier-poll thread (or our waker, on 0.32's 3-process
             # engine) answers peers between steps: the engine needs stepping
             # only for our own work in flight.

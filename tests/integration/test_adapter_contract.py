@@ -1,11 +1,12 @@
-"""The producer's pinner against vLLM's own tiering manager.
+"""The vLLM adapter against vLLM's own parts.
 
-A peer's lookup is answered inside the engine's serve window by looking
-each key up through vLLM's parent manager and pinning the hits with one
-store job. Real vLLM parts: ``TieringOffloadingManager`` and its CPU
-primary tier; the other secondary tier is a minimal one that holds every
-key (it stands in for vLLM's file-system tier: what matters is that it has
-blocks the primary does not).
+The producer's pinner: a peer's lookup is answered inside the engine's
+serve window by looking each key up through vLLM's parent manager and
+pinning the hits with one store job. Real vLLM parts:
+``TieringOffloadingManager`` and its CPU primary tier; the other secondary
+tier is a minimal one that holds every key (it stands in for vLLM's
+file-system tier: what matters is that it has blocks the primary does
+not). And which vLLM calls us between steps (0.33's tier-poll thread).
 """
 
 from __future__ import annotations
@@ -114,3 +115,33 @@ def test_a_peers_lookup_never_promotes_from_another_tier(first: int) -> None:
     assert job_id in manager._jobs  # the pin is a store job vLLM tracks
     manager._flush_pending_promotions()
     assert other.loads == []  # nothing promoted for the pinner's context
+
+
+@pytest.mark.parametrize(
+    ("has_thread", "interval", "polled"),
+    [
+        (False, None, False),
+        (True, 0.001, True),
+        (True, 0.0, False),
+        (True, -1.0, False),
+    ],
+)
+def test_the_tier_poll_thread_counts_only_where_it_runs(
+    monkeypatch: pytest.MonkeyPatch,
+    has_thread: bool,
+    interval: float | None,
+    polled: bool,
+) -> None:
+    """vLLM 0.33 turns its tier-poll thread off for ``tier_poll_interval_s``
+    <= 0. Taking the thread for granted then left nothing to answer peers
+    at an idle engine (no waker, no pending work): lookups timed out and
+    sessions fell silent. Without the thread the tier runs as on 0.32."""
+    import types
+
+    from p2p_kv.adapter import tier
+
+    monkeypatch.setattr(tier, "HAS_TIER_POLL_THREAD", has_thread)
+    spec = types.SimpleNamespace()
+    if interval is not None:
+        spec.tier_poll_interval_s = interval
+    assert tier.tier_poll_thread_runs(spec) is polled
