@@ -145,3 +145,41 @@ def test_the_tier_poll_thread_counts_only_where_it_runs(
     if interval is not None:
         spec.tier_poll_interval_s = interval
     assert tier.tier_poll_thread_runs(spec) is polled
+
+
+def test_every_engine_core_is_found_and_a_data_parallel_one_is_told() -> None:
+    """The tier finds its engine's input queue on the constructor's call
+    stack, to wake an idle engine for peers. A data-parallel rank
+    (``DPEngineCoreProc``) was missed, and so stepped without end at idle;
+    and, as its peers wait for its steps, it must never sleep at one."""
+    import queue
+
+    from p2p_kv.adapter.tier import _engine_input_queue
+
+    class EngineCore:
+        def __init__(self) -> None:
+            self.input_queue: queue.Queue[object] = queue.Queue()
+            self.found = _engine_input_queue()
+
+    class EngineCoreProc(EngineCore):
+        pass
+
+    class DPEngineCoreProc(EngineCoreProc):
+        pass
+
+    class DPMoEEngineCoreActor(DPEngineCoreProc):
+        pass
+
+    class Other:
+        def __init__(self) -> None:
+            self.input_queue: queue.Queue[object] = queue.Queue()
+            self.found = _engine_input_queue()
+
+    for cls, lockstep in (
+        (EngineCoreProc, False),
+        (DPEngineCoreProc, True),
+        (DPMoEEngineCoreActor, True),
+    ):
+        engine = cls()
+        assert engine.found == (engine.input_queue, lockstep), cls.__name__
+    assert Other().found == (None, False)

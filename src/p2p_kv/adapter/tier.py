@@ -73,6 +73,7 @@ def tier_poll_thread_runs(spec: Any) -> bool:
         return False
     return float(getattr(spec, "tier_poll_interval_s", 1.0)) > 0
 
+
 _ANSWER = {
     Answer.HIT: LookupResult.HIT,
     Answer.MISS: LookupResult.MISS,
@@ -95,18 +96,24 @@ def _locked(method: _F) -> _F:
     return wrapper  # type: ignore[return-value]
 
 
-def _engine_input_queue() -> Any:
+def _engine_input_queue() -> tuple[Any, bool]:
     """vLLM 0.32's engine-core process blocks on this queue while it has no
     work; a no-op put wakes it. Found on the constructor's call stack (the
-    queue exists before the scheduler, and so this tier, is built)."""
+    queue exists before the scheduler, and so this tier, is built), on any
+    engine core (data-parallel ones too: their class is ``DPEngineCoreProc``,
+    which a match on the name's start missed, and they then stepped
+    without end at idle). Also whether that engine is a data-parallel
+    rank, whose steps its peers wait for in lockstep: it must never sleep
+    at a step."""
     frame = sys._getframe(1)
     while frame is not None:
         owner = frame.f_locals.get("self")
         queue = getattr(owner, "input_queue", None)
-        if queue is not None and type(owner).__name__.startswith("EngineCore"):
-            return queue
+        names = {cls.__name__ for cls in type(owner).__mro__}
+        if queue is not None and "EngineCore" in names:
+            return queue, "DPEngineCoreProc" in names
         frame = frame.f_back  # type: ignore[assignment]
-    return None
+    return None, False
 
 
 class _ParentPinner:
@@ -214,10 +221,11 @@ class P2PKVTier(SecondaryTierManager):
         )
         #: vLLM's tier-poll thread calls us between steps (0.33, unless off)
         self._polled = tier_poll_thread_runs(offloading_spec)
-        queue = None if self._polled else _engine_input_queue()
+        queue, lockstep = (None, False) if self._polled else _engine_input_queue()
         #: the engine's input queue, where its thread may sleep at a step
+        #: (never on a data-parallel rank: its peers wait for its steps)
         self._engine_queue: Queue[Any] | None = (
-            queue if isinstance(queue, Queue) else None
+            queue if isinstance(queue, Queue) and not lockstep else None
         )
         #: inside serve_external_requests, where vLLM's parent may call
         #: get_finished_jobs under our lock: no sleep there
