@@ -254,3 +254,34 @@ def test_an_engine_that_fails_to_start_is_not_left_running(tmp_path: Path) -> No
         EngineProcess(spec, start_timeout_s=0.05)
     left = [p for p in me.children(recursive=True) if p.pid not in before]
     assert left == []
+
+
+def test_an_engine_hashing_blocks_otherwise_is_refused_by_name(
+    pair: tuple[EngineProcess, EngineProcess, int],
+) -> None:
+    """An engine with another ``prefix_caching_hash_algo`` names different
+    blocks by the same tokens: the handshake must refuse it, naming the
+    hash algorithm, so the operator reads what to set. The tier read the
+    setting only at first contact, from inside a step where vLLM has no
+    current config, so every engine said "sha256" and the refusal named
+    the canonical hashes instead."""
+    a, _, pa = pair
+    model = str(ensure_model(TINY, REPO / ".cache"))
+    spec = EngineSpec(
+        model,
+        f"p2pkv-cbor-{uuid.uuid4().hex[:6]}",
+        tier={"heartbeat_ms": 200, "port": 0},
+        hash_algo="sha256_cbor",
+    )
+    with EngineProcess(spec) as c:
+        ids = prompt(11)
+        a.generate(ids)
+        settle(a)
+        out = c.generate(ids, params=source("kv-cbor", pa))
+        assert out["cached"] == 0, out
+        refusals = c.state()["counters"]["refusals"]
+        assert any(r.endswith(":hash_algo") for r in refusals), refusals
+        settle(c)
+        assert residue(c) == {}
+    settle(a)
+    assert residue(a) == {}

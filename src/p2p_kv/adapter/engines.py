@@ -47,6 +47,8 @@ class EngineSpec:
     dtype: str = "auto"
     cpus: list[int] | None = None
     env: dict[str, str] = field(default_factory=dict)
+    #: vLLM's ``prefix_caching_hash_algo`` (None: vLLM's default)
+    hash_algo: str | None = None
 
 
 def kv_transfer_config(spec: EngineSpec) -> dict[str, Any] | None:
@@ -242,6 +244,8 @@ class _Child:
         )
         if ktc is not None:
             kwargs["kv_transfer_config"] = KVTransferConfig(**ktc)
+        if self.spec.hash_algo is not None:
+            kwargs["prefix_caching_hash_algo"] = self.spec.hash_algo
         self.llm = LLM(**kwargs)
         self.has_tier = ktc is not None and bool(
             ktc["kv_connector_extra_config"]["secondary_tiers"]

@@ -205,9 +205,10 @@ class P2PKVTier(SecondaryTierManager):
         )
         self.address = control.address
         spec = offloading_spec
+        algo = _hash_algo()
 
         def identity() -> Identity:
-            return _identity(spec, data, self.address, self.cfg.secret)
+            return _identity(spec, data, self.address, self.cfg.secret, algo)
 
         manager = LoadManager(
             identity,
@@ -404,19 +405,40 @@ class P2PKVTier(SecondaryTierManager):
         return
 
 
+def _hash_algo() -> str:
+    """The engine's ``prefix_caching_hash_algo``, read while the tier is
+    built: from the vLLM config on the constructor's call stack (the
+    scheduler's), else vLLM's current config. Read later, at first contact
+    from inside a step, no config was current and every engine said
+    "sha256", so peers that hash blocks differently were not refused."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        found = frame.f_locals.get("vllm_config")
+        if found is None:
+            found = getattr(frame.f_locals.get("self"), "vllm_config", None)
+        algo = getattr(
+            getattr(found, "cache_config", None), "prefix_caching_hash_algo", None
+        )
+        if isinstance(algo, str):
+            return algo
+        frame = frame.f_back  # type: ignore[assignment]
+    try:
+        from vllm.config import get_current_vllm_config
+
+        return str(get_current_vllm_config().cache_config.prefix_caching_hash_algo)
+    except Exception:
+        log.warning("p2p_kv: no vLLM config found: assuming hash algorithm sha256")
+        return "sha256"
+
+
 def _identity(
-    spec: OffloadingSpec, data: Any, address: str, secret: str | None
+    spec: OffloadingSpec, data: Any, address: str, secret: str | None, algo: str
 ) -> Identity:
     """What this engine states in its Hello, resolved at first contact
     (vLLM derives its hash seed after the tier is built)."""
-    from vllm.config import get_current_vllm_config
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_none_hash_seed, hash_block_tokens
 
-    try:
-        algo = get_current_vllm_config().cache_config.prefix_caching_hash_algo
-    except Exception:  # no config in context: the default
-        algo = "sha256"
     hash_fn = get_hash_fn_by_name(algo)
     cfg = spec.config
     tokens_per_block = cfg.groups[0].tokens_per_block if cfg.groups else 16
