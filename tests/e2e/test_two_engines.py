@@ -265,7 +265,7 @@ def test_an_engine_hashing_blocks_otherwise_is_refused_by_name(
     setting only at first contact, from inside a step where vLLM has no
     current config, so every engine said "sha256" and the refusal named
     the canonical hashes instead."""
-    a, _, pa = pair
+    _, b, _ = pair  # A may have been killed by now (see above)
     model = str(ensure_model(TINY, REPO / ".cache"))
     spec = EngineSpec(
         model,
@@ -274,14 +274,14 @@ def test_an_engine_hashing_blocks_otherwise_is_refused_by_name(
         hash_algo="sha256_cbor",
     )
     with EngineProcess(spec) as c:
-        ids = prompt(11)
-        a.generate(ids)
-        settle(a)
-        out = c.generate(ids, params=source("kv-cbor", pa))
+        ids = prompt(97)  # no other test's prompt: nothing cached at B
+        c.generate(ids)
+        settle(c)
+        out = b.generate(ids, params=source("kv-cbor", c.tier_port))
         assert out["cached"] == 0, out
-        refusals = c.state()["counters"]["refusals"]
+        refusals = b.state()["counters"]["refusals"]
         assert any(r.endswith(":hash_algo") for r in refusals), refusals
         settle(c)
         assert residue(c) == {}
-    settle(a)
-    assert residue(a) == {}
+    settle(b)
+    assert residue(b) == {}
