@@ -425,6 +425,43 @@ def test_a_relay_between_two_engines_gets_no_session_and_no_region(
     settle(v, producer)
 
 
+def test_a_peer_we_refuse_and_hang_up_on_hears_why(
+    victim: tuple[StandalonePeer, FaultyData],
+) -> None:
+    """We dial a producer whose proof fails: our Goodbye saying why reaches
+    it although we drop the connection in the same step (sockets close
+    with no linger), so the operator there reads the reason, not just a
+    disconnect."""
+    v, _ = victim
+    srv = Raw("127.0.0.1:0", bind=True)
+    try:
+        v.open("refused-req", srv.address, "refused")
+        assert v.manager.lookup("refused-req", KEYS[0]) is Answer.RETRY
+        v.runtime.flush()
+        got: list[Message] = []
+        for _ in range(100):
+            v.step(wait=False)
+            got += srv.recv(0.01)
+            if any(isinstance(m, Hello) for m in got):
+                break
+        theirs = next(m for m in got if isinstance(m, Hello))
+        srv.hello = make_hello(identity("wrong", 8), os.urandom(16))
+        srv.send(srv.hello)
+        srv.send(HelloAck(mac=handshake_mac(b"not-the-secret", srv.hello, theirs)))
+        heard: list[Message] = []
+        for _ in range(100):
+            v.step(wait=False)
+            heard += srv.recv(0.01)
+            if any(isinstance(m, Goodbye) for m in heard):
+                break
+        byes = [m for m in heard if isinstance(m, Goodbye)]
+        assert byes and "auth" in byes[0].reason, heard
+        v.runtime.end_request("refused-req")
+        v.runtime.pump()
+    finally:
+        srv.close()
+
+
 # ---------------------------------------------------------------------------
 # with the secret: other peers' transfers and other generations
 # ---------------------------------------------------------------------------
