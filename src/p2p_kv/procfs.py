@@ -144,7 +144,6 @@ def holds_connection(pid: int, ours: str) -> bool:
     return False
 
 
-@cache
 def process_uid(pid: int) -> int | None:
     """The uid process ``pid`` runs as (the owner of its ``/proc`` entry),
     or None if it is gone."""
@@ -154,6 +153,7 @@ def process_uid(pid: int) -> int | None:
         return None
 
 
+@cache
 def shm_devices() -> frozenset[int]:
     """Devices of memory-backed files: ``/dev/shm`` and memfds. A file
     anywhere else (a FUSE or network filesystem) could stall a read."""

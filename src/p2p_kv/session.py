@@ -426,7 +426,6 @@ class Session:
         self._peer_region: bytes | None = None
         #: sealing keys, with a shared secret, once the peer's Hello checked
         self._keys: FrameKeys | None = None
-        self._was_ready = False
         self.link = Link.HANDSHAKING
         self.close_reason = ""
         self.refusal: HandshakeRefused | None = None
@@ -489,12 +488,14 @@ class Session:
 
     def seal(self, msg: Message, frame: bytes) -> bytes:
         """The frame to put on the wire for ``msg``: sealed once the session
-        has keys, except the handshake's own two messages and the Goodbye
-        of a session that never became ready (a refusal: a peer that failed
-        the handshake could not open it, and must read why)."""
+        has keys, except the handshake's own two messages and a Goodbye
+        sent before the peer's proof checked (a refusal: a peer that failed
+        the handshake has no keys to open it, and must read why). Once it
+        checked, the peer has keys and may be ready, taking only sealed
+        frames: so is our Goodbye then."""
         if self._keys is None or isinstance(msg, (Hello, HelloAck)):
             return frame
-        if isinstance(msg, Goodbye) and not self._was_ready:
+        if isinstance(msg, Goodbye) and not self._peer_acked:
             return frame
         return self._keys.seal(frame)
 
@@ -613,7 +614,6 @@ class Session:
         if self._peer_region is None or self.link is not Link.HANDSHAKING:
             return
         self.link = Link.READY
-        self._was_ready = True
         for probe in self._probes.values():
             if not probe.sent:
                 self._send_probe(probe)

@@ -406,3 +406,28 @@ def test_a_relay_of_two_engines_hellos_and_proofs_learns_no_region() -> None:
         (region,) = session.take_outbox(0.0)
         assert isinstance(region, Region) and region.region != name
     assert not r.admits_plain(Lookup("x", 1, 1, [b"k1"]))
+
+
+def test_a_goodbye_after_our_proof_checked_is_sealed_and_taken() -> None:
+    """B checked A's proof and sent its region; A took it and is ready; B
+    then closes before A's region reached it. B's Goodbye must be sealed
+    (A, ready, takes no plain frame): sent plain, A refused it as an
+    attack and lost B's reason."""
+    a = Session("b:1", ident("a", secret=SECRET), 0.0, nonce=b"A" * 16)
+    b = Session("in:1", ident("b", secret=SECRET), 0.0, nonce=b"B" * 16)
+
+    def deliver(src: Session, dst: Session) -> None:
+        for msg in src.take_outbox(0.0):
+            frame, sealed = dst.unseal(src.seal(msg, encode(msg)))
+            got = decode(frame)
+            assert sealed or dst.admits_plain(got), got
+            dst.receive(got, 0.0)
+
+    deliver(b, a)  # B's Hello: A queues its HelloAck
+    deliver(a, b)  # A's Hello and HelloAck: B checks it, queues its Region
+    deliver(b, a)  # B's HelloAck and Region: A checks, is ready
+    assert a.ready and not b.ready  # A's Region has not reached B
+    b.close("shutdown")
+    deliver(b, a)
+    assert a.closed and a.refusal is None
+    assert a.close_reason == "peer_down: peer said goodbye: shutdown"

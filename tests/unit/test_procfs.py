@@ -9,7 +9,13 @@ import subprocess
 
 import pytest
 
-from p2p_kv.procfs import holds_connection, loaded_library, socket_inode
+from p2p_kv.procfs import (
+    holds_connection,
+    loaded_library,
+    process_uid,
+    shm_devices,
+    socket_inode,
+)
 from tests.support.sockets import tcp_connection
 
 
@@ -75,3 +81,16 @@ def test_the_cuda_runtime_is_found_among_what_is_loaded() -> None:
     assert loaded_library("libcudart", "") is None
     # This process: libc is mapped, a CUDA runtime is not (no torch.cuda).
     assert loaded_library("libc") is not None
+
+
+def test_a_process_uid_is_read_fresh_every_time() -> None:
+    """Pids are reused: a uid remembered for a pid would vouch for whatever
+    process has that pid next (the same-host region check reads it)."""
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        assert process_uid(child.pid) == os.getuid()
+    finally:
+        child.kill()
+        child.wait()
+    assert process_uid(child.pid) is None
+    assert shm_devices() is shm_devices()  # that one is the host's: made once
