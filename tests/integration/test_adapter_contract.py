@@ -82,6 +82,42 @@ def _key(i: int) -> Any:
     return make_offload_key(bytes([i]) * 16, 0)
 
 
+def _full_primary() -> tuple[Any, Any, _EverythingTier]:
+    """vLLM's tiering manager over a CPU primary tier full with blocks 1
+    and 2 (ready and evictable, as finished requests leave them), our tier
+    and another that holds everything; inside a step's serve window."""
+    primary = CPUPrimaryTierOffloadingManager(PRIMARY_BLOCKS, _Region())  # type: ignore[arg-type]
+    view = primary.get_kv_memoryview()
+    ours = _EverythingTier(view, "p2p", hit=False)
+    other = _EverythingTier(view, "fs", hit=True)
+    manager = TieringOffloadingManager(primary, [ours, other])
+    ctx = ReqContext(req_id="r0")
+    manager.on_new_request(ctx)
+    manager.prepare_store([_key(1), _key(2)], ctx)
+    manager.complete_store([_key(1), _key(2)], ctx)
+    manager.on_request_finished(ctx)
+    manager._process_finished_jobs()
+    manager._processed_jobs_this_step = True
+    return manager, manager._tier_parents[ours], other
+
+
+def test_a_pin_survives_its_context_failing_to_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The store job is made: if ending the pinner's request context then
+    raises, the job must still reach the session (its result would never
+    come otherwise, and its blocks would stay pinned)."""
+    manager, parent, _ = _full_primary()
+
+    def boom(ctx: Any) -> None:
+        raise RuntimeError("vLLM failed")
+
+    monkeypatch.setattr(parent, "on_request_finished", boom)
+    result = _ParentPinner(parent).pin("p2p_kv:peer:kv:1:0", [_key(1)])
+    ((job_id, _, _),) = result.pins
+    assert job_id in manager._jobs
+
+
 @pytest.mark.parametrize("first", [1, 2])
 def test_a_peers_lookup_never_promotes_from_another_tier(first: int) -> None:
     """A peer asks for [A, C]: A is in our full primary tier, C only in
@@ -91,22 +127,8 @@ def test_a_peers_lookup_never_promotes_from_another_tier(first: int) -> None:
     promotion went to the other tier for a context already finished. The
     pinner asks the primary only: A is pinned, C is a miss, nothing is
     promoted."""
-    primary = CPUPrimaryTierOffloadingManager(PRIMARY_BLOCKS, _Region())  # type: ignore[arg-type]
-    view = primary.get_kv_memoryview()
-    ours = _EverythingTier(view, "p2p", hit=False)
-    other = _EverythingTier(view, "fs", hit=True)
-    manager = TieringOffloadingManager(primary, [ours, other])
-    # The primary is full with blocks 1 and 2, ready and evictable, as
-    # finished requests leave it.
-    ctx = ReqContext(req_id="r0")
-    manager.on_new_request(ctx)
-    manager.prepare_store([_key(1), _key(2)], ctx)
-    manager.complete_store([_key(1), _key(2)], ctx)
-    manager.on_request_finished(ctx)
-    manager._process_finished_jobs()
-    manager._processed_jobs_this_step = True  # inside the step's serve window
-
-    pinner = _ParentPinner(manager._tier_parents[ours])
+    manager, parent, other = _full_primary()
+    pinner = _ParentPinner(parent)
     result = pinner.pin("p2p_kv:peer:kv:1:0", [_key(first), _key(3)])
 
     assert result.hits == [True, False]

@@ -150,8 +150,13 @@ class _ParentPinner:
                 [(job.job_id, [bytes(k) for k in job.keys], job.chunk_ids.tolist())],
             )
         finally:
-            # The pins belong to the store job; the context may go now.
-            self._parent.on_request_finished(ctx)
+            # The pins belong to the store job; the context may go now. Not
+            # raising here: a store job made above must reach the session,
+            # or its result would never come and its blocks stay pinned.
+            try:
+                self._parent.on_request_finished(ctx)
+            except Exception as exc:
+                log.warning("p2p_kv: ending a pin's context failed: %r", exc)
 
 
 class P2PKVTier(SecondaryTierManager):
