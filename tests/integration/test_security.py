@@ -156,16 +156,20 @@ class Raw:
                 break
         return out
 
+    def step_until(self, v: StandalonePeer | None, kind: type) -> Any:
+        """Step ``v`` (if any) until a message of ``kind`` reaches us."""
+        for _ in range(200):
+            if v is not None:
+                v.step(wait=False)
+            found = [m for m in self.recv(0.01) if isinstance(m, kind)]
+            if found:
+                return found[0]
+        raise AssertionError(f"no {kind.__name__} came")
+
     def accept(self, v: StandalonePeer, me: Identity) -> None:
         """As a bound producer: step the dialling victim until its Hello
         arrives, then answer with our Hello and an HMAC under SECRET."""
-        got: list[Message] = []
-        for _ in range(100):
-            v.step(wait=False)
-            got += self.recv(0.01)
-            if any(isinstance(x, Hello) for x in got):
-                break
-        theirs = next(x for x in got if isinstance(x, Hello))
+        theirs = self.step_until(v, Hello)
         self.hello = make_hello(me, os.urandom(16))
         self.send(self.hello)
         self.greet(me, theirs, SECRET)
@@ -382,22 +386,13 @@ def test_a_relay_between_two_engines_gets_no_session_and_no_region(
     before = producer_report(producer)
     to_r, to_v = Raw(producer.address), Raw(v.address)
 
-    def collect(raw: Raw, kind: type, other: StandalonePeer | None = None) -> Any:
-        for _ in range(200):
-            if other is not None:
-                other.step(wait=False)
-            got = [m for m in raw.recv(0.01) if isinstance(m, kind)]
-            if got:
-                return got[0]
-        raise AssertionError(f"no {kind.__name__}")
-
     try:
         for raw in (to_r, to_v):
             raw.send(Heartbeat(seq=1))  # a first frame: the listener greets
-        hello_r, hello_v = collect(to_r, Hello), collect(to_v, Hello, v)
+        hello_r, hello_v = to_r.step_until(None, Hello), to_v.step_until(v, Hello)
         to_r.send(hello_v)
         to_v.send(hello_r)
-        ack_r, ack_v = collect(to_r, HelloAck), collect(to_v, HelloAck, v)
+        ack_r, ack_v = to_r.step_until(None, HelloAck), to_v.step_until(v, HelloAck)
         to_r.send(ack_v)  # each proof covers (V's hello, R's hello): it checks
         to_v.send(ack_r)
         for _ in range(50):  # their regions, if any, reach Mallory now
@@ -438,24 +433,12 @@ def test_a_peer_we_refuse_and_hang_up_on_hears_why(
         v.open("refused-req", srv.address, "refused")
         assert v.manager.lookup("refused-req", KEYS[0]) is Answer.RETRY
         v.runtime.flush()
-        got: list[Message] = []
-        for _ in range(100):
-            v.step(wait=False)
-            got += srv.recv(0.01)
-            if any(isinstance(m, Hello) for m in got):
-                break
-        theirs = next(m for m in got if isinstance(m, Hello))
+        theirs = srv.step_until(v, Hello)
         srv.hello = make_hello(identity("wrong", 8), os.urandom(16))
         srv.send(srv.hello)
         srv.send(HelloAck(mac=handshake_mac(b"not-the-secret", srv.hello, theirs)))
-        heard: list[Message] = []
-        for _ in range(100):
-            v.step(wait=False)
-            heard += srv.recv(0.01)
-            if any(isinstance(m, Goodbye) for m in heard):
-                break
-        byes = [m for m in heard if isinstance(m, Goodbye)]
-        assert byes and "auth" in byes[0].reason, heard
+        bye = srv.step_until(v, Goodbye)
+        assert "auth" in bye.reason, bye
         v.runtime.end_request("refused-req")
         v.runtime.pump()
     finally:
@@ -489,13 +472,7 @@ def test_a_peer_cannot_abort_or_complete_another_peers_transfer(
     at_victim = Raw(v.address)
     mine = make_hello(me, os.urandom(16))
     at_victim.send(mine)
-    got: list[Message] = []
-    for _ in range(50):
-        v.step(wait=False)
-        got += at_victim.recv(0.01)
-        if any(isinstance(m, Hello) for m in got):
-            break
-    theirs = next(m for m in got if isinstance(m, Hello))
+    theirs = at_victim.step_until(v, Hello)
     at_victim.hello = mine
     at_victim.greet(me, theirs, SECRET)
     for msg in (
