@@ -213,7 +213,8 @@ TABLE: Final[dict[Machine, dict[State, dict[Event, State]]]] = {
             E.WRITES_DONE: S.RELEASED,
             E.WRITES_FAILED: S.RELEASED,
             E.ABORT: S.ABORT_WRITING,
-            # Deadline: writes are cancelled, then TransferDone(ok=False).
+            # Deadline: writes are cancelled; TransferDone(ok=False) once the
+            # data plane stopped them, or the session ends if it could not.
             E.TIMEOUT: S.RELEASED,
             E.PEER_LOST: S.RELEASED,
         },

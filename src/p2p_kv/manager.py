@@ -597,6 +597,14 @@ class LoadManager:
             session.peer_lost(reason)
             self._touch(session)
 
+    def on_write_unstoppable(self, peer: str, write_id: int) -> None:
+        """A write given up on may still land: its session ends (see
+        :meth:`Session.on_write_unstoppable`)."""
+        session = self._sessions.get(peer)
+        if session is not None:
+            session.on_write_unstoppable(write_id)
+            self._touch(session)
+
     def on_write_done(self, peer: str, write_id: int, ok: bool, now: float) -> None:
         session = self._sessions.get(peer)
         if session is not None:

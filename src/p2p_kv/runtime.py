@@ -377,13 +377,17 @@ class TierRuntime:
             )
 
     def _take_completions(self) -> None:
-        for xfer_id, ok in self.data.poll_completions():
+        done = self.data.poll_completions()
+        unstopped = self.data.take_unstopped()
+        for xfer_id, ok in done:
             what = self._xfers.pop(xfer_id, None)
             if what is None:
                 continue
             peer, kind, ident = what
             if kind == "read":
                 self.manager.on_read_done(peer, ident, ok, self.clock())
+            elif xfer_id in unstopped:
+                self.manager.on_write_unstoppable(peer, ident)
             else:
                 self.manager.on_write_done(peer, ident, ok, self.clock())
 

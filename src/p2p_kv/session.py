@@ -461,6 +461,9 @@ class Session:
         self._serve_queue: list[Serve] = []  # LOOKUP_QUEUED, in arrival order
         self._pending_keys = 0  # keys of queued lookups (Limits.max_pending_keys)
         self._writing: dict[int, Serve] = {}  # by write id
+        #: writes cancelled at their deadline, by write id: the reply owed
+        #: to the peer once the data plane has stopped them
+        self._expired_writes: dict[int, Message] = {}
         self._next_write = 0
         self._store_results: list[StoreResult] = []
         self.wants_parked: list[Serve] = []
@@ -661,6 +664,7 @@ class Session:
         self._revoked.clear()
         self._reads.clear()  # never posted: nothing to fence
         self._writes.clear()
+        self._expired_writes.clear()  # the peer is gone: nothing is owed
         self.cancelled_reads.clear()
         for serve in list(self._serves.values()):
             if serve.offered and serve.pins and serve.can(Event.ORPHAN):
@@ -1265,6 +1269,11 @@ class Session:
 
     def on_write_done(self, write_id: int, ok: bool, now: float) -> None:
         """The data plane finished (or failed) a posted write."""
+        reply = self._expired_writes.pop(write_id, None)
+        if reply is not None:
+            # Cancelled at its deadline, and the data plane stopped it.
+            self._send(reply)
+            return
         serve = self._writing.pop(write_id, None)
         if serve is None:
             return
@@ -1286,6 +1295,19 @@ class Session:
             ok=ok,
             reason="" if ok else "write_failed",
         )
+
+    def on_write_unstoppable(self, write_id: int) -> None:
+        """A write of ours was given up on while still running: its bytes
+        may yet land in the peer's slots (NIXL cannot stop them). The peer
+        must not hear that it is over; it hears Goodbye, fails the load and
+        drops our agent, which is what fences it."""
+        self._expired_writes.pop(write_id, None)
+        serve = self._writing.pop(write_id, None)
+        if serve is not None:
+            self._release_serve(
+                serve, Event.WRITES_FAILED, ok=False, reason="write_failed"
+            )
+        self.close("a write we could not stop may still land: drop our agent")
 
     def _on_abort(self, msg: Abort) -> None:
         serve = self._serves.get((msg.req, msg.gen))
@@ -1453,23 +1475,27 @@ class Session:
         fetch = serve.fetch
         if serve.state in (State.WRITING, State.ABORT_WRITING):
             self.counters.bump(self.counters.failures, "write_timeout")
-            # The data plane cancels the write (cancelled_writes) before the
-            # peer hears about it, so the fence holds. A write not handed to
-            # the data plane yet must never be: it would land after our
-            # TransferDone told the peer that nothing can.
+            if serve.state is State.ABORT_WRITING:
+                reply: Message = AbortAck(serve.req, serve.gen)
+            else:
+                assert fetch is not None  # a WRITING serve has its Fetch
+                reply = TransferDone(
+                    serve.req, serve.gen, fetch.job, False, "write deadline"
+                )
             queued = [w for w in self._writes if w.write_id == serve.write_id]
             if queued:
+                # Never handed to the data plane, and now it never will be:
+                # nothing can land, so the peer may hear so at once.
                 self._writes.remove(queued[0])
+                self._send(reply)
             else:
+                # The data plane stops it (cancelled_writes); the peer hears
+                # only once it has (on_write_done). One it could not stop
+                # may still land, and then the session ends instead
+                # (on_write_unstoppable): the peer's dropping our agent is
+                # the only fence left.
                 self.cancelled_writes.append(serve.write_id)
-            if serve.state is State.ABORT_WRITING:
-                self._send(AbortAck(serve.req, serve.gen))
-            elif fetch is not None:
-                self._send(
-                    TransferDone(
-                        serve.req, serve.gen, fetch.job, False, "write deadline"
-                    )
-                )
+                self._expired_writes[serve.write_id] = reply
         elif serve.state is State.FETCH_WAITING and fetch is not None:
             self._send(
                 TransferDone(
@@ -1547,7 +1573,7 @@ class Session:
             "probes": len(self._probes),
             "loads": len(self._loads),
             "serves": len(self._serves),
-            "writes": len(self._writing),
+            "writes": len(self._writing) + len(self._expired_writes),
             "fenced_results": len(self._fenced_results),
             "offers": len(self._offers),
             "pending_lookup_keys": self._pending_keys,

@@ -830,6 +830,30 @@ def test_a_copy_whose_check_raises_is_reported_failed_and_nothing_is_lost() -> N
         assert t.in_flight() == 0
 
 
+def test_a_write_cancelled_while_it_runs_is_reported_unstopped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Over TCP a WRITE to a consumer that makes no NIXL call stays
+    running; cancelled, it is reported failed, yet its bytes land once the
+    consumer progresses again. So it is also reported unstopped: the
+    producer must not tell the consumer it is over (see the session)."""
+    bs, n = 64 * KIB, 16
+    with _tcp_pair(monkeypatch, bs, n, 0, "unstopped") as (prod, cons, src, got):
+        warm = prod.post_write(cons.agent_name, [0], [0], b"warm")
+        assert _completions(cons, prod) == [(warm, True)]
+        got[:] = 0
+        tid = prod.post_write(cons.agent_name, list(range(n)), list(range(n)), b"x")
+        time.sleep(0.3)
+        assert prod.poll_completions() == [] and prod.in_flight() == 1
+        prod.cancel(tid)
+        assert prod.poll_completions() == [(tid, False)]
+        assert prod.take_unstopped() == {tid}
+        assert prod.take_unstopped() == set()  # reported once
+        _progress(cons, prod)
+        landed = [b for b in range(n) if np.array_equal(got[b], src[b])]
+        assert landed == list(range(n)), landed  # what the report warns of
+
+
 def test_stuck_transfers_cancelled_together_cost_one_drain(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

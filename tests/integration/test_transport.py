@@ -752,3 +752,64 @@ def test_a_peer_address_libzmq_refuses_costs_only_its_request() -> None:
         assert not any(m.state_report().values())
     finally:
         peer.close()
+
+
+def test_a_write_the_producer_cannot_stop_ends_the_session_not_the_load(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Real runtimes over UCX's TCP transport, in this process. The
+    consumer stalls (makes no step) after its Fetch; the producer's WRITE
+    to it stays running past its deadline, and NIXL cannot stop it: the
+    producer must not answer TransferDone (its bytes would land after the
+    consumer freed the slots), but end the session, so the consumer fails
+    the load only once it has dropped the producer's agent."""
+    from p2p_kv.manager import Roles, Source
+
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    slow = Timeouts(heartbeat_interval_s=5.0, fetch_floor_s=0.5)
+    bs, keys = 64 * KIB, [make_key(i) for i in range(8)]
+    prod = StandalonePeer(16, bs, engine_id=f"wp-{os.getpid()}", timeouts=slow)
+    cons = StandalonePeer(
+        32,
+        bs,
+        engine_id=f"wc-{os.getpid()}",
+        timeouts=slow,
+        reads=False,
+        same_host=False,
+    )
+    try:
+        prod.fill(keys, list(range(8)))
+        rt, m = cons.runtime, cons.manager
+        rt.start_request("r1", Roles(Source("kv1", prod.address, probe=True)))
+        end = time.monotonic() + 10
+        while Answer.RETRY in [m.lookup("r1", k) for k in keys]:
+            assert time.monotonic() < end, "lookups unanswered"
+            rt.flush()
+            cons.step(wait=False)
+            prod.step(wait=False)
+        rt.submit_load(1, "r1", keys, list(range(8, 16)))
+        rt.pump()  # the Fetch leaves; from here the consumer stalls
+        end = time.monotonic() + 10
+        while not prod.manager.retired_sessions and time.monotonic() < end:
+            prod.step(wait=False)
+        (gone,) = prod.manager.retired_sessions
+        assert "could not stop" in gone.close_reason, gone.close_reason
+        assert gone.counters.failures.get("write_timeout") == 1
+        end = time.monotonic() + 10  # the consumer wakes up
+        while 1 not in cons.results and time.monotonic() < end:
+            cons.step(wait=False)
+            prod.step(wait=False)
+        assert not cons.results.pop(1).success
+        rt.end_request("r1")
+        end = time.monotonic() + 5
+        while time.monotonic() < end and (
+            any(cons.manager.state_report().values())
+            or any(prod.manager.state_report().values())
+        ):
+            cons.step(wait=False)
+            prod.step(wait=False)
+        assert not any(cons.manager.state_report().values())
+        assert not any(prod.manager.state_report().values())
+    finally:
+        cons.close()
+        prod.close()

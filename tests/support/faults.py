@@ -336,6 +336,7 @@ class FaultyData:
         self._real: dict[int, int] = {}  # inner tid -> our tid
         self._done: list[tuple[int, bool]] = []
         self._spoil: set[int] = set()  # our tids whose success we report failed
+        self._unstopped: set[int] = set()  # our tids the inner one could not stop
 
     def __getattr__(self, name: str) -> Any:
         if name == "inner" or name.startswith("__"):
@@ -395,10 +396,14 @@ class FaultyData:
     def poll_completions(self) -> list[tuple[int, bool]]:
         self._release_due()
         out, self._done = self._done, []
-        for real, ok in self.inner.poll_completions():
+        done = self.inner.poll_completions()
+        stuck = self.inner.take_unstopped()
+        for real, ok in done:
             tid = self._real.pop(real, None)
             if tid is None:
                 continue
+            if real in stuck:
+                self._unstopped.add(tid)
             if tid in self._spoil:
                 self._spoil.discard(tid)
                 if ok:
@@ -412,6 +417,10 @@ class FaultyData:
 
     def settling(self) -> bool:
         return bool(self.inner.settling())
+
+    def take_unstopped(self) -> set[int]:
+        out, self._unstopped = self._unstopped, set()
+        return out
 
     def cancel(self, *transfer_ids: int) -> None:
         real_ids: list[int] = []

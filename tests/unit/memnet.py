@@ -161,6 +161,8 @@ class Net:
         self.reads: list[tuple[str, str, ReadOrder]] = []
         #: Leave posted writes and reads in flight until complete_writes().
         self.hold_writes = False
+        #: cancelled writes cannot be stopped (see take_cancels in step)
+        self.unstoppable_writes = False
         #: writes that landed in a slot no in-flight job owned (fence broken)
         self.violations: list[str] = []
 
@@ -200,15 +202,22 @@ class Net:
                     self.links.append(Link((name, peer), (target, inbound)))
                 else:
                     m.on_disconnected(peer, "unreachable", self.now)
-            for _peer, kind, ident in m.take_cancels():
+            for peer, kind, ident in m.take_cancels():
                 # A cancelled read still ends once, at complete_writes (as
                 # NIXL reports it): until then it may land, so it stays.
-                if kind == "write":
-                    self.writes = [
-                        w
-                        for w in self.writes
-                        if not (w[0] == name and w[2].write_id == ident)
-                    ]
+                if kind != "write":
+                    continue
+                if self.unstoppable_writes:
+                    # Given up on but still running (NIXL over TCP to a
+                    # stalled peer): it stays, and may land later.
+                    m.on_write_unstoppable(peer, ident)
+                    continue
+                self.writes = [
+                    w
+                    for w in self.writes
+                    if not (w[0] == name and w[2].write_id == ident)
+                ]
+                m.on_write_done(peer, ident, False, self.now)
             for peer, read in m.take_reads():
                 self.reads.append((name, peer, read))
             for peer, msgs in m.take_outgoing(self.now):

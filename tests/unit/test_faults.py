@@ -152,6 +152,9 @@ class FakeData:
     def settling(self) -> bool:
         return False
 
+    def take_unstopped(self) -> set[int]:
+        return set()
+
     def cancel(self, *tids: int) -> None:
         self.cancelled.extend(tids)
 

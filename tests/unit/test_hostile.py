@@ -607,6 +607,45 @@ def test_an_engine_that_cannot_pin_costs_one_lookup_not_the_window() -> None:
     assert_drained(net)
 
 
+@pytest.mark.parametrize("stops", [True, False], ids=["stopped", "unstoppable"])
+def test_a_write_past_its_deadline_is_answered_only_once_it_cannot_land(
+    stops: bool,
+) -> None:
+    """The producer gives up on a WRITE at its deadline. It told the
+    consumer so (TransferDone / AbortAck) before knowing the WRITE had
+    stopped, and NIXL cannot stop one: over TCP, a WRITE to a consumer that
+    stalled lands once it progresses again (measured: all of a cancelled
+    4 MiB WRITE). Now the reply waits for the data plane; a WRITE it could
+    not stop ends the session instead, so the consumer fences it by
+    dropping the producer's agent, and nothing lands in its freed slots."""
+    net = make_net(timeouts=Timeouts(fetch_floor_s=0.5, abort_ack_s=5.0))
+    net.unstoppable_writes = not stops
+    probe(net, "r1", "kv1")
+    net.hold_writes = True
+    job = load(net, "r1", [1, 2, 3, 4])
+    net.run(2)
+    sa, sb = session(net, "a"), session(net, "b")
+    for _ in range(30):  # past both sides' deadlines
+        net.advance(0.1)
+        net.run(1)
+    assert sa.counters.failures.get("write_timeout") == 1
+    b = net.engines["b"]
+    b.collect(net.now)
+    (result,) = b.results[job]
+    assert not result.success
+    if stops:
+        assert sa.ready and sb.ready  # answered, and the session goes on
+    else:
+        assert sa.closed and "could not stop" in sa.close_reason
+        assert sb.closed
+    net.hold_writes = False  # the WRITE would land now: its link is gone
+    net.run()
+    finish(net, "r1")
+    for eng in net.engines.values():
+        eng.collect(net.now)
+    assert_drained(net)
+
+
 def test_session_whose_outbox_is_not_drained_is_closed() -> None:
     limits = Limits(max_outbox=16)
     a = Session("b:1", identity("a"), 0.0, limits=limits, nonce=b"A" * 16)
