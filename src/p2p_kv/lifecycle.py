@@ -67,6 +67,10 @@ class State(Enum):
     ORPHANED = "orphaned"  # session gone; offered pins held to their deadline
     WRITING = "writing"
     ABORT_WRITING = "abort_writing"  # abort arrived mid-write: ack when fenced
+    #: past its deadline: the write is being stopped; the reply (TransferDone
+    #: or AbortAck) waits for the data plane, as NIXL cannot stop bytes
+    WRITE_CANCELLING = "write_cancelling"
+    ABORT_CANCELLING = "abort_cancelling"
     RELEASED = "released"
     # PARKED
     STORED = "stored"
@@ -213,12 +217,27 @@ TABLE: Final[dict[Machine, dict[State, dict[Event, State]]]] = {
             E.WRITES_DONE: S.RELEASED,
             E.WRITES_FAILED: S.RELEASED,
             E.ABORT: S.ABORT_WRITING,
-            # Deadline: writes are cancelled; TransferDone(ok=False) once the
-            # data plane stopped them, or the session ends if it could not.
-            E.TIMEOUT: S.RELEASED,
+            # Deadline: the write is cancelled, the pins held while it may
+            # still read them; the reply goes once the data plane stopped it.
+            E.TIMEOUT: S.WRITE_CANCELLING,
             E.PEER_LOST: S.RELEASED,
         },
         S.ABORT_WRITING: {
+            E.WRITES_DONE: S.RELEASED,
+            E.WRITES_FAILED: S.RELEASED,
+            E.TIMEOUT: S.ABORT_CANCELLING,
+            E.PEER_LOST: S.RELEASED,
+        },
+        S.WRITE_CANCELLING: {
+            E.WRITES_DONE: S.RELEASED,
+            E.WRITES_FAILED: S.RELEASED,
+            E.ABORT: S.ABORT_CANCELLING,
+            # The data plane never answered: as for a write it could not
+            # stop, the session ends (the peer's agent drop fences it).
+            E.TIMEOUT: S.RELEASED,
+            E.PEER_LOST: S.RELEASED,
+        },
+        S.ABORT_CANCELLING: {
             E.WRITES_DONE: S.RELEASED,
             E.WRITES_FAILED: S.RELEASED,
             E.TIMEOUT: S.RELEASED,

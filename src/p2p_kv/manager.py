@@ -570,10 +570,10 @@ class LoadManager:
         session = self._sessions.get(peer)
         if session is None:
             return
+        refused = session.refusal is not None
         session.receive(msg, now)
-        if session.refusal is not None:
-            key = (peer, session.refusal.reason)
-            tally(self.refusals, key, ("other", session.refusal.reason))
+        if not refused:
+            self._tally_refusal(peer, session)
         self._touch(session)
         if session.has_lookups_to_serve:
             self._to_serve.add(peer)
@@ -583,12 +583,19 @@ class LoadManager:
         """A frame that did not decode: counted, the session goes on."""
         tally(self.protocol_errors, reason, "other")
 
+    def _tally_refusal(self, peer: str, session: Session) -> None:
+        """Count a session's refusal once, when it happens (a refused
+        session's later frames are ignored, and were counted again)."""
+        if session.refusal is not None:
+            reason = session.refusal.reason
+            tally(self.refusals, (peer, reason), ("other", reason))
+
     def on_frame_refused(self, peer: str, exc: FrameRefused) -> None:
         """A frame from ``peer`` failed its seal: its session ends."""
         session = self._sessions.get(peer)
         if session is not None and not session.closed:
             session.refuse_frame(exc)
-            tally(self.refusals, (peer, "auth"), ("other", "auth"))
+            self._tally_refusal(peer, session)
             self._touch(session)
 
     def on_disconnected(self, peer: str, reason: str, now: float) -> None:

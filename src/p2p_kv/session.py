@@ -461,9 +461,6 @@ class Session:
         self._serve_queue: list[Serve] = []  # LOOKUP_QUEUED, in arrival order
         self._pending_keys = 0  # keys of queued lookups (Limits.max_pending_keys)
         self._writing: dict[int, Serve] = {}  # by write id
-        #: writes cancelled at their deadline, by write id: the reply owed
-        #: to the peer once the data plane has stopped them
-        self._expired_writes: dict[int, Message] = {}
         self._next_write = 0
         self._store_results: list[StoreResult] = []
         self.wants_parked: list[Serve] = []
@@ -664,7 +661,6 @@ class Session:
         self._revoked.clear()
         self._reads.clear()  # never posted: nothing to fence
         self._writes.clear()
-        self._expired_writes.clear()  # the peer is gone: nothing is owed
         self.cancelled_reads.clear()
         for serve in list(self._serves.values()):
             if serve.offered and serve.pins and serve.can(Event.ORPHAN):
@@ -1269,24 +1265,12 @@ class Session:
 
     def on_write_done(self, write_id: int, ok: bool, now: float) -> None:
         """The data plane finished (or failed) a posted write."""
-        reply = self._expired_writes.pop(write_id, None)
-        if reply is not None:
-            # Cancelled at its deadline, and the data plane stopped it.
-            self._send(reply)
-            return
         serve = self._writing.pop(write_id, None)
         if serve is None:
             return
         fetch = serve.fetch
         assert fetch is not None
-        if serve.state is State.ABORT_WRITING:
-            self._send(AbortAck(serve.req, serve.gen))
-        else:
-            self._send(
-                TransferDone(
-                    serve.req, serve.gen, fetch.job, ok, "" if ok else "write failed"
-                )
-            )
+        self._send(self._write_reply(serve, ok))
         if ok:
             self.counters.bytes_served += len(fetch.keys) * self._me.block_bytes
         self._release_serve(
@@ -1296,12 +1280,25 @@ class Session:
             reason="" if ok else "write_failed",
         )
 
+    def _write_reply(self, serve: Serve, ok: bool) -> Message:
+        """What the peer hears once a posted write can no longer land."""
+        if serve.state in (State.ABORT_WRITING, State.ABORT_CANCELLING):
+            return AbortAck(serve.req, serve.gen)
+        assert serve.fetch is not None
+        why = (
+            "write deadline"
+            if serve.state is State.WRITE_CANCELLING
+            else "write failed"
+        )
+        return TransferDone(
+            serve.req, serve.gen, serve.fetch.job, ok, "" if ok else why
+        )
+
     def on_write_unstoppable(self, write_id: int) -> None:
         """A write of ours was given up on while still running: its bytes
         may yet land in the peer's slots (NIXL cannot stop them). The peer
         must not hear that it is over; it hears Goodbye, fails the load and
         drops our agent, which is what fences it."""
-        self._expired_writes.pop(write_id, None)
         serve = self._writing.pop(write_id, None)
         if serve is not None:
             self._release_serve(
@@ -1315,13 +1312,14 @@ class Session:
             # Nothing held for it (already released): the fence holds.
             self._send(AbortAck(msg.req, msg.gen))
             return
-        if serve.state is State.ABORT_WRITING:
+        if serve.state in (State.ABORT_WRITING, State.ABORT_CANCELLING):
             return
         serve.fire(Event.ABORT)
         if serve.state is State.RELEASED:
             self._send(AbortAck(msg.req, msg.gen))
             self._release_serve(serve, None, ok=False, reason="abort")
-        # else ABORT_WRITING: AbortAck goes out once the write settles.
+        # else ABORT_WRITING / ABORT_CANCELLING: AbortAck goes out once the
+        # write settles.
 
     def _release_serve(
         self, serve: Serve, event: Event | None, *, ok: bool, reason: str
@@ -1460,7 +1458,7 @@ class Session:
                     self._arm(item, now + self.timeouts.abort_ack_s)
                     self._send(Abort(item.req, item.gen))
             elif isinstance(item, Serve):
-                self._expire_serve(item)
+                self._expire_serve(item, now)
         offers = self._offer_heap
         while offers and offers[0][0] <= now:
             until, gen = heapq.heappop(offers)
@@ -1471,32 +1469,33 @@ class Session:
             self._hb_seq += 1
             self._send(Heartbeat(seq=self._hb_seq))
 
-    def _expire_serve(self, serve: Serve) -> None:
+    def _expire_serve(self, serve: Serve, now: float) -> None:
         fetch = serve.fetch
+        if serve.state in (State.WRITE_CANCELLING, State.ABORT_CANCELLING):
+            # The data plane never said the write stopped.
+            self.on_write_unstoppable(serve.write_id)
+            return
         if serve.state in (State.WRITING, State.ABORT_WRITING):
             self.counters.bump(self.counters.failures, "write_timeout")
-            if serve.state is State.ABORT_WRITING:
-                reply: Message = AbortAck(serve.req, serve.gen)
-            else:
-                assert fetch is not None  # a WRITING serve has its Fetch
-                reply = TransferDone(
-                    serve.req, serve.gen, fetch.job, False, "write deadline"
-                )
             queued = [w for w in self._writes if w.write_id == serve.write_id]
             if queued:
                 # Never handed to the data plane, and now it never will be:
                 # nothing can land, so the peer may hear so at once.
                 self._writes.remove(queued[0])
-                self._send(reply)
-            else:
-                # The data plane stops it (cancelled_writes); the peer hears
-                # only once it has (on_write_done). One it could not stop
-                # may still land, and then the session ends instead
-                # (on_write_unstoppable): the peer's dropping our agent is
-                # the only fence left.
-                self.cancelled_writes.append(serve.write_id)
-                self._expired_writes[serve.write_id] = reply
-        elif serve.state is State.FETCH_WAITING and fetch is not None:
+                self._send(self._write_reply(serve, False))
+                self._release_serve(
+                    serve, Event.WRITES_FAILED, ok=False, reason="deadline"
+                )
+                return
+            # The data plane stops it (cancelled_writes) and then reports
+            # it (on_write_done: the reply goes), or reports it unstopped
+            # (on_write_unstoppable: the session ends instead).
+            serve.fire(Event.TIMEOUT)
+            self.cancelled_writes.append(serve.write_id)
+            serve.deadline = now + self.timeouts.abort_ack_s
+            self._arm(serve, serve.deadline)
+            return
+        if serve.state is State.FETCH_WAITING and fetch is not None:
             self._send(
                 TransferDone(
                     serve.req, serve.gen, fetch.job, False, "blocks not stored in time"
@@ -1573,7 +1572,7 @@ class Session:
             "probes": len(self._probes),
             "loads": len(self._loads),
             "serves": len(self._serves),
-            "writes": len(self._writing) + len(self._expired_writes),
+            "writes": len(self._writing),
             "fenced_results": len(self._fenced_results),
             "offers": len(self._offers),
             "pending_lookup_keys": self._pending_keys,

@@ -466,11 +466,7 @@ def test_lookups_for_one_request_cannot_queue_unbounded_keys() -> None:
         inject(net, "a", Lookup("greedy2", 1, i + 1, KEYS[:3]))
     assert errors(net, "a") == {"limit_pending_keys": 6}
     finish(net, "r1")
-    for _ in range(200):  # the greedy serves expire at their pin deadline
-        net.advance(0.1)
-        net.run(1)
-    for eng in net.engines.values():
-        eng.collect(net.now)
+    net.settle(20.0, 0.1)  # the greedy serves expire at their pin deadline
     assert_drained(net)
 
 
@@ -553,17 +549,11 @@ def test_fetches_waiting_for_stores_cannot_hold_unbounded_keys() -> None:
     inject(net, "a", Fetch("p3", 1, 9003, KEYS, [9, 10, 11, 12]))  # 12 > 10
     assert errors(net, "a") == {"limit_waiting_fetch_keys": 1}
     assert sa.sizes()["serves"] == 2
-    for _ in range(15):  # the waiting ones end at parked_wait_s
-        net.advance(0.1)
-        net.run(1)
+    net.settle(1.5, 0.1)  # the waiting ones end at parked_wait_s
     assert sa.sizes()["serves"] == 0
     inject(net, "a", Fetch("p4", 1, 9004, KEYS, [1, 2, 3, 4]))  # fits again
     assert errors(net, "a") == {"limit_waiting_fetch_keys": 1}
-    for _ in range(15):
-        net.advance(0.1)
-        net.run(1)
-    for eng in net.engines.values():
-        eng.collect(net.now)
+    net.settle(1.5, 0.1)
     assert_drained(net)
 
 
@@ -599,11 +589,7 @@ def test_an_engine_that_cannot_pin_costs_one_lookup_not_the_window() -> None:
     }
     assert answers == {"x": [True] * 4, "y": [False] * 4, "z": [True] * 4}
     assert session(net, "a").counters.failures == {"pin_error": 1}
-    for _ in range(20):  # the pins end at their deadline and come back
-        net.advance(0.1)
-        net.run(1)
-    for eng in net.engines.values():
-        eng.collect(net.now)
+    net.settle(2.0, 0.1)  # the pins end at their deadline and come back
     assert_drained(net)
 
 
@@ -713,11 +699,7 @@ def test_outbox_overflow_inside_a_serve_window_closes_cleanly() -> None:
     assert sa.closed and sa.close_reason.startswith("outbox_full")
     net.run()
     assert a.session(peer) is None
-    for _ in range(30):  # offered pins are held to their deadline, then freed
-        net.advance(0.1)
-        net.run(1)
-    for eng in net.engines.values():
-        eng.collect(net.now)
+    net.settle(3.0, 0.1)  # offered pins are held to their deadline, then freed
     assert_drained(net)
 
 

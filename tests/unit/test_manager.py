@@ -498,3 +498,21 @@ def test_a_result_the_engine_has_not_collected_keeps_its_session_ticking() -> No
     net.run()
     collect_all(net)
     assert_drained(net)
+
+
+def test_a_refused_peer_is_counted_once_however_much_it_says() -> None:
+    """A session's refusal was tallied again for every frame the refused
+    peer sent after it (they are ignored): the refusals metric grew with
+    the peer's chatter, not with refusals."""
+    from p2p_kv.handshake import make_hello
+    from p2p_kv.protocol import Heartbeat, Lookup
+    from p2p_kv.runtime import fresh_nonce
+
+    from .memnet import identity
+
+    a = Net().engines["a"].manager
+    peer = a.on_inbound(0.0, "in:stranger")
+    a.on_message(peer, make_hello(identity("x", hash_seed="other"), fresh_nonce()), 0.0)
+    for msg in (Heartbeat(seq=1), Lookup("r", 1, 1, [key(1)]), Heartbeat(seq=2)):
+        a.on_message(peer, msg, 0.0)
+    assert a.refusals == {(peer, "hash_seed"): 1}
