@@ -1459,6 +1459,10 @@ class Session:
                     self._send(Abort(item.req, item.gen))
             elif isinstance(item, Serve):
                 self._expire_serve(item, now)
+                if self.closed:
+                    # A write it could not stop ended the session: what it
+                    # held is now the manager's (orphans) or released.
+                    return
         offers = self._offer_heap
         while offers and offers[0][0] <= now:
             until, gen = heapq.heappop(offers)

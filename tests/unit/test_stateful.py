@@ -259,3 +259,46 @@ class Fleet(RuleBasedStateMachine):
 
 Fleet.TestCase.settings = SETTINGS
 test_fleet = Fleet.TestCase
+
+
+class _Draws:
+    """Stands in for hypothesis' data object: the draws of a found case."""
+
+    def __init__(self, *values: object) -> None:
+        self.values = list(values)
+
+    def draw(self, strategy: object, label: object = None) -> object:
+        return self.values.pop(0)
+
+
+def test_fleet_a_write_that_ends_its_session_at_a_tick() -> None:
+    """A case the fleet found: a producer's write past its deadline, then
+    the data plane's report overdue, ends the session inside ``tick``; the
+    tick went on firing the timers of serves the session had just handed
+    to the manager as orphans, which the manager later timed out again
+    (IllegalTransition). Replayed as found, with every invariant checked."""
+    f = Fleet()
+
+    def check() -> None:
+        f.a_successful_load_holds_its_blocks()
+        f.at_most_one_result_per_job()
+        f.failed_ids_are_live_unfinished_requests()
+        f.no_write_lands_in_a_released_slot()
+
+    f.start(reads=True)
+    steps = [
+        lambda: f.request_then_load(_Draws(), "a", "b", "k1", "r2", True),  # type: ignore[arg-type]
+        *[lambda: f.advance(0.05)] * 13,
+        lambda: f.stall_others("a", 0.5),
+        lambda: f.step(1),
+        lambda: f.submit_load(_Draws("r2", [0, 1, 2, 3]), "a"),  # type: ignore[arg-type]
+        *[lambda: f.advance(0.05)] * 4,
+        lambda: f.request_then_load(_Draws([4, 5, 6, 7]), "a", "b", "k1", "r1", True),  # type: ignore[arg-type]
+        lambda: f.advance(0.5),
+        lambda: f.stall_others("b", 1.0),
+        lambda: f.advance(0.05),
+    ]
+    for run in steps:
+        run()
+        check()
+    f.teardown()
