@@ -17,6 +17,9 @@ from p2p_kv.session import Timeouts
 
 ENV_PREFIX = "VLLM_P2P_KV_"
 _CORE = Timeouts()
+#: Dials a ZeroMQ context has sockets for (two each, 1023 in all), with
+#: room left for the bound socket and the dials of a closing session.
+MAX_PEERS = 480
 
 
 class ConfigError(ValueError):
@@ -62,6 +65,13 @@ class TierConfig:
     #: TCP a stalled peer that resumes still serves it). Larger loads move
     #: in pieces. 0: READs land in place, one copy fewer, with that risk.
     read_staging_mib: float = 64.0
+    #: Most peers this engine dials at once. Clients name the peers (the
+    #: request's ``kv_transfer_params``), and each dial holds two ZeroMQ
+    #: sockets: a ZeroMQ context holds at most 1023, so without a bound a
+    #: burst of requests naming distinct addresses left the engine unable
+    #: to make a socket. A request naming a peer past the bound recomputes
+    #: (``refusals{reason="too_many_peers"}``).
+    max_peers: int = 256
 
     @classmethod
     def from_dict(
@@ -114,6 +124,11 @@ class TierConfig:
             raise ConfigError(
                 f"p2p_kv: read_staging_mib {self.read_staging_mib} is negative "
                 "(0 turns staging off)"
+            )
+        if not 1 <= self.max_peers <= MAX_PEERS:
+            raise ConfigError(
+                f"p2p_kv: max_peers {self.max_peers} is not in 1..{MAX_PEERS} "
+                "(two ZeroMQ sockets a peer, 1023 in a context)"
             )
         if not self.host:
             raise ConfigError("p2p_kv: host is empty; set the address peers dial")

@@ -180,16 +180,23 @@ class ControlTransport:
         if peer in self._dealers:
             return
         host, port = parse_peer(peer)
-        sock = self._socket(zmq.DEALER)
-        # The monitor first: on loopback the connection can be up before
-        # connect() returns, and its CONNECTED event names our socket.
-        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        sock = monitor = None
         try:
+            # Each of these may fail for want of sockets or descriptors
+            # (EMFILE): the dial fails, the engine's step goes on.
+            sock = self._socket(zmq.DEALER)
+            # The monitor first: on loopback the connection can be up before
+            # connect() returns, and its CONNECTED event names our socket.
+            monitor = sock.get_monitor_socket(
+                zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+            )
             sock.connect(zmq_endpoint(host, port))
         except zmq.ZMQError as exc:
-            sock.disable_monitor()
-            monitor.close(linger=0)
-            sock.close(linger=0)
+            if sock is not None:
+                if monitor is not None:
+                    sock.disable_monitor()
+                    monitor.close(linger=0)
+                sock.close(linger=0)
             raise ValueError(f"cannot dial {peer}: {exc}") from exc
         self._dealers[peer] = sock
         self._by_socket[sock] = peer

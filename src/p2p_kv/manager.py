@@ -228,6 +228,7 @@ class LoadManager:
         parked_ttl_s: float = 60.0,
         reconnect_backoff_s: float = 1.0,
         reads: bool = True,
+        max_peers: int = 256,
     ) -> None:
         # The engine's identity may be known only after start-up (vLLM seeds
         # its block hashes after the tier is built), so it can come lazily.
@@ -241,6 +242,8 @@ class LoadManager:
         #: One-sided READ of offered blocks (else every load is a Fetch).
         self.reads = reads
         self.reconnect_backoff_s = reconnect_backoff_s
+        #: Outbound sessions at once (p2p_kv.config.TierConfig.max_peers).
+        self.max_peers = max_peers
         self._gens = itertools.count(1)
         self._inbound_ids = itertools.count(1)
         self._sessions: dict[str, Session] = {}
@@ -264,6 +267,8 @@ class LoadManager:
         self._to_connect: list[str] = []
         self._closing: set[str] = set()
         self._retry_at: dict[str, float] = {}
+        #: Peers not dialled because max_peers were (the runtime logs it).
+        self.dials_refused = 0
         self.refusals: dict[tuple[str, str], int] = {}
         self.protocol_errors: dict[str, int] = {}
         self.fallbacks: dict[str, int] = {}
@@ -540,6 +545,13 @@ class LoadManager:
         if session is not None:
             return None  # closed, awaiting invalidation
         if now < self._retry_at.get(peer, 0.0):
+            return None
+        dialled = sum(1 for p in self._sessions if not p.startswith("in:"))
+        if dialled >= self.max_peers:
+            # Clients choose the peers; each dial costs sockets the engine
+            # cannot run out of. This request recomputes.
+            tally(self.refusals, ("other", "too_many_peers"), ("other", "other"))
+            self.dials_refused += 1
             return None
         self._to_connect.append(peer)
         return self._new_session(peer, now)

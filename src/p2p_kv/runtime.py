@@ -88,6 +88,8 @@ class TierRuntime:
         #: end_request: a set, as the manager keys them (see start_request)
         self._live: set[str] = set()
         self._idle_streak = 0
+        #: manager.dials_refused when last logged, and when to log again
+        self._dials_refused, self._dials_warn_at = 0, 0.0
         #: Held by whoever is inside the runtime: the engine's thread or the
         #: waker (vLLM 0.33 also calls from its tier-poll thread).
         self.lock = threading.RLock()
@@ -223,6 +225,14 @@ class TierRuntime:
         """Carry the manager's outputs to the transports."""
         m, now = self.manager, self.clock()
         m.tick(now)
+        if m.dials_refused != self._dials_refused and now >= self._dials_warn_at:
+            log.warning(
+                "p2p_kv: %d requests named a peer past max_peers (%d dialled): "
+                "they recompute",
+                m.dials_refused - self._dials_refused,
+                m.max_peers,
+            )
+            self._dials_refused, self._dials_warn_at = m.dials_refused, now + 60.0
         for peer in m.take_connects():
             try:
                 self.control.connect(peer)

@@ -155,3 +155,66 @@ def test_a_peer_whose_connection_is_named_late_proves_itself_then(
         server.join(5)
         consumer.close()
         producer.close()
+
+
+def _dead_addresses(n: int) -> list[str]:
+    """``n`` loopback ports nothing listens on (bound, then closed)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [f"127.0.0.1:{s.getsockname()[1]}" for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@pytest.mark.parametrize("max_peers", [8, 2000])
+def test_requests_naming_hundreds_of_peers_never_take_the_step_down(
+    max_peers: int,
+) -> None:
+    """Clients choose the peers in ``kv_transfer_params``. 600 requests
+    naming distinct addresses made 1,200 ZeroMQ sockets, past the 1023 a
+    context holds: the dial raised out of the engine's step. Now the
+    dials stop at ``max_peers`` (8: the rest recompute, counted); and with
+    the bound set past what the context holds (2000, beside the config's
+    own bound), a dial that cannot get a socket fails alone. Either way,
+    once those sessions time out, a real peer still serves a load."""
+    fast = Timeouts(heartbeat_interval_s=0.2, handshake_s=0.3)
+    producer = StandalonePeer(16, BLOCK, engine_id="p-many", timeouts=fast)
+    consumer = StandalonePeer(16, BLOCK, engine_id="c-many", timeouts=fast)
+    consumer.manager.max_peers = max_peers
+    keys = [make_key(i) for i in range(2)]
+    producer.fill(keys, [1, 2])
+    stop = threading.Event()
+    server = threading.Thread(target=producer.serve_until, args=(stop,), daemon=True)
+    server.start()
+    try:
+        dead = _dead_addresses(600)
+        for i, peer in enumerate(dead):
+            consumer.open(f"many-{i}", peer, f"kv-{i}")
+        consumer.runtime.flush()
+        for _ in range(3):
+            consumer.step(wait=False)
+        dialled = [s for s in consumer.manager.sessions() if s.peer in dead]
+        assert 0 < len(dialled) <= min(max_peers, 600)
+        if max_peers == 8:
+            assert consumer.manager.dials_refused == 600 - 8
+        for i in range(len(dead)):
+            consumer.runtime.end_request(f"many-{i}")
+        # The handshakes time out and their sockets close; then a real peer
+        # is dialled and serves.
+        outcome = None
+        for _ in range(50):
+            consumer.step(wait=True)
+            if not any(s.peer in dead for s in consumer.manager.sessions()):
+                outcome = consumer.fetch(producer.address, "kv-real", keys, [5, 6])
+                break
+        assert outcome is not None, "the dead peers' sessions never ended"
+        assert outcome.hits == 2 and outcome.ok, outcome
+        assert bytes(consumer.block(5)) == bytes(producer.block(1))
+    finally:
+        stop.set()
+        server.join(5)
+        consumer.close()
+        producer.close()

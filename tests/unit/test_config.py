@@ -77,3 +77,10 @@ def test_read_staging_size() -> None:
     assert TierConfig.from_dict({}, env=env).read_staging_mib == 0.0
     with pytest.raises(ConfigError, match=r"read_staging_mib -1\.0 is negative"):
         TierConfig.from_dict({"read_staging_mib": -1}, env={})
+
+
+@pytest.mark.parametrize("n", [0, 481])
+def test_max_peers_must_fit_a_zeromq_context(n: int) -> None:
+    assert TierConfig.from_dict({"max_peers": 480}, env={}).max_peers == 480
+    with pytest.raises(ConfigError, match=f"max_peers {n} is not in 1..480"):
+        TierConfig.from_dict({"max_peers": n}, env={})

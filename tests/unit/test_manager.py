@@ -516,3 +516,34 @@ def test_a_refused_peer_is_counted_once_however_much_it_says() -> None:
     for msg in (Heartbeat(seq=1), Lookup("r", 1, 1, [key(1)]), Heartbeat(seq=2)):
         a.on_message(peer, msg, 0.0)
     assert a.refusals == {(peer, "hash_seed"): 1}
+
+
+def test_a_request_naming_a_peer_past_max_peers_recomputes_and_is_counted() -> None:
+    """Clients choose the peers a request names; each dial holds sockets, so
+    past ``max_peers`` the request recomputes instead of dialling, counted,
+    and the peers already dialled keep serving."""
+    net = make_net(names=("a", "b", "c"))
+    b = net.engines["b"].manager
+    b.max_peers = 1
+    assert probe(net, "r1", "kv1") == [Answer.HIT] * 4
+    b.on_new_request("r2", net.roles("c", "kv2"), net.now)
+    assert [b.lookup("r2", k) for k in KEYS] == [Answer.MISS] * 4
+    assert b.session("c:1") is None
+    assert b.dials_refused == 1
+    assert b.refusals == {("other", "too_many_peers"): 1}
+    job = load(net, "r1", [5, 6, 7, 8])
+    net.run()
+    (result,) = net.engines["b"].collect(net.now)
+    assert result.job_id == job and result.success
+    for req in ("r1", "r2"):
+        b.on_request_finished(req, net.now)
+    net.run()
+    collect_all(net)
+    assert_drained(net)
+    # Inbound sessions are the peers' dials, not ours: they do not count.
+    a = net.engines["a"].manager
+    a.max_peers = 1
+    assert len([p for p in a.sessions() if p.peer.startswith("in:")]) == 1
+    a.on_new_request("r3", net.roles("c", "kv3"), net.now)
+    assert a.session("c:1") is not None and a.dials_refused == 0
+    a.on_request_finished("r3", net.now)
