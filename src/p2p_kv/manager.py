@@ -35,7 +35,7 @@ from typing import Any
 
 from p2p_kv.handshake import FrameRefused, Identity
 from p2p_kv.lifecycle import Event, State
-from p2p_kv.protocol import Message
+from p2p_kv.protocol import MAX_REQ_ID_CHARS, Message
 from p2p_kv.session import (
     Limits,
     Link,
@@ -102,20 +102,35 @@ class Roles:
                     f"and remote_port (got {sorted(leg)})"
                 )
             source = Source(
-                str(kv_id),
+                _check_kv_id(name, kv_id),
                 format_peer(_check_host(name, host), _check_port(name, port)),
                 probe,
             )
             break
         dest = params.get("remote_decoder")
         dest_kv_id = None
-        if dest is not None:
-            dest_kv_id = (
-                str(dest.get("kv_request_id") or "")
-                if isinstance(dest, Mapping)
-                else ""
-            )
+        if isinstance(dest, Mapping):
+            raw = dest.get("kv_request_id")
+            dest_kv_id = _check_kv_id("remote_decoder", raw) if raw else ""
+        elif dest is not None:
+            dest_kv_id = ""
         return Roles(source, dest_kv_id)
+
+
+def _check_kv_id(leg: str, kv_id: object) -> str:
+    """A client's ``kv_request_id``: what our Lookup and Fetch carry. One
+    the protocol cannot carry was taken, and then every message naming it
+    failed to encode: the request waited out the lookup timeout, and a
+    decoder's parked stores waited for a Fetch that could not come."""
+    value = str(kv_id) if isinstance(kv_id, str | int) else ""
+    if isinstance(kv_id, bool) or not 0 < len(value) <= MAX_REQ_ID_CHARS:
+        shown = repr(kv_id)
+        raise ValueError(
+            f"kv_transfer_params.{leg}.kv_request_id must be a string or "
+            f"integer of 1-{MAX_REQ_ID_CHARS} characters (got "
+            f"{shown[:40]}{'...' if len(shown) > 40 else ''})"
+        )
+    return value
 
 
 def _check_host(leg: str, host: object) -> str:

@@ -441,6 +441,21 @@ def test_roles_parse_refuses_a_clients_bad_address(
         )
 
 
+@pytest.mark.parametrize("leg", ["remote_kv_source", "remote_decoder"])
+@pytest.mark.parametrize("kv_id", ["x" * 257, ["a"], {"a": 1}, True, 2.5])
+def test_roles_parse_refuses_a_kv_id_the_protocol_cannot_carry(
+    leg: str, kv_id: object
+) -> None:
+    """Taken as it came, such an id failed to encode in every Lookup and
+    Fetch: the request waited out its lookup timeout, a decoder's parked
+    stores their TTL."""
+    params = {"kv_request_id": kv_id, "remote_host": "h", "remote_port": 1}
+    with pytest.raises(ValueError, match=f"{leg}.kv_request_id must be"):
+        Roles.parse({leg: params})
+    params["kv_request_id"] = 7
+    assert Roles.parse({leg: params}) != Roles()
+
+
 def test_roles_parse_takes_a_port_as_a_decimal_string_and_brackets() -> None:
     leg = {"kv_request_id": "x", "remote_host": "[::1]", "remote_port": "5800"}
     roles = Roles.parse({"remote_kv_source": leg})
