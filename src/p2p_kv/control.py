@@ -191,13 +191,15 @@ class ControlTransport:
                 zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
             )
             sock.connect(zmq_endpoint(host, port))
-        except zmq.ZMQError as exc:
+        except Exception as exc:
             if sock is not None:
                 if monitor is not None:
                     sock.disable_monitor()
                     monitor.close(linger=0)
                 sock.close(linger=0)
-            raise ValueError(f"cannot dial {peer}: {exc}") from exc
+            if isinstance(exc, zmq.ZMQError | UnicodeError):
+                raise ValueError(f"cannot dial {peer}: {exc}") from exc
+            raise
         self._dealers[peer] = sock
         self._by_socket[sock] = peer
         self._poller.register(sock, zmq.POLLIN)

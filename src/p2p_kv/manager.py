@@ -123,7 +123,11 @@ def _check_kv_id(leg: str, kv_id: object) -> str:
     failed to encode: the request waited out the lookup timeout, and a
     decoder's parked stores waited for a Fetch that could not come."""
     value = str(kv_id) if isinstance(kv_id, str | int) else ""
-    if isinstance(kv_id, bool) or not 0 < len(value) <= MAX_REQ_ID_CHARS:
+    if (
+        isinstance(kv_id, bool)
+        or not 0 < len(value) <= MAX_REQ_ID_CHARS
+        or not _utf8(value)
+    ):
         shown = repr(kv_id)
         raise ValueError(
             f"kv_transfer_params.{leg}.kv_request_id must be a string or "
@@ -133,6 +137,15 @@ def _check_kv_id(leg: str, kv_id: object) -> str:
     return value
 
 
+def _utf8(text: str) -> bool:
+    """JSON admits lone surrogates ("\\ud800"); no message can carry one."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _check_host(leg: str, host: object) -> str:
     """A client's ``remote_host``: a name or an address, nothing the
     socket layer would choke on later, inside the engine's step."""
@@ -140,6 +153,7 @@ def _check_host(leg: str, host: object) -> str:
         not isinstance(host, str)
         or not host.strip("[]")
         or any(c.isspace() or c in "/\\@?#;*" for c in host)
+        or not _utf8(host)
     ):
         raise ValueError(
             f"kv_transfer_params.{leg}.remote_host must be a host name or an "

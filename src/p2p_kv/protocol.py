@@ -213,7 +213,12 @@ _decoder: msgspec.msgpack.Decoder[Message] = msgspec.msgpack.Decoder(Message)
 
 def encode(msg: Message) -> bytes:
     """Serialize one message. Refuses to emit a frame the peer would drop."""
-    frame = _encoder.encode(msg)
+    try:
+        frame = _encoder.encode(msg)
+    except UnicodeEncodeError as exc:  # a lone surrogate in some text
+        raise ProtocolError(
+            f"{type(msg).__name__} holds text UTF-8 cannot carry: {exc}"
+        ) from exc
     if len(frame) > MAX_FRAME_BYTES:
         raise ProtocolError(
             f"{type(msg).__name__} frame of {len(frame)} bytes exceeds "

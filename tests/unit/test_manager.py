@@ -420,6 +420,7 @@ def test_roles_parse_rejects_incomplete_legs() -> None:
         ("h;eth0", 80, "remote_host"),
         (5, 80, "remote_host"),
         ("[]", 80, "remote_host"),
+        ("h\ud800", 80, "remote_host"),
     ],
 )
 def test_roles_parse_refuses_a_clients_bad_address(
@@ -442,7 +443,7 @@ def test_roles_parse_refuses_a_clients_bad_address(
 
 
 @pytest.mark.parametrize("leg", ["remote_kv_source", "remote_decoder"])
-@pytest.mark.parametrize("kv_id", ["x" * 257, ["a"], {"a": 1}, True, 2.5])
+@pytest.mark.parametrize("kv_id", ["x" * 257, ["a"], {"a": 1}, True, 2.5, "x\ud800"])
 def test_roles_parse_refuses_a_kv_id_the_protocol_cannot_carry(
     leg: str, kv_id: object
 ) -> None:

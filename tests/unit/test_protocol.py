@@ -123,6 +123,13 @@ def test_largest_legal_lookup_fits_a_frame() -> None:
     assert decode(encode(msg)) == msg
 
 
+def test_text_utf8_cannot_carry_is_a_protocol_error_not_a_crash() -> None:
+    """JSON admits lone surrogates; msgspec raised UnicodeEncodeError, which
+    the runtime's send did not catch: it left the engine's step."""
+    with pytest.raises(ProtocolError, match="Abort holds text UTF-8 cannot"):
+        encode(Abort(req="x\ud800", gen=1))
+
+
 # ---------------------------------------------------------------------------
 # refusals
 # ---------------------------------------------------------------------------
