@@ -72,6 +72,12 @@ class TierConfig:
     #: to make a socket. A request naming a peer past the bound recomputes
     #: (``refusals{reason="too_many_peers"}``).
     max_peers: int = 256
+    #: Most peers connected to this engine at once. Each bound on what one
+    #: peer can make us hold (``docs/architecture.md``, Per-peer bounds)
+    #: holds per connection, so without this one a party opening many
+    #: connections multiplied them. Past it a new connection is refused
+    #: with a Goodbye (``refusals{reason="too_many_inbound"}``).
+    max_inbound_peers: int = 512
 
     @classmethod
     def from_dict(
@@ -129,6 +135,10 @@ class TierConfig:
             raise ConfigError(
                 f"p2p_kv: max_peers {self.max_peers} is not in 1..{MAX_PEERS} "
                 "(two ZeroMQ sockets a peer, 1023 in a context)"
+            )
+        if self.max_inbound_peers < 1:
+            raise ConfigError(
+                f"p2p_kv: max_inbound_peers {self.max_inbound_peers} must be >= 1"
             )
         if not self.host:
             raise ConfigError("p2p_kv: host is empty; set the address peers dial")

@@ -258,6 +258,7 @@ class LoadManager:
         reconnect_backoff_s: float = 1.0,
         reads: bool = True,
         max_peers: int = 256,
+        max_inbound: int = 512,
     ) -> None:
         # The engine's identity may be known only after start-up (vLLM seeds
         # its block hashes after the tier is built), so it can come lazily.
@@ -273,6 +274,8 @@ class LoadManager:
         self.reconnect_backoff_s = reconnect_backoff_s
         #: Outbound sessions at once (p2p_kv.config.TierConfig.max_peers).
         self.max_peers = max_peers
+        #: Sessions peers open to us at once (TierConfig.max_inbound_peers).
+        self.max_inbound = max_inbound
         self._gens = itertools.count(1)
         self._inbound_ids = itertools.count(1)
         self._sessions: dict[str, Session] = {}
@@ -604,7 +607,15 @@ class LoadManager:
         (the transport's connection name if it has one)."""
         if peer is None or peer in self._sessions:
             peer = f"in:#{next(self._inbound_ids)}"
-        self._new_session(peer, now)
+        inbound = sum(1 for p in self._sessions if p.startswith("in:"))
+        session = self._new_session(peer, now)
+        if inbound >= self.max_inbound:
+            # Every per-peer bound holds per session: without this one, a
+            # party opening connections multiplied them (six held 6x the
+            # waiting-fetch bound, 360 MiB). Refused before its Hello is
+            # read; the peer hears why, and its next frame is refused again.
+            tally(self.refusals, ("other", "too_many_inbound"), ("other", "other"))
+            session.close(f"refused: {inbound} peers connected, max_inbound_peers")
         return peer
 
     def on_message(self, peer: str, msg: Message, now: float) -> None:

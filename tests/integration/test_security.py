@@ -445,6 +445,32 @@ def test_a_peer_we_refuse_and_hang_up_on_hears_why(
         srv.close()
 
 
+def test_connections_past_max_inbound_peers_are_refused_and_told_why() -> None:
+    """Each per-peer bound holds per session, and any party may connect:
+    one opening many connections multiplied every bound (six held six times
+    the waiting-fetch bound). Past ``max_inbound_peers`` a connection is
+    refused at its first frame, with a Goodbye saying why, and counted."""
+    v = StandalonePeer(8, BLOCK, engine_id=f"inbound-{os.getpid()}")
+    v.manager.max_inbound = 2
+    raws = [Raw(v.address) for _ in range(3)]
+    try:
+        for raw in raws[:2]:
+            raw.send(Heartbeat(seq=0))  # any frame opens a session
+            raw.step_until(v, Hello)
+        raws[2].send(Heartbeat(seq=0))
+        bye = raws[2].step_until(v, Goodbye)
+        assert "max_inbound_peers" in bye.reason, bye
+        for _ in range(5):
+            v.step(wait=False)
+        inbound = [s for s in v.manager.sessions() if s.peer.startswith("in:")]
+        assert len(inbound) == 2 and not any(s.closed for s in inbound)
+        assert v.manager.refusals[("other", "too_many_inbound")] == 1
+    finally:
+        for raw in raws:
+            raw.close()
+        v.close()
+
+
 # ---------------------------------------------------------------------------
 # with the secret: other peers' transfers and other generations
 # ---------------------------------------------------------------------------

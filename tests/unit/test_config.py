@@ -84,3 +84,9 @@ def test_max_peers_must_fit_a_zeromq_context(n: int) -> None:
     assert TierConfig.from_dict({"max_peers": 480}, env={}).max_peers == 480
     with pytest.raises(ConfigError, match=f"max_peers {n} is not in 1..480"):
         TierConfig.from_dict({"max_peers": n}, env={})
+
+
+def test_max_inbound_peers_is_positive() -> None:
+    assert TierConfig.from_dict({}, env={}).max_inbound_peers == 512
+    with pytest.raises(ConfigError, match="max_inbound_peers 0 must be >= 1"):
+        TierConfig.from_dict({"max_inbound_peers": 0}, env={})

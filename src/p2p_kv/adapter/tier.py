@@ -222,6 +222,7 @@ class P2PKVTier(SecondaryTierManager):
             parked_ttl_s=self.cfg.parked_ttl_s,
             reads=self.cfg.read_path,
             max_peers=self.cfg.max_peers,
+            max_inbound=self.cfg.max_inbound_peers,
         )
         self.runtime = TierRuntime(
             manager, control, data, idle_wait_s=self.cfg.idle_wait_ms / 1000
