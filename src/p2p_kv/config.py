@@ -17,9 +17,10 @@ from p2p_kv.session import Timeouts
 
 ENV_PREFIX = "VLLM_P2P_KV_"
 _CORE = Timeouts()
-#: Dials a ZeroMQ context has sockets for (two each, 1023 in all), with
-#: room left for the bound socket and the dials of a closing session.
-MAX_PEERS = 480
+#: Dials a ZeroMQ context has sockets for (three each: the socket and its
+#: monitor's pair; 1023 in all; 340 fitted), with room left for the bound
+#: socket and the dials of closing sessions.
+MAX_PEERS = 320
 
 
 class ConfigError(ValueError):
@@ -66,7 +67,7 @@ class TierConfig:
     #: in pieces. 0: READs land in place, one copy fewer, with that risk.
     read_staging_mib: float = 64.0
     #: Most peers this engine dials at once. Clients name the peers (the
-    #: request's ``kv_transfer_params``), and each dial holds two ZeroMQ
+    #: request's ``kv_transfer_params``), and each dial holds three ZeroMQ
     #: sockets: a ZeroMQ context holds at most 1023, so without a bound a
     #: burst of requests naming distinct addresses left the engine unable
     #: to make a socket. A request naming a peer past the bound recomputes
@@ -75,8 +76,9 @@ class TierConfig:
     #: Most peers connected to this engine at once. Each bound on what one
     #: peer can make us hold (``docs/architecture.md``, Per-peer bounds)
     #: holds per connection, so without this one a party opening many
-    #: connections multiplied them. Past it a new connection is refused
-    #: with a Goodbye (``refusals{reason="too_many_inbound"}``).
+    #: connections multiplied them. Past it a newly proven connection is
+    #: refused (``refusals{reason="too_many_inbound"}``) and, of those still
+    #: handshaking, the oldest dropped (``too_many_handshaking``).
     max_inbound_peers: int = 512
 
     @classmethod
@@ -134,7 +136,7 @@ class TierConfig:
         if not 1 <= self.max_peers <= MAX_PEERS:
             raise ConfigError(
                 f"p2p_kv: max_peers {self.max_peers} is not in 1..{MAX_PEERS} "
-                "(two ZeroMQ sockets a peer, 1023 in a context)"
+                "(three ZeroMQ sockets a peer, 1023 in a context)"
             )
         if self.max_inbound_peers < 1:
             raise ConfigError(

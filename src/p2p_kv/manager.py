@@ -51,6 +51,9 @@ from p2p_kv.session import (
     tally,
 )
 
+#: Refused inbound connections remembered (their frames dropped unread).
+MAX_REFUSED_INBOUND = 4096
+
 
 class Answer(Enum):
     HIT = "hit"
@@ -119,8 +122,9 @@ class Roles:
 
 def _check_kv_id(leg: str, kv_id: object) -> str:
     """A client's ``kv_request_id``: what our Lookup and Fetch carry. One
-    the protocol cannot carry was taken, and then every message naming it
-    failed to encode: the request waited out the lookup timeout, and a
+    the protocol cannot carry was taken, and then the peer dropped every
+    message naming it (over 256 characters) or it failed to encode (a
+    lone surrogate): the request waited out the lookup timeout, and a
     decoder's parked stores waited for a Fetch that could not come."""
     value = str(kv_id) if isinstance(kv_id, str | int) else ""
     if (
@@ -154,6 +158,8 @@ def _check_host(leg: str, host: object) -> str:
         or not host.strip("[]")
         or any(c.isspace() or c in "/\\@?#;*" for c in host)
         or not _utf8(host)
+        # "in:<port>" would read as one of our inbound connections' names
+        or host == "in"
     ):
         raise ValueError(
             f"kv_transfer_params.{leg}.remote_host must be a host name or an "
@@ -301,6 +307,9 @@ class LoadManager:
         self._retry_at: dict[str, float] = {}
         #: Peers not dialled because max_peers were (the runtime logs it).
         self.dials_refused = 0
+        #: Inbound connections refused (max_inbound): their frames are
+        #: dropped, and counted once. Insertion-ordered, the oldest go first.
+        self._refused_inbound: dict[str, None] = {}
         self.refusals: dict[tuple[str, str], int] = {}
         self.protocol_errors: dict[str, int] = {}
         self.fallbacks: dict[str, int] = {}
@@ -604,28 +613,59 @@ class LoadManager:
 
     def on_inbound(self, now: float, peer: str | None = None) -> str:
         """A new peer connected to us; returns the key to feed its frames
-        (the transport's connection name if it has one)."""
+        (the transport's connection name if it has one).
+
+        Connections are bounded twice: those still handshaking (anyone may
+        open them; past ``max_inbound`` the oldest is dropped, so a flood
+        of them cannot lock the fleet out) and those that finished it
+        (:meth:`on_message`). A connection refused either way stays
+        refused: its later frames are dropped here, counted once."""
+        if peer is not None and peer in self._refused_inbound:
+            return peer
         if peer is None or peer in self._sessions:
             peer = f"in:#{next(self._inbound_ids)}"
-        inbound = sum(1 for p in self._sessions if p.startswith("in:"))
-        session = self._new_session(peer, now)
-        if inbound >= self.max_inbound:
-            # Every per-peer bound holds per session: without this one, a
-            # party opening connections multiplied them (six held 6x the
-            # waiting-fetch bound, 360 MiB). Refused before its Hello is
-            # read; the peer hears why, and its next frame is refused again.
-            tally(self.refusals, ("other", "too_many_inbound"), ("other", "other"))
-            session.close(f"refused: {inbound} peers connected, max_inbound_peers")
+        greeting = [
+            s
+            for p, s in self._sessions.items()
+            if p.startswith("in:") and not s.ready and not s.closed
+        ]
+        if len(greeting) >= self.max_inbound:
+            self._refuse_inbound(
+                greeting[0],  # the oldest: sessions keep their insertion order
+                "too_many_handshaking",
+                f"{len(greeting)} connections still handshaking",
+            )
+        self._new_session(peer, now)
         return peer
+
+    def _refuse_inbound(self, session: Session, reason: str, why: str) -> None:
+        tally(self.refusals, ("other", reason), ("other", "other"))
+        session.close(f"refused: {why}, max_inbound_peers")
+        self._touch(session)
+        self._refused_inbound[session.peer] = None
+        if len(self._refused_inbound) > MAX_REFUSED_INBOUND:
+            del self._refused_inbound[next(iter(self._refused_inbound))]
 
     def on_message(self, peer: str, msg: Message, now: float) -> None:
         session = self._sessions.get(peer)
         if session is None:
             return
         refused = session.refusal is not None
+        greeting = not session.ready
         session.receive(msg, now)
         if not refused:
             self._tally_refusal(peer, session)
+        if greeting and session.ready and peer.startswith("in:"):
+            # Every per-peer bound holds per session: without this one, a
+            # party with the secret opening connections multiplied them
+            # (six held 6x the waiting-fetch bound, 360 MiB).
+            ready = sum(
+                1 for p, s in self._sessions.items() if p.startswith("in:") and s.ready
+            )
+            if ready > self.max_inbound:
+                self._refuse_inbound(
+                    session, "too_many_inbound", f"{ready - 1} peers connected"
+                )
         self._touch(session)
         if session.has_lookups_to_serve:
             self._to_serve.add(peer)

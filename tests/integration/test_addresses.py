@@ -174,7 +174,7 @@ def test_requests_naming_hundreds_of_peers_never_take_the_step_down(
     max_peers: int,
 ) -> None:
     """Clients choose the peers in ``kv_transfer_params``. 600 requests
-    naming distinct addresses made 1,200 ZeroMQ sockets, past the 1023 a
+    naming distinct addresses made 1,800 ZeroMQ sockets, past the 1023 a
     context holds: the dial raised out of the engine's step. Now the
     dials stop at ``max_peers`` (8: the rest recompute, counted); and with
     the bound set past what the context holds (2000, beside the config's

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import threading
 import time
 import zlib
 from collections.abc import Iterator
@@ -445,30 +446,63 @@ def test_a_peer_we_refuse_and_hang_up_on_hears_why(
         srv.close()
 
 
-def test_connections_past_max_inbound_peers_are_refused_and_told_why() -> None:
-    """Each per-peer bound holds per session, and any party may connect:
+def test_connections_past_max_inbound_peers_are_refused_without_locking_out_the_fleet(
+    victim: tuple[StandalonePeer, FaultyData],
+) -> None:
+    """Every per-peer bound holds per session, and any party may connect:
     one opening many connections multiplied every bound (six held six times
-    the waiting-fetch bound). Past ``max_inbound_peers`` a connection is
-    refused at its first frame, with a Goodbye saying why, and counted."""
-    v = StandalonePeer(8, BLOCK, engine_id=f"inbound-{os.getpid()}")
-    v.manager.max_inbound = 2
-    raws = [Raw(v.address) for _ in range(3)]
+    the waiting-fetch bound). Past ``max_inbound_peers`` connections that
+    finished the handshake are refused, and of those still handshaking the
+    oldest is dropped, so a party without the secret cannot hold the slots
+    against the fleet; a refused connection's later frames are dropped
+    unread, counted once."""
+    v, _ = victim
+    v.manager.max_inbound = 1
+    v.fill(KEYS[:2], [3, 4])
+    first, second = Raw(v.address), Raw(v.address)
+    mallory = Raw(v.address)
+    consumer = StandalonePeer(
+        8, BLOCK, engine_id="fleet", secret=SECRET, timeouts=Timeouts(**TIMEOUTS)
+    )
     try:
-        for raw in raws[:2]:
-            raw.send(Heartbeat(seq=0))  # any frame opens a session
-            raw.step_until(v, Hello)
-        raws[2].send(Heartbeat(seq=0))
-        bye = raws[2].step_until(v, Goodbye)
-        assert "max_inbound_peers" in bye.reason, bye
-        for _ in range(5):
+        first.send(Heartbeat(seq=0))  # any frame opens a session
+        first.step_until(v, Hello)
+        second.send(Heartbeat(seq=0))
+        bye = first.step_until(v, Goodbye)
+        assert "still handshaking" in bye.reason, bye
+        for _ in range(3):  # dropped unread, not refused again
+            first.send(Heartbeat(seq=1))
+            assert not [m for m in first.recv(0.05) if isinstance(m, Goodbye)]
             v.step(wait=False)
-        inbound = [s for s in v.manager.sessions() if s.peer.startswith("in:")]
-        assert len(inbound) == 2 and not any(s.closed for s in inbound)
-        assert v.manager.refusals[("other", "too_many_inbound")] == 1
+        refusals = v.manager.refusals
+        assert refusals[("other", "too_many_handshaking")] == 1
+        # A fleet member gets in (the second connection, still greeting,
+        # makes way) and loads.
+        stop = threading.Event()
+        server = threading.Thread(target=v.serve_until, args=(stop,), daemon=True)
+        server.start()
+        try:
+            out = consumer.fetch(v.address, "fleet-kv", KEYS[:2], [0, 1])
+        finally:
+            stop.set()
+            server.join(5)
+        assert out.ok and out.hits == 2, out
+        assert bytes(consumer.block(1)) == bytes(v.block(4))
+        assert refusals[("other", "too_many_handshaking")] == 2
+        # One more with the secret is past the bound once it is proven.
+        me = identity("mallory", 8)
+        mallory.hello = make_hello(me, os.urandom(16))
+        mallory.send(mallory.hello)
+        mallory.greet(me, mallory.step_until(v, Hello), SECRET)
+        bye = mallory.step_until(v, Goodbye)
+        assert "peers connected" in bye.reason, bye
+        assert refusals[("other", "too_many_inbound")] == 1
+        ready = [s for s in v.manager.sessions() if s.ready]
+        assert len(ready) == 1 and ready[0].peer.startswith("in:")
     finally:
-        for raw in raws:
+        for raw in (first, second, mallory):
             raw.close()
-        v.close()
+        consumer.close()
 
 
 # ---------------------------------------------------------------------------

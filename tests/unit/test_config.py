@@ -79,10 +79,10 @@ def test_read_staging_size() -> None:
         TierConfig.from_dict({"read_staging_mib": -1}, env={})
 
 
-@pytest.mark.parametrize("n", [0, 481])
+@pytest.mark.parametrize("n", [0, 321])
 def test_max_peers_must_fit_a_zeromq_context(n: int) -> None:
-    assert TierConfig.from_dict({"max_peers": 480}, env={}).max_peers == 480
-    with pytest.raises(ConfigError, match=f"max_peers {n} is not in 1..480"):
+    assert TierConfig.from_dict({"max_peers": 320}, env={}).max_peers == 320
+    with pytest.raises(ConfigError, match=f"max_peers {n} is not in 1..320"):
         TierConfig.from_dict({"max_peers": n}, env={})
 
 

@@ -421,6 +421,7 @@ def test_roles_parse_rejects_incomplete_legs() -> None:
         (5, 80, "remote_host"),
         ("[]", 80, "remote_host"),
         ("h\ud800", 80, "remote_host"),
+        ("in", 80, "remote_host"),  # would read as an inbound connection
     ],
 )
 def test_roles_parse_refuses_a_clients_bad_address(
@@ -447,9 +448,9 @@ def test_roles_parse_refuses_a_clients_bad_address(
 def test_roles_parse_refuses_a_kv_id_the_protocol_cannot_carry(
     leg: str, kv_id: object
 ) -> None:
-    """Taken as it came, such an id failed to encode in every Lookup and
-    Fetch: the request waited out its lookup timeout, a decoder's parked
-    stores their TTL."""
+    """Taken as it came, such an id made every Lookup and Fetch one the
+    peer drops (or one that does not encode): the request waited out its
+    lookup timeout, a decoder's parked stores their TTL."""
     params = {"kv_request_id": kv_id, "remote_host": "h", "remote_port": 1}
     with pytest.raises(ValueError, match=f"{leg}.kv_request_id must be"):
         Roles.parse({leg: params})
