@@ -655,8 +655,6 @@ class LoadManager:
         session.receive(msg, now)
         if not refused:
             self._tally_refusal(peer, session)
-        if greeting and session.ready:
-            self._reshare()
         if greeting and session.ready and peer.startswith("in:"):
             # Every per-peer bound holds per session: without this one, a
             # party with the secret opening connections multiplied them
@@ -672,13 +670,6 @@ class LoadManager:
         if session.has_lookups_to_serve:
             self._to_serve.add(peer)
         self._bind_parked(session, now)
-
-    def _reshare(self) -> None:
-        """Share the engine-wide bounds (``Limits.engine_*``) among the
-        proven sessions: counted afresh when one comes or goes."""
-        ready = [s for s in self._sessions.values() if s.ready]
-        for s in ready:
-            s.share = max(1, len(ready))
 
     def on_bad_frame(self, peer: str, reason: str) -> None:
         """A frame that did not decode: counted, the session goes on."""
@@ -798,7 +789,6 @@ class LoadManager:
         self._collect(now)
         self.retired_sessions.append(session)  # its last counts, for metrics
         del self._sessions[peer]
-        self._reshare()
         self._dirty.discard(peer)
         if not peer.startswith("in:"):
             self._retry_at[peer] = now + self.reconnect_backoff_s

@@ -122,11 +122,6 @@ class Limits:
     #: ``parked_wait_s`` passes, about 110 bytes a key.
     max_waiting_fetch_keys: int = 1 << 19
     max_outbox: int = 65_536
-    #: The two key bounds above for all peers together, shared out evenly
-    #: among the proven sessions (``Session.share``): per peer alone, every
-    #: peer connected multiplied them (512 peers: about 60 GB).
-    engine_pending_keys: int = 1 << 21
-    engine_waiting_fetch_keys: int = 1 << 21
 
 
 @dataclass(slots=True)
@@ -465,11 +460,6 @@ class Session:
         self._serves: dict[tuple[str, int], Serve] = {}
         self._serve_queue: list[Serve] = []  # LOOKUP_QUEUED, in arrival order
         self._pending_keys = 0  # keys of queued lookups (Limits.max_pending_keys)
-        #: Proven sessions the engine-wide bounds are shared among (set by
-        #: the manager when one comes or goes): a session that filled its
-        #: share before others came keeps what it holds, so all together
-        #: hold at most about twice the engine-wide bound.
-        self.share = 1
         self._writing: dict[int, Serve] = {}  # by write id
         self._next_write = 0
         self._store_results: list[StoreResult] = []
@@ -1043,10 +1033,7 @@ class Session:
 
     def _on_lookup(self, msg: Lookup, now: float) -> None:
         cost = max(1, len(msg.keys))
-        bound = min(
-            self.limits.max_pending_keys, self.limits.engine_pending_keys // self.share
-        )
-        if self._pending_keys + cost > bound:
+        if self._pending_keys + cost > self.limits.max_pending_keys:
             self._protocol_error(
                 "limit_pending_keys",
                 f"{self._pending_keys} lookup keys already wait for our engine",
@@ -1186,11 +1173,7 @@ class Session:
                 for sv in self._serves.values()
                 if sv.state is State.FETCH_WAITING and sv.fetch is not None
             )
-            bound = min(
-                self.limits.max_waiting_fetch_keys,
-                self.limits.engine_waiting_fetch_keys // self.share,
-            )
-            if waiting + len(msg.keys) > bound:
+            if waiting + len(msg.keys) > self.limits.max_waiting_fetch_keys:
                 # Counted per serve alone, a peer could make us hold 4,096
                 # Fetches of 65,536 keys each: 28 GiB.
                 self._protocol_error(

@@ -470,39 +470,6 @@ def test_lookups_for_one_request_cannot_queue_unbounded_keys() -> None:
     assert_drained(net)
 
 
-def test_all_peers_together_share_the_engine_wide_key_bounds() -> None:
-    """Per peer alone, every peer connected multiplied the key bounds (512
-    peers: about 60 GB). The engine-wide bound is shared out among the
-    proven sessions, and grows back for the rest when one ends."""
-    limits = Limits(engine_pending_keys=8, engine_waiting_fetch_keys=8)
-    net = make_net(names=("a", "b", "c"), limits=limits)
-    net.engines["c"].put(key(50), 1)
-    for consumer, kv_id in (("b", "kv1"), ("c", "kv2")):
-        m = net.engines[consumer].manager
-        m.on_new_request(kv_id, net.roles("a", kv_id), net.now)
-        m.lookup(kv_id, KEYS[0])
-        net.run()
-    a = net.engines["a"].manager
-    ready = [s for s in a.sessions() if s.ready]
-    assert len(ready) == 2 and {s.share for s in ready} == {2}
-    first = ready[0]
-    a.on_message(first.peer, wire(Lookup("g1", 1, 1, KEYS)), net.now)  # 4 fit
-    a.on_message(first.peer, wire(Lookup("g2", 1, 1, KEYS)), net.now)  # 8 > 4
-    assert first.sizes()["pending_lookup_keys"] == 4
-    assert first.counters.protocol_errors == {"limit_pending_keys": 1}
-    a.on_message(first.peer, wire(Fetch("p1", 1, 7, KEYS, [1, 2, 3, 4])), net.now)
-    a.on_message(first.peer, wire(Fetch("p2", 1, 8, KEYS, [5, 6, 7, 8])), net.now)
-    assert first.counters.protocol_errors["limit_waiting_fetch_keys"] == 1
-    net.cut("a", "c")  # the other peer goes: its share comes back
-    net.run()
-    assert [s.share for s in a.sessions() if s.ready] == [1]
-    assert first.sizes()["pending_lookup_keys"] == 0  # the window served them
-    eight = KEYS + [key(60 + i) for i in range(4)]
-    a.on_message(first.peer, wire(Lookup("g3", 1, 1, eight)), net.now)
-    assert first.sizes()["pending_lookup_keys"] == 8
-    assert first.counters.protocol_errors["limit_pending_keys"] == 1
-
-
 def test_pins_stay_under_max_pinned_blocks_within_one_serve_window() -> None:
     """Lookups answered in one window share the pin budget: the one that
     would go over it is answered all-miss and counted; pins come back."""
