@@ -334,10 +334,16 @@ class TierRuntime:
             if inbound.new:
                 self.manager.on_inbound(now, inbound.conn)
             session = self.manager.session(inbound.conn)
+            if session is None:
+                # A connection refused (max_inbound) or whose session ended:
+                # its frames go unread, and the transport forgets a peer's
+                # connection again (each frame made it new, for good).
+                if inbound.conn.startswith("in:"):
+                    self.control.close_conn(inbound.conn)
+                continue
             frame, sealed = inbound.frame, False
             try:
-                if session is not None:
-                    frame, sealed = session.unseal(frame)
+                frame, sealed = session.unseal(frame)
                 msg = decode(frame)
             except ProtocolError as exc:
                 log.warning(
@@ -349,7 +355,7 @@ class TierRuntime:
                 self._refuse_frame(inbound.conn, exc)
                 work = True
                 continue
-            if session is not None and not sealed and not session.admits_plain(msg):
+            if not sealed and not session.admits_plain(msg):
                 self._refuse_frame(
                     inbound.conn, FrameRefused(f"a plain {type(msg).__name__}")
                 )

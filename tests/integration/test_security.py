@@ -474,6 +474,8 @@ def test_connections_past_max_inbound_peers_are_refused_without_locking_out_the_
             first.send(Heartbeat(seq=1))
             assert not [m for m in first.recv(0.05) if isinstance(m, Goodbye)]
             v.step(wait=False)
+        # ...and forgotten again by the transport (each frame made it new).
+        assert len(v.runtime.control._inner._known_inbound) == 1
         refusals = v.manager.refusals
         assert refusals[("other", "too_many_handshaking")] == 1
         # A fleet member gets in (the second connection, still greeting,
