@@ -606,6 +606,7 @@ class LoadManager:
             limits=self.limits,
             nonce=self._nonces(),
             reads=self.reads,
+            engine=self,
         )
         self._sessions[peer] = session
         self._touch(session)
@@ -670,6 +671,15 @@ class LoadManager:
         if session.has_lookups_to_serve:
             self._to_serve.add(peer)
         self._bind_parked(session, now)
+
+    def pending_lookup_keys(self) -> int:
+        """Lookup keys every peer together has queued for our engine."""
+        return sum(s.pending_lookup_keys() for s in self._sessions.values())
+
+    def waiting_fetch_keys(self) -> int:
+        """Keys of every peer's Fetches waiting for stores we have yet to
+        park (Limits.engine_waiting_fetch_keys)."""
+        return sum(s.waiting_fetch_keys() for s in self._sessions.values())
 
     def on_bad_frame(self, peer: str, reason: str) -> None:
         """A frame that did not decode: counted, the session goes on."""

@@ -122,6 +122,12 @@ class Limits:
     #: ``parked_wait_s`` passes, about 110 bytes a key.
     max_waiting_fetch_keys: int = 1 << 19
     max_outbox: int = 65_536
+    #: The two key bounds above for all peers together (about 270 and 490
+    #: MB): each bound held per session, so every peer connected multiplied
+    #: it (512 peers: ~60 GB). Far above any fleet's need: 4M keys of
+    #: 16-token blocks are 64M tokens of prompts at once.
+    engine_pending_keys: int = 1 << 22
+    engine_waiting_fetch_keys: int = 1 << 22
 
 
 @dataclass(slots=True)
@@ -194,6 +200,14 @@ class PinResult:
     hits: list[bool]
     #: (store job id, keys, local slots) of each pin the engine created.
     pins: list[tuple[int, list[bytes], list[int]]]
+
+
+class EngineLoad(Protocol):
+    """What all of the engine's sessions hold together (the manager)."""
+
+    def pending_lookup_keys(self) -> int: ...
+
+    def waiting_fetch_keys(self) -> int: ...
 
 
 class Pinner(Protocol):
@@ -315,6 +329,15 @@ class ParkedStore(Tracked):
         self.slots = dict(zip(keys, slots, strict=True))
 
 
+class KeyCount:
+    """Keys a session's serves hold in one state, kept by the serves."""
+
+    __slots__ = ("keys",)
+
+    def __init__(self) -> None:
+        self.keys = 0
+
+
 class Serve(Tracked):
     machine = Machine.SERVE
     __slots__ = (
@@ -327,11 +350,15 @@ class Serve(Tracked):
         "pending_lookups",
         "pins",
         "req",
+        "waiting",
         "write_id",
     )
 
     def __init__(self, req: str, gen: int, initial: State, deadline: float) -> None:
         super().__init__(initial)
+        #: In FETCH_WAITING: its session's count of waiting keys, which this
+        #: serve's keys leave as it leaves the state (whatever moves it).
+        self.waiting: KeyCount | None = None
         self.req, self.gen, self.deadline = req, gen, deadline
         self.pending_lookups: list[Lookup] = []
         self.pins: list[Pin] = []
@@ -343,6 +370,13 @@ class Serve(Tracked):
         self.offered = False
         #: For FETCH_WAITING: the producer request finished, no more stores.
         self.complete = False
+
+    def fire(self, event: Event) -> State:
+        new = super().fire(event)
+        if self.waiting is not None and new is not State.FETCH_WAITING:
+            self.waiting.keys -= len(self.fetch.keys) if self.fetch is not None else 0
+            self.waiting = None
+        return new
 
     def slot_table(self) -> Mapping[bytes, int]:
         """Key -> our slot over every pin, then every parked store (the
@@ -412,8 +446,11 @@ class Session:
         limits: Limits | None = None,
         nonce: bytes,
         reads: bool = True,
+        engine: EngineLoad | None = None,
     ) -> None:
         self.peer = peer
+        #: the engine-wide side of Limits.engine_* (None: this session alone)
+        self._engine: EngineLoad = engine or self
         self.timeouts = timeouts or Timeouts()
         self.limits = limits or Limits()
         #: Offer our pinned blocks for one-sided READ, and READ offered ones.
@@ -460,6 +497,8 @@ class Session:
         self._serves: dict[tuple[str, int], Serve] = {}
         self._serve_queue: list[Serve] = []  # LOOKUP_QUEUED, in arrival order
         self._pending_keys = 0  # keys of queued lookups (Limits.max_pending_keys)
+        #: keys of this peer's serves in FETCH_WAITING (see Serve.waiting)
+        self._waiting = KeyCount()
         self._writing: dict[int, Serve] = {}  # by write id
         self._next_write = 0
         self._store_results: list[StoreResult] = []
@@ -1031,12 +1070,25 @@ class Session:
     # producer role
     # ------------------------------------------------------------------
 
+    def pending_lookup_keys(self) -> int:
+        return self._pending_keys
+
+    def waiting_fetch_keys(self) -> int:
+        """Keys of this peer's Fetches that wait for stores to be parked."""
+        return self._waiting.keys
+
     def _on_lookup(self, msg: Lookup, now: float) -> None:
         cost = max(1, len(msg.keys))
-        if self._pending_keys + cost > self.limits.max_pending_keys:
+        engine = self._engine.pending_lookup_keys()
+        if (
+            self._pending_keys + cost > self.limits.max_pending_keys
+            or engine + cost > self.limits.engine_pending_keys
+        ):
+            mine = self._pending_keys + cost > self.limits.max_pending_keys
             self._protocol_error(
-                "limit_pending_keys",
-                f"{self._pending_keys} lookup keys already wait for our engine",
+                "limit_pending_keys" if mine else "limit_engine_pending_keys",
+                f"{self._pending_keys if mine else engine} lookup keys already "
+                f"wait for our engine{'' if mine else ' from all peers'}",
                 msg.req,
                 msg.gen,
             )
@@ -1168,17 +1220,19 @@ class Session:
             if len(self._serves) >= self.limits.max_serves:
                 self._send(TransferDone(msg.req, msg.gen, msg.job, False, "busy"))
                 return
-            waiting = sum(
-                len(sv.fetch.keys)
-                for sv in self._serves.values()
-                if sv.state is State.FETCH_WAITING and sv.fetch is not None
-            )
-            if waiting + len(msg.keys) > self.limits.max_waiting_fetch_keys:
+            waiting = self.waiting_fetch_keys()
+            engine = self._engine.waiting_fetch_keys()
+            cost = len(msg.keys)
+            mine = waiting + cost > self.limits.max_waiting_fetch_keys
+            if mine or engine + cost > self.limits.engine_waiting_fetch_keys:
                 # Counted per serve alone, a peer could make us hold 4,096
                 # Fetches of 65,536 keys each: 28 GiB.
                 self._protocol_error(
-                    "limit_waiting_fetch_keys",
-                    f"{waiting} keys of fetches already wait for our stores",
+                    "limit_waiting_fetch_keys"
+                    if mine
+                    else "limit_engine_waiting_fetch_keys",
+                    f"{waiting if mine else engine} keys of fetches already wait "
+                    f"for our stores{'' if mine else ' from all peers'}",
                     msg.req,
                     msg.gen,
                 )
@@ -1192,6 +1246,8 @@ class Session:
             serve.fetch = msg
             self._arm(serve, serve.deadline)
             self._serves[(msg.req, msg.gen)] = serve
+            serve.waiting = self._waiting
+            self._waiting.keys += cost
             self.wants_parked.append(serve)
             return
         if serve.state is State.REVOKING:

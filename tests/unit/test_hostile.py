@@ -470,6 +470,39 @@ def test_lookups_for_one_request_cannot_queue_unbounded_keys() -> None:
     assert_drained(net)
 
 
+def test_all_peers_together_stay_under_the_engine_wide_key_bounds() -> None:
+    """Each key bound held per session, so every peer connected multiplied
+    it (512 peers: ~60 GB). The engine-wide bounds count all sessions."""
+    limits = Limits(engine_pending_keys=6, engine_waiting_fetch_keys=6)
+    net = make_net(names=("a", "b", "c"), limits=limits)
+    for consumer, kv_id in (("b", "kv1"), ("c", "kv2")):
+        m = net.engines[consumer].manager
+        m.on_new_request(kv_id, net.roles("a", kv_id), net.now)
+        m.lookup(kv_id, KEYS[0])
+        net.run()
+        m.on_request_finished(kv_id, net.now)
+        net.run()
+    a = net.engines["a"].manager
+    sb, sc = [s for s in a.sessions() if s.ready]
+    a.on_message(sb.peer, wire(Lookup("g1", 1, 1, KEYS)), net.now)  # 4 of 6
+    a.on_message(sc.peer, wire(Lookup("g2", 1, 1, KEYS)), net.now)  # 8 > 6
+    assert a.pending_lookup_keys() == 4
+    assert sc.counters.protocol_errors == {"limit_engine_pending_keys": 1}
+    net.serve()  # the engine's window empties the queue: room again
+    a.on_message(sc.peer, wire(Lookup("g3", 1, 1, KEYS)), net.now)
+    assert a.pending_lookup_keys() == 4
+    a.on_message(sb.peer, wire(Fetch("p1", 1, 7, KEYS, [1, 2, 3, 4])), net.now)
+    a.on_message(sc.peer, wire(Fetch("p2", 1, 8, KEYS, [5, 6, 7, 8])), net.now)
+    assert a.waiting_fetch_keys() == 4
+    assert sc.counters.protocol_errors["limit_engine_waiting_fetch_keys"] == 1
+    parked_wait = a.timeouts.parked_wait_s + 1.0
+    net.settle(parked_wait, 0.5)
+    assert a.waiting_fetch_keys() == 0  # the keys left with the state
+    a.on_message(sc.peer, wire(Fetch("p3", 1, 9, KEYS, [5, 6, 7, 8])), net.now)
+    assert a.waiting_fetch_keys() == 4
+    net.settle(parked_wait, 0.5)
+
+
 def test_pins_stay_under_max_pinned_blocks_within_one_serve_window() -> None:
     """Lookups answered in one window share the pin budget: the one that
     would go over it is answered all-miss and counted; pins come back."""

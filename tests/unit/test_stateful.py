@@ -26,6 +26,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+from p2p_kv.lifecycle import State
 from p2p_kv.manager import Answer, Roles
 
 from .memnet import FAST_TIMEOUTS, NBLOCKS, Net, key
@@ -237,6 +238,19 @@ class Fleet(RuleBasedStateMachine):
             assert all(len(r) == 1 for r in eng.results.values())
             assert set(eng.results) <= eng.submitted
             assert eng.manager.double_results == 0
+
+    @invariant()
+    def waiting_fetch_keys_are_counted_exactly(self) -> None:
+        """The count the engine-wide bound reads, kept by the serves as
+        they leave FETCH_WAITING, against a scan of every serve."""
+        for eng in self.net.engines.values():
+            for s in eng.manager.sessions():
+                scan = sum(
+                    len(sv.fetch.keys)
+                    for sv in s.serves()
+                    if sv.state is State.FETCH_WAITING and sv.fetch is not None
+                )
+                assert s.waiting_fetch_keys() == scan
 
     def teardown(self) -> None:
         if not hasattr(self, "net"):
