@@ -209,7 +209,7 @@ class ControlTransport:
     def send(self, conn: str, frames: list[bytes]) -> bool:
         """Queue frames without blocking; False means the connection is
         unusable (queue full or peer unknown) and its session must close."""
-        if conn.startswith("in:"):
+        if conn.startswith("in:"):  # our names for inbound connections
             sock = self._router
         else:
             found = self._dealers.get(conn)

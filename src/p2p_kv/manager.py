@@ -48,6 +48,7 @@ from p2p_kv.session import (
     StoreResult,
     Timeouts,
     WriteOrder,
+    is_inbound,
     tally,
 )
 
@@ -587,7 +588,7 @@ class LoadManager:
             return None  # closed, awaiting invalidation
         if now < self._retry_at.get(peer, 0.0):
             return None
-        dialled = sum(1 for p in self._sessions if not p.startswith("in:"))
+        dialled = sum(1 for p in self._sessions if not is_inbound(p))
         if dialled >= self.max_peers:
             # Clients choose the peers; each dial costs sockets the engine
             # cannot run out of. This request recomputes.
@@ -628,7 +629,7 @@ class LoadManager:
         greeting = [
             s
             for p, s in self._sessions.items()
-            if p.startswith("in:") and not s.ready and not s.closed
+            if is_inbound(p) and not s.ready and not s.closed
         ]
         if len(greeting) >= self.max_inbound:
             self._refuse_inbound(
@@ -656,12 +657,12 @@ class LoadManager:
         session.receive(msg, now)
         if not refused:
             self._tally_refusal(peer, session)
-        if greeting and session.ready and peer.startswith("in:"):
+        if greeting and session.ready and is_inbound(peer):
             # Every per-peer bound holds per session: without this one, a
             # party with the secret opening connections multiplied them
             # (six held 6x the waiting-fetch bound, 360 MiB).
             ready = sum(
-                1 for p, s in self._sessions.items() if p.startswith("in:") and s.ready
+                1 for p, s in self._sessions.items() if is_inbound(p) and s.ready
             )
             if ready > self.max_inbound:
                 self._refuse_inbound(
@@ -800,7 +801,7 @@ class LoadManager:
         self.retired_sessions.append(session)  # its last counts, for metrics
         del self._sessions[peer]
         self._dirty.discard(peer)
-        if not peer.startswith("in:"):
+        if not is_inbound(peer):
             self._retry_at[peer] = now + self.reconnect_backoff_s
 
     def tick(self, now: float) -> None:

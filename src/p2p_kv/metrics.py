@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 from typing import Literal, Protocol
 
 from p2p_kv.manager import LoadManager
-from p2p_kv.session import Session, SessionCounters
+from p2p_kv.session import Session, SessionCounters, is_inbound
 
 PREFIX = "vllm:kv_offload_p2p_"
 
@@ -224,7 +224,7 @@ _BAD_CHARS = re.compile(r"[^A-Za-z0-9_:.\-\[\]]")
 
 def session_peer(session: Session) -> str:
     """The raw peer label of a session (before the cardinality cap)."""
-    if not session.peer.startswith("in:"):
+    if not is_inbound(session.peer):
         return session.peer
     hello = session.peer_hello
     if hello is None:

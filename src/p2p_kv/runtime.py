@@ -37,7 +37,7 @@ from p2p_kv.data import NixlDataTransport, RegionInfo
 from p2p_kv.handshake import FrameRefused
 from p2p_kv.manager import JobResult, LoadManager, Roles
 from p2p_kv.protocol import Heartbeat, Message, ProtocolError, decode, encode
-from p2p_kv.session import Pinner
+from p2p_kv.session import Pinner, is_inbound
 
 log = logging.getLogger("vllm.p2p_kv")
 
@@ -338,7 +338,7 @@ class TierRuntime:
                 # A connection refused (max_inbound) or whose session ended:
                 # its frames go unread, and the transport forgets a peer's
                 # connection again (each frame made it new, for good).
-                if inbound.conn.startswith("in:"):
+                if is_inbound(inbound.conn):
                     self.control.close_conn(inbound.conn)
                 continue
             frame, sealed = inbound.frame, False
@@ -431,7 +431,7 @@ class TierRuntime:
             session.close(f"bad data-plane region: {exc}")
             return
         self._agents[peer] = info.agent_name
-        if conn is None and not peer.startswith("in:"):
+        if conn is None and not is_inbound(peer):
             # Whatever it offers (a shared file, a CUDA IPC handle, or
             # nothing), the data plane decides once the proof can be made.
             self._unproven.add(peer)

@@ -406,6 +406,13 @@ _K = TypeVar("_K")
 MAX_TALLY_KEYS = 64
 
 
+def is_inbound(conn: str) -> bool:
+    """Whether a session's peer key names a connection the peer opened to
+    us (the transports name those ``in:...``; a peer we dial is its
+    ``host:port``, and no client host may be ``in``)."""
+    return conn.startswith("in:")
+
+
 def tally(table: dict[_K, int], key: _K, other: _K) -> None:
     """Count ``key`` in ``table``, or ``other`` once the table is full."""
     if key not in table and len(table) >= MAX_TALLY_KEYS:
