@@ -427,6 +427,12 @@ class _Zombie:
     lost: bool = False
 
 
+def _disconnected(exc: BaseException) -> bool:
+    """NIXL's "the peer's endpoint is gone" (``nixlRemoteDisconnectError``):
+    the transfer is over, failed, not in an unknown state."""
+    return type(exc).__name__ == "nixlRemoteDisconnectError"
+
+
 def _load_nixl() -> tuple[Any, Any, Any]:
     """Import NIXL on first use and quiet its stdout logger.
 
@@ -1033,10 +1039,11 @@ class NixlDataTransport:
             self._done.append((tid, state == "DONE"))
         return tid
 
-    def _advance(self, read: _StagedRead) -> str:
+    def _advance(self, read: _StagedRead, post: bool = True) -> str:
         """Copy out the pieces that landed and post the next ones: "PROC"
         while pieces run or wait for free staging, then "DONE" or "ERR"
-        (the pieces still running are then buried).
+        (the pieces still running are then buried). ``post`` False: a READ
+        being given up on, whose next pieces must not start.
 
         A check that raises is raised: the piece's fate is then unknown,
         and the caller's release buries it (its staging is not reused)."""
@@ -1067,7 +1074,7 @@ class NixlDataTransport:
             left = int(read.local.size) - read.posted
             if not left:
                 return "PROC" if read.pieces else "DONE"
-            if len(read.pieces) >= PIECES_IN_FLIGHT:
+            if not post or len(read.pieces) >= PIECES_IN_FLIGHT:
                 return "PROC"
             stage = pool.take(min(left, max(1, pool.size // PIECES_IN_FLIGHT)))
             if not stage.size:
@@ -1148,6 +1155,14 @@ class NixlDataTransport:
                 try:
                     state = str(self._agent.check_xfer_state(z.handle))
                 except Exception as exc:
+                    if _disconnected(exc):
+                        # UCX failed the READ with its endpoint: nothing
+                        # more lands. (Kept "lost", a dead peer's READ held
+                        # the staging for good, and with a whole pool taken
+                        # every later NIXL READ waited out its deadline.)
+                        self._release(z.handle)
+                        pool.give(z.stage)
+                        continue
                     logger.warning(
                         "a cancelled READ from %s can no longer be checked (%s): "
                         "its %d staging blocks stay taken until close",
@@ -1338,13 +1353,13 @@ class NixlDataTransport:
         if self._closed:
             raise RuntimeError("NixlDataTransport is closed")
 
-    def _state(self, handle: Any) -> str:
+    def _state(self, handle: Any, post: bool = True) -> str:
         # Never raises: a caller holding completions it already took would
         # lose them (a CUDA error is sticky; the copy is then reported
         # failed, and its release waits on it as far as CUDA still can).
         try:
             if isinstance(handle, _StagedRead):
-                return self._advance(handle)
+                return self._advance(handle, post)
             if isinstance(handle, CopyInFlight):
                 return handle.state()
             return str(self._agent.check_xfer_state(handle))
@@ -1378,7 +1393,9 @@ class NixlDataTransport:
         deadline = time.monotonic() + self._drain_timeout_s
         while pending:
             for tid, xfer in list(pending.items()):
-                state = self._state(xfer.handle)
+                # Given up on: a staged READ's next pieces are not started
+                # (they would only become zombies holding staging).
+                state = self._state(xfer.handle, post=False)
                 if state != "PROC" or isinstance(xfer.handle, _StagedRead):
                     # A staged READ is not waited for: its staging, not the
                     # engine's slots, holds what may still land.

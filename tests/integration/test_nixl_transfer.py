@@ -774,6 +774,73 @@ def test_a_read_larger_than_staging_moves_in_pieces_and_waits_for_staging(
         assert cons.staging_blocks() == (3, 3, 0)
 
 
+def test_a_staged_read_given_up_on_starts_no_more_pieces(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Cancelling checked the READ's state the way polling does, which
+    posts its next pieces once the first ones landed: a load being given
+    up on started new READs that at once held the whole staging pool."""
+    bs, n = 4 * KIB, 64
+    with _tcp_pair(monkeypatch, bs, n, 8 * bs, "nomore") as (prod, cons, _, _):
+        tid = cons.post_read(prod.agent_name, list(range(20)), list(range(30, 50)))
+        for _ in range(50):  # the two pieces land; we do not look at them
+            prod.poll_notifs()
+            cons.poll_notifs()  # UCX progress, no completion taken
+            time.sleep(0.002)
+        cons.cancel(tid)
+        assert cons.poll_completions() == [(tid, False)]
+        # The two pieces had landed; none was started after them.
+        assert cons.staging_blocks() == (8, 8, 0)
+
+
+def test_a_peer_that_dies_during_a_staged_read_gives_its_staging_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """NIXL raises (remote disconnect) for a READ whose peer died instead
+    of reporting it failed, and such a READ was kept as one in an unknown
+    state: its staging stayed taken for the life of the process, and with
+    the whole pool taken, every later READ through NIXL, from any peer,
+    waited out its deadline."""
+    from p2p_kv.data import NixlDataTransport
+
+    monkeypatch.setenv("UCX_TLS", TCP_ONLY)  # a READ needs the peer's progress
+    bs = 4 * KIB
+    victim = _start(mp.get_context("spawn"), "dies", {bs: ("numpy", 16)})
+    dst = np.zeros(32 * bs, dtype=np.uint8)
+    try:
+        _ready(victim)
+        with NixlDataTransport(
+            dst,
+            bs,
+            name="dies-cons",
+            same_host=False,
+            drain_timeout_s=0.3,
+            read_staging_bytes=8 * bs,
+        ) as cons:
+            info = msgspec.msgpack.decode(victim.infos[bs], type=RegionInfo)
+            cons.add_peer(info)
+            tid = cons.post_read(info.agent_name, list(range(16)), list(range(16, 32)))
+            time.sleep(0.2)  # the victim makes no NIXL call: the READ waits
+            assert cons.poll_completions() == [] and cons.staging_blocks()[1] == 0
+            victim.proc.kill()
+            victim.proc.join(10)
+            done: list[tuple[int, bool]] = []
+            end = time.monotonic() + STEP_TIMEOUT_S
+            while not done and time.monotonic() < end:
+                done = cons.poll_completions()
+                time.sleep(0.005)
+            assert done == [(tid, False)]
+            cons.remove_peer(info.agent_name)
+            end = time.monotonic() + STEP_TIMEOUT_S
+            while cons.staging_blocks() != (8, 8, 0) and time.monotonic() < end:
+                cons.poll_completions()
+                time.sleep(0.005)
+            assert cons.staging_blocks() == (8, 8, 0)
+    finally:
+        if victim.proc.is_alive():
+            victim.proc.kill()
+
+
 def test_a_region_passed_off_under_another_peers_name_is_refused() -> None:
     """A RegionInfo is the sender's word. One naming a known agent with
     other contents used to replace that agent (another session's), and
