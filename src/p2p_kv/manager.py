@@ -54,6 +54,8 @@ from p2p_kv.session import (
 
 #: Refused inbound connections remembered (their frames dropped unread).
 MAX_REFUSED_INBOUND = 4096
+#: Finished producer requests remembered (see ``LoadManager._finished_kv``).
+MAX_FINISHED_KV = 65_536
 
 
 class Answer(Enum):
@@ -293,6 +295,11 @@ class LoadManager:
         self._producers: dict[str, str] = {}  # req_id -> remote_decoder kv id
         self._parked: dict[str, ParkedEntry] = {}
         self._parked_heap: list[tuple[float, int, ParkedStore]] = []
+        #: kv ids whose producer requests all ended with nothing parked,
+        #: until when a Fetch may still come (``parked_ttl_s``): without
+        #: them a late Fetch waited out its deadline for stores that could
+        #: not come, and kept an idle producer stepping meanwhile.
+        self._finished_kv: dict[str, float] = {}
         #: Offered pins of sessions that ended, held to their deadline.
         self._orphans: list[tuple[float, int, Serve]] = []
         self._orphan_ids = itertools.count()
@@ -350,6 +357,7 @@ class LoadManager:
             self._by_gen[consumer.gen] = consumer
             self._session_for(roles.source.peer, now)
         if roles.dest_kv_id:
+            self._finished_kv.pop(roles.dest_kv_id, None)
             self._producers[req_id] = roles.dest_kv_id
             entry = self._parked.setdefault(roles.dest_kv_id, ParkedEntry())
             entry.live_producers += 1
@@ -487,6 +495,15 @@ class LoadManager:
             entry.live_producers -= 1
             self._feed_waiting(kv_id, now)
             self._gc_parked(kv_id)
+            if kv_id not in self._parked:
+                # vLLM ends a request at the tier after its last store: no
+                # more can come for this id.
+                self._finished_kv.pop(kv_id, None)
+                self._finished_kv[kv_id] = now + self.parked_ttl_s
+                while len(self._finished_kv) > MAX_FINISHED_KV or (
+                    next(iter(self._finished_kv.values())) <= now
+                ):
+                    del self._finished_kv[next(iter(self._finished_kv))]
 
     # ------------------------------------------------------------------
     # vLLM-facing: results
@@ -898,7 +915,12 @@ class LoadManager:
     def _bind_parked(self, session: Session, now: float) -> None:
         while session.wants_parked:
             serve = session.wants_parked.pop()
-            entry = self._parked.setdefault(serve.req, ParkedEntry())
+            entry = self._parked.get(serve.req)
+            if entry is None:
+                entry = self._parked[serve.req] = ParkedEntry()
+                # Its producer already ended with nothing parked: refused
+                # at once, not at the Fetch's deadline.
+                entry.producer_seen = self._finished_kv.get(serve.req, 0.0) > now
             entry.waiting.append((session.peer, serve))
             self._waiting_kv.add(serve.req)
             self._feed_waiting(serve.req, now)
@@ -1034,11 +1056,6 @@ class LoadManager:
 
     def parked_store_count(self) -> int:
         return sum(len(e.stores) for e in self._parked.values())
-
-    def fetches_waiting(self) -> bool:
-        """A peer's Fetch waits for stores our engine has yet to park, as of
-        the last :meth:`end_step` (which drops fetches that ended)."""
-        return bool(self._waiting_kv)
 
     def sessions(self) -> Iterable[Session]:
         return self._sessions.values()

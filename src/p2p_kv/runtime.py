@@ -142,9 +142,10 @@ class TierRuntime:
         read (its OpenMP threads share the cores). Work of ours ends by a
         peer's message or a deadline, which the waker sees, and it wakes
         the engine, as does any client request: so the sleep is long
-        (:data:`PARK_MAX_S`), and never while a peer's Fetch waits for
-        stores this engine has yet to park (vLLM's own leftover steps,
-        such as a finished request's stores, make them)."""
+        (:data:`PARK_MAX_S`). A peer's Fetch waiting for stores does not
+        keep it stepping: with no live request none can come (vLLM ends a
+        request at the tier only after its last store), and a new request
+        wakes the engine anyway."""
         if not self.has_waker or self.live_requests:
             return 0.0
         m = self.manager
@@ -154,7 +155,6 @@ class TierRuntime:
             or self.data.in_flight()
             or m.has_lookups_to_serve
             or m.results_ready()
-            or m.fetches_waiting()
         ):
             # Nothing of ours keeps it stepping (whatever does is vLLM's
             # own), or it has something to do for us or a waiting peer.
@@ -583,13 +583,7 @@ class TierRuntime:
         wanted, the descriptors to sleep on, and for how long at most."""
         self._sweep()
         m = self.manager
-        wanted = (
-            m.has_lookups_to_serve
-            or m.results_ready()
-            # A peer waits for stores of a finished request, which only the
-            # engine's steps make; it may be asleep (engine_hold_s).
-            or (self.live_requests == 0 and m.fetches_waiting())
-        )
+        wanted = m.has_lookups_to_serve or m.results_ready()
         fds = self.control.readiness_fds()
         due_s = m.next_deadline() - self.clock()
         # At least 1 ms: a deadline the poll did not clear must not turn

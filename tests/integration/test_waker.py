@@ -273,8 +273,11 @@ def test_pins_held_for_a_peer_do_not_keep_an_idle_engine_stepping() -> None:
         while engine.steps == steps:
             assert time.monotonic() < end, "a new request waited on the park"
             time.sleep(0.01)
-        # A peer's Fetch that waits for stores the engine has yet to park
-        # wakes it, and keeps it stepping while it waits.
+        # A peer's Fetch that waits for stores of a request the engine has
+        # not seen does not keep it stepping: with no live request nothing
+        # can be parked (vLLM ends a request at the tier after its last
+        # store), and the request, when it comes, wakes the engine anyway.
+        # (It stepped ~50 times a second for the Fetch's whole wait.)
         other = StandalonePeer(16, 4096, engine_id=f"park-f-{pid}", timeouts=QUIET)
         waiter = threading.Thread(
             target=lambda: other.fetch(
@@ -286,7 +289,8 @@ def test_pins_held_for_a_peer_do_not_keep_an_idle_engine_stepping() -> None:
             steps = engine.steps
             waiter.start()
             time.sleep(1.0)
-            assert engine.steps - steps > 20, "a waiting Fetch left the engine asleep"
+            held = engine.steps - steps
+            assert held <= 3, f"a waiting Fetch stepped the idle engine {held} times"
         finally:
             waiter.join()
             other.close()

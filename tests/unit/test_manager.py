@@ -464,29 +464,42 @@ def test_roles_parse_takes_a_port_as_a_decimal_string_and_brackets() -> None:
     assert roles.source is not None and roles.source.peer == "[::1]:5800"
 
 
-def test_a_fetch_waiting_for_stores_counts_until_it_ends() -> None:
-    """What keeps a producer's idle engine awake (``fetches_waiting``): a
-    decoder's Fetch for stores not parked yet, and only while it waits."""
+def test_a_fetch_after_its_producer_ended_with_nothing_parked_fails_at_once() -> None:
+    """vLLM ends a request at the tier after its last store, so a
+    ``remote_decoder`` request that ended with nothing parked will never
+    park anything. Its entry went with it, and the decoder's Fetch arriving
+    then waited for stores until its deadline (2 s and more), keeping the
+    idle producer stepping meanwhile; it fails at once now. A new producer
+    request for the same id makes such a Fetch wait again."""
     net = make_net()
     a, b = net.engines["a"], net.engines["b"]
-    roles = Roles.parse(
-        {
-            "remote_prefiller": {
-                "kv_request_id": "kvW",
-                "remote_host": "a",
-                "remote_port": 1,
-            }
-        }
-    )
-    b.manager.on_new_request("d1", roles, net.now)
-    load(net, "d1", [1, 2, 3, 4])
-    net.run()
-    assert a.manager.fetches_waiting()
-    wait(net, 3.0)  # past the Fetch's deadline: the decoder gives up
-    assert not a.manager.fetches_waiting()
-    b.manager.on_request_finished("d1", net.now)
+    dec = Roles.parse({"remote_decoder": {"kv_request_id": "kvW"}})
+    a.manager.on_new_request("p1", dec, net.now)
+    a.manager.on_request_finished("p1", net.now)  # nothing was stored
+    b.manager.on_new_request("d1", net.roles("a", "kvW", probe=False), net.now)
+    job = load(net, "d1", [1, 2, 3, 4])
     net.run()
     collect_all(net)
+    (result,) = b.results[job]
+    assert not result.success and net.now < 0.5, (result, net.now)
+    b.manager.on_request_finished("d1", net.now)
+    # Reused by a new producer request: the Fetch waits for its stores.
+    a.manager.on_new_request("p2", dec, net.now)
+    b.manager.on_new_request("d2", net.roles("a", "kvW", probe=False), net.now)
+    job = load(net, "d2", [1, 2, 3, 4])
+    net.run()
+    collect_all(net)
+    assert job not in b.results
+    store = a.new_job()
+    a.manager.submit_store(store, "p2", KEYS, [20, 21, 22, 23], net.now)
+    a.manager.on_request_finished("p2", net.now)
+    net.run()
+    collect_all(net)
+    assert b.results[job][0].success
+    b.manager.on_request_finished("d2", net.now)
+    net.run()
+    collect_all(net)
+    assert_drained(net)
 
 
 def test_a_result_the_engine_has_not_collected_keeps_its_session_ticking() -> None:
