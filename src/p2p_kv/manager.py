@@ -500,8 +500,9 @@ class LoadManager:
                 # more can come for this id.
                 self._finished_kv.pop(kv_id, None)
                 self._finished_kv[kv_id] = now + self.parked_ttl_s
-                while len(self._finished_kv) > MAX_FINISHED_KV or (
-                    next(iter(self._finished_kv.values())) <= now
+                while self._finished_kv and (
+                    len(self._finished_kv) > MAX_FINISHED_KV
+                    or next(iter(self._finished_kv.values())) <= now
                 ):
                     del self._finished_kv[next(iter(self._finished_kv))]
 
