@@ -425,6 +425,10 @@ class _Zombie:
     stage: npt.NDArray[np.int64]
     peer: str
     lost: bool = False
+    #: UCX failed it with the peer's endpoint (remote disconnect): its
+    #: staging returns once the peer's agent is dropped, after which
+    #: nothing of that peer's can land (see ``_drop_agent``).
+    gone: bool = False
 
 
 def _disconnected(exc: BaseException) -> bool:
@@ -648,7 +652,7 @@ class NixlDataTransport:
         flight. Not part of :meth:`in_flight`: they are no work of the
         engine's, which may sleep meanwhile."""
         with self._lock:
-            return any(not z.lost for z in self._zombies)
+            return any(not (z.lost or z.gone) for z in self._zombies)
 
     # -- peers --------------------------------------------------------------
 
@@ -838,7 +842,9 @@ class NixlDataTransport:
         peer = self._peers.pop(agent_name, None)
         if peer is not None:
             self._unmap(peer)
-            if any(z.peer == agent_name and not z.lost for z in self._zombies):
+            if any(
+                z.peer == agent_name and not (z.lost or z.gone) for z in self._zombies
+            ):
                 self._retiring[agent_name] = peer  # until its zombies end
             else:
                 self._drop_agent(agent_name, peer)
@@ -1151,17 +1157,17 @@ class NixlDataTransport:
         assert pool is not None
         live: list[_Zombie] = []
         for z in self._zombies:
-            if not z.lost:
+            if not (z.lost or z.gone):
                 try:
                     state = str(self._agent.check_xfer_state(z.handle))
                 except Exception as exc:
                     if _disconnected(exc):
-                        # UCX failed the READ with its endpoint: nothing
-                        # more lands. (Kept "lost", a dead peer's READ held
-                        # the staging for good, and with a whole pool taken
+                        # Over, failed with the peer's endpoint. (Taken for
+                        # an unknown state, a dead peer's READ held its
+                        # staging for good, and with the whole pool taken
                         # every later NIXL READ waited out its deadline.)
-                        self._release(z.handle)
-                        pool.give(z.stage)
+                        z.gone = True
+                        live.append(z)
                         continue
                     logger.warning(
                         "a cancelled READ from %s can no longer be checked (%s): "
@@ -1178,13 +1184,23 @@ class NixlDataTransport:
                     continue
             live.append(z)
         self._zombies = live
-        busy = {z.peer for z in live if not z.lost}
+        busy = {z.peer for z in live if not (z.lost or z.gone)}
         for name in [n for n in self._retiring if n not in busy]:
             self._drop_agent(name, self._retiring.pop(name))
 
     def _drop_agent(self, name: str, peer: _Peer) -> None:
         self._release_prepped(peer)
         self._invalidate(name)
+        # Nothing of that peer's can land now: READs UCX failed with its
+        # endpoint give their staging back.
+        pool, kept = self._stage_pool, []
+        for z in self._zombies:
+            if z.gone and z.peer == name and pool is not None:
+                self._release(z.handle)
+                pool.give(z.stage)
+            else:
+                kept.append(z)
+        self._zombies = kept
 
     def staging_blocks(self) -> tuple[int, int, int]:
         """Staging blocks: (all, free, held by READs given up on)."""

@@ -800,7 +800,7 @@ def test_a_peer_that_dies_during_a_staged_read_gives_its_staging_back(
     of reporting it failed, and such a READ was kept as one in an unknown
     state: its staging stayed taken for the life of the process, and with
     the whole pool taken, every later READ through NIXL, from any peer,
-    waited out its deadline."""
+    waited out its deadline. It comes back once the peer is removed."""
     from p2p_kv.data import NixlDataTransport
 
     monkeypatch.setenv("UCX_TLS", TCP_ONLY)  # a READ needs the peer's progress
@@ -830,6 +830,11 @@ def test_a_peer_that_dies_during_a_staged_read_gives_its_staging_back(
                 done = cons.poll_completions()
                 time.sleep(0.005)
             assert done == [(tid, False)]
+            for _ in range(20):
+                cons.poll_completions()
+            # Kept until the dead peer's agent is dropped: after that nothing
+            # of its can land, whatever UCX still held.
+            assert cons.staging_blocks()[1] == 0
             cons.remove_peer(info.agent_name)
             end = time.monotonic() + STEP_TIMEOUT_S
             while cons.staging_blocks() != (8, 8, 0) and time.monotonic() < end:
