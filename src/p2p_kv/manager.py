@@ -56,6 +56,9 @@ from p2p_kv.session import (
 MAX_REFUSED_INBOUND = 4096
 #: Finished producer requests remembered (see ``LoadManager._finished_kv``).
 MAX_FINISHED_KV = 65_536
+#: How long a Fetch for such a kv id waits for a new producer request
+#: under the same id (a retry) before it is told nothing was stored.
+LATE_FETCH_GRACE_S = 1.0
 
 
 class Answer(Enum):
@@ -300,6 +303,9 @@ class LoadManager:
         #: them a late Fetch waited out its deadline for stores that could
         #: not come, and kept an idle producer stepping meanwhile.
         self._finished_kv: dict[str, float] = {}
+        #: (when, kv id): Fetches for such an id, refused then unless a
+        #: producer request for it came meanwhile
+        self._late_fetches: list[tuple[float, str]] = []
         #: Offered pins of sessions that ended, held to their deadline.
         self._orphans: list[tuple[float, int, Serve]] = []
         self._orphan_ids = itertools.count()
@@ -824,6 +830,12 @@ class LoadManager:
 
     def tick(self, now: float) -> None:
         """Fire deadlines that have passed; O(due work), not O(peers)."""
+        while self._late_fetches and self._late_fetches[0][0] <= now:
+            _, kv_id = heapq.heappop(self._late_fetches)
+            entry = self._parked.get(kv_id)
+            if entry is not None and entry.live_producers == 0:
+                entry.producer_seen = True  # no producer came: none will
+                self._feed_waiting(kv_id, now)
         while self._deadlines and self._deadlines[0][0] <= now:
             _, peer = heapq.heappop(self._deadlines)
             session = self._sessions.get(peer)
@@ -849,6 +861,8 @@ class LoadManager:
 
     def next_deadline(self) -> float:
         best = self._deadlines[0][0] if self._deadlines else float("inf")
+        if self._late_fetches:
+            best = min(best, self._late_fetches[0][0])
         if self._parked_heap:
             best = min(best, self._parked_heap[0][0])
         if self._orphans:
@@ -920,8 +934,12 @@ class LoadManager:
             if entry is None:
                 entry = self._parked[serve.req] = ParkedEntry()
                 # Its producer already ended with nothing parked: refused
-                # at once, not at the Fetch's deadline.
-                entry.producer_seen = self._finished_kv.get(serve.req, 0.0) > now
+                # after a short grace (a retry may reuse the id), not at the
+                # Fetch's deadline.
+                if self._finished_kv.get(serve.req, 0.0) > now:
+                    heapq.heappush(
+                        self._late_fetches, (now + LATE_FETCH_GRACE_S, serve.req)
+                    )
             entry.waiting.append((session.peer, serve))
             self._waiting_kv.add(serve.req)
             self._feed_waiting(serve.req, now)
