@@ -37,6 +37,7 @@ from p2p_kv.handshake import FrameRefused, Identity
 from p2p_kv.lifecycle import Event, State
 from p2p_kv.protocol import MAX_REQ_ID_CHARS, Message
 from p2p_kv.session import (
+    KeyCount,
     Limits,
     Link,
     LoadResult,
@@ -303,6 +304,8 @@ class LoadManager:
         #: them a late Fetch waited out its deadline for stores that could
         #: not come, and kept an idle producer stepping meanwhile.
         self._finished_kv: dict[str, float] = {}
+        #: lookup keys every session together has queued for our engine
+        self._pending_keys = KeyCount()
         #: (when, kv id): Fetches for such an id, refused then unless a
         #: producer request for it came meanwhile
         self._late_fetches: list[tuple[float, str]] = []
@@ -632,6 +635,7 @@ class LoadManager:
             nonce=self._nonces(),
             reads=self.reads,
             engine=self,
+            engine_pending=self._pending_keys,
         )
         self._sessions[peer] = session
         self._touch(session)
@@ -699,7 +703,7 @@ class LoadManager:
 
     def pending_lookup_keys(self) -> int:
         """Lookup keys every peer together has queued for our engine."""
-        return sum(s.pending_lookup_keys() for s in self._sessions.values())
+        return self._pending_keys.keys
 
     def waiting_fetch_keys(self) -> int:
         """Keys of every peer's Fetches waiting for stores we have yet to
@@ -823,6 +827,7 @@ class LoadManager:
         self._touch(session)
         self._collect(now)
         self.retired_sessions.append(session)  # its last counts, for metrics
+        session.leave_engine()
         del self._sessions[peer]
         self._dirty.discard(peer)
         if not is_inbound(peer):

@@ -205,8 +205,6 @@ class PinResult:
 class EngineLoad(Protocol):
     """What all of the engine's sessions hold together (the manager)."""
 
-    def pending_lookup_keys(self) -> int: ...
-
     def waiting_fetch_keys(self) -> int: ...
 
 
@@ -454,10 +452,14 @@ class Session:
         nonce: bytes,
         reads: bool = True,
         engine: EngineLoad | None = None,
+        engine_pending: KeyCount | None = None,
     ) -> None:
         self.peer = peer
-        #: the engine-wide side of Limits.engine_* (None: this session alone)
+        #: the engine-wide side of Limits.engine_* (None: this session alone):
+        #: waiting fetch keys summed by the manager, and a count of queued
+        #: lookup keys every session keeps up to date (one per Lookup)
         self._engine: EngineLoad = engine or self
+        self._engine_pending = engine_pending or KeyCount()
         self.timeouts = timeouts or Timeouts()
         self.limits = limits or Limits()
         #: Offer our pinned blocks for one-sided READ, and READ offered ones.
@@ -1080,13 +1082,20 @@ class Session:
     def pending_lookup_keys(self) -> int:
         return self._pending_keys
 
+    def leave_engine(self) -> None:
+        """The manager forgets this session: its queued keys leave the
+        engine's count (and whatever it drops later, only its own)."""
+        self._engine_pending.keys -= self._pending_keys
+        self._engine_pending = KeyCount()
+        self._engine_pending.keys = self._pending_keys
+
     def waiting_fetch_keys(self) -> int:
         """Keys of this peer's Fetches that wait for stores to be parked."""
         return self._waiting.keys
 
     def _on_lookup(self, msg: Lookup, now: float) -> None:
         cost = max(1, len(msg.keys))
-        engine = self._engine.pending_lookup_keys()
+        engine = self._engine_pending.keys
         if (
             self._pending_keys + cost > self.limits.max_pending_keys
             or engine + cost > self.limits.engine_pending_keys
@@ -1123,13 +1132,16 @@ class Session:
             serve.fire(Event.LOOKUP)
         serve.pending_lookups.append(msg)
         self._pending_keys += cost
+        self._engine_pending.keys += cost
         if serve not in self._serve_queue:
             self._serve_queue.append(serve)
 
     def _drop_pending(self, serve: Serve) -> list[Lookup]:
         """Take a serve's queued lookups off the pending-keys budget."""
         pending, serve.pending_lookups = serve.pending_lookups, []
-        self._pending_keys -= sum(max(1, len(lk.keys)) for lk in pending)
+        cost = sum(max(1, len(lk.keys)) for lk in pending)
+        self._pending_keys -= cost
+        self._engine_pending.keys -= cost
         return pending
 
     @property

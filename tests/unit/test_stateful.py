@@ -240,9 +240,11 @@ class Fleet(RuleBasedStateMachine):
             assert eng.manager.double_results == 0
 
     @invariant()
-    def waiting_fetch_keys_are_counted_exactly(self) -> None:
-        """The count the engine-wide bound reads, kept by the serves as
-        they leave FETCH_WAITING, against a scan of every serve."""
+    def key_counts_are_exact(self) -> None:
+        """The counts the engine-wide bounds read, kept as things change:
+        each session's waiting-fetch keys (by the serves as they leave
+        FETCH_WAITING) against a scan of its serves, and the engine's
+        queued lookup keys against the sum of its sessions'."""
         for eng in self.net.engines.values():
             for s in eng.manager.sessions():
                 scan = sum(
@@ -251,6 +253,9 @@ class Fleet(RuleBasedStateMachine):
                     if sv.state is State.FETCH_WAITING and sv.fetch is not None
                 )
                 assert s.waiting_fetch_keys() == scan
+            m = eng.manager
+            queued = sum(s.pending_lookup_keys() for s in m.sessions())
+            assert m.pending_lookup_keys() == queued
 
     def teardown(self) -> None:
         if not hasattr(self, "net"):
