@@ -21,6 +21,8 @@ _CORE = Timeouts()
 #: monitor's pair; 1023 in all; 340 fitted), with room left for the bound
 #: socket and the dials of closing sessions.
 MAX_PEERS = 320
+#: heartbeat_ms that ZeroMQ's transport heartbeats can carry (ms).
+HEARTBEAT_MS = (4, 600_000)
 
 
 class ConfigError(ValueError):
@@ -111,9 +113,14 @@ class TierConfig:
     def _check(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"p2p_kv: port {self.port} is not in 0..65535")
+        if not HEARTBEAT_MS[0] <= self.heartbeat_ms <= HEARTBEAT_MS[1]:
+            raise ConfigError(
+                f"p2p_kv: heartbeat_ms {self.heartbeat_ms} is not in "
+                f"{HEARTBEAT_MS[0]}..{HEARTBEAT_MS[1]} (ZeroMQ's heartbeat "
+                "timeout rounds to none below, its TTL overflows above)"
+            )
         for name in (
             "idle_wait_ms",
-            "heartbeat_ms",
             "handshake_timeout_s",
             "lookup_timeout_s",
             "fetch_timeout_floor_s",

@@ -227,7 +227,9 @@ def session_peer(session: Session) -> str:
     if not is_inbound(session.peer):
         return session.peer
     hello = session.peer_hello
-    if hello is None:
+    if hello is None or not session.proven:
+        # Anyone may connect and name itself: a party without the secret
+        # filled every peer label (64 Hellos) before this.
         return UNKNOWN
     return hello.engine_id.split("/", 1)[0][:128] or UNKNOWN
 

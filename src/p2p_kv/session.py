@@ -527,6 +527,12 @@ class Session:
         return self._peer_hello
 
     @property
+    def proven(self) -> bool:
+        """The peer proved itself (its HelloAck checked): what it says of
+        itself, its engine id included, may be believed."""
+        return self._peer_acked
+
+    @property
     def peer_region(self) -> bytes | None:
         """The peer's data-plane region (``RegionInfo``, encoded), set
         before the session is ready."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 
 import msgspec
 import nixl._api  # noqa: F401  (fail, not skip, without NIXL)
@@ -218,3 +219,42 @@ def test_requests_naming_hundreds_of_peers_never_take_the_step_down(
         server.join(5)
         consumer.close()
         producer.close()
+
+
+@pytest.mark.parametrize("peer", ["localhost:65536", "h:0", ":80", "[]:80", "h:x"])
+def test_a_peer_address_libzmq_would_retry_forever_is_refused(peer: str) -> None:
+    """libzmq takes such an address and retries it silently: the load
+    fell back only at the handshake's deadline, with nothing said."""
+    from p2p_kv.control import parse_peer
+
+    with pytest.raises(ValueError, match="peer address"):
+        parse_peer(peer)
+
+
+def test_a_flooding_peer_cannot_hold_the_poll() -> None:
+    """A peer sending faster than we read kept one poll draining (5.5 s,
+    1.7 M frames): a poll takes a bounded batch per socket, and says that
+    more is waiting so that the next one does not wait."""
+    import zmq
+
+    from p2p_kv.control import MAX_FRAMES_PER_POLL, ControlTransport, zmq_endpoint
+
+    ctl = ControlTransport("127.0.0.1", 0, heartbeat_s=1.0)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    try:
+        sock.connect(zmq_endpoint("127.0.0.1", ctl.port))
+        sent = 3 * MAX_FRAMES_PER_POLL
+        for i in range(sent):
+            sock.send(i.to_bytes(8, "little"))
+        got: list[int] = []
+        end = time.monotonic() + 10.0
+        while len(got) < sent and time.monotonic() < end:
+            batch = ctl.poll(0.05)
+            assert len(batch) <= MAX_FRAMES_PER_POLL
+            got.extend(int.from_bytes(b.frame, "little") for b in batch)
+        assert got == list(range(sent))
+    finally:
+        sock.close()
+        ctl.close()

@@ -90,3 +90,10 @@ def test_max_inbound_peers_is_positive() -> None:
     assert TierConfig.from_dict({}, env={}).max_inbound_peers == 512
     with pytest.raises(ConfigError, match="max_inbound_peers 0 must be >= 1"):
         TierConfig.from_dict({"max_inbound_peers": 0}, env={})
+
+
+@pytest.mark.parametrize("ms", [3, 600_001])
+def test_heartbeat_ms_within_what_zeromq_heartbeats_carry(ms: int) -> None:
+    assert TierConfig.from_dict({"heartbeat_ms": 4}, env={}).heartbeat_ms == 4
+    with pytest.raises(ConfigError, match=f"heartbeat_ms {ms}.* is not in 4..600000"):
+        TierConfig.from_dict({"heartbeat_ms": ms}, env={})

@@ -291,3 +291,27 @@ def test_staging_held_gauge_follows_the_data_plane() -> None:
     sink = Sink()
     exp.collect(net.engines["b"].manager, sink, staging_held=0)
     assert sink.gauges[STAGING_HELD] == {(): 0}
+
+
+def test_an_inbound_peer_is_named_by_its_hello_only_once_proven() -> None:
+    """Anyone may connect and name itself in a Hello: a party without the
+    secret filled every peer label (64 Hellos) for the life of the
+    process. Until its proof checks an inbound peer is ``unknown``."""
+    from p2p_kv.metrics import UNKNOWN, session_peer
+    from p2p_kv.protocol import Hello
+    from p2p_kv.session import Session
+
+    from .memnet import identity as ident
+
+    me, them = ident("a"), ident("b")
+    s = Session("in:#1", me, 0.0, nonce=b"\0" * 16)
+    other = Session("x:1", them, 0.0, nonce=b"\1" * 16)
+    (hello,) = [m for m in other.take_outbox(0.0) if isinstance(m, Hello)]
+    s.receive(hello, 0.0)
+    assert s.peer_hello is not None and not s.proven
+    assert session_peer(s) == UNKNOWN
+    for msg in s.take_outbox(0.0):
+        other.receive(msg, 0.0)  # our Hello and proof
+    for msg in other.take_outbox(0.0):
+        s.receive(msg, 0.0)  # theirs
+    assert s.proven and session_peer(s) == "b"
