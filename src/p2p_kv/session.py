@@ -907,7 +907,10 @@ class Session:
         fetch: Fetch | None = None
         if (
             offer is not None
-            and now < offer.valid_until
+            # Time to READ it all inside the trust window, at the rate the
+            # deadlines assume (a READ chosen at the window's end failed,
+            # where a Fetch, the pins still held, would load).
+            and now + nbytes / self.timeouts.fetch_bytes_per_s < offer.valid_until
             and all(map(offer.slots.__contains__, keys))
         ):
             deadline = min(deadline, offer.valid_until)

@@ -582,3 +582,27 @@ def test_a_request_naming_a_peer_past_max_peers_recomputes_and_is_counted() -> N
     a.on_new_request("r3", net.roles("c", "kv3"), net.now)
     assert a.session("c:1") is not None and a.dials_refused == 0
     a.on_request_finished("r3", net.now)
+
+
+def test_a_load_too_late_in_its_offer_to_read_is_fetched() -> None:
+    """A one-sided READ was chosen however little of the offer's trust
+    window was left, and failed at its end (``read_late`` / abort) though
+    the producer still held the pins; with no time to READ it all at the
+    rate the deadlines assume, the load is a Fetch."""
+    slow = Timeouts(pin_ttl_s=4.0, fetch_bytes_per_s=64.0)  # 4 blocks: 1 s
+    for wait_s, path in ((0.5, "read"), (2.5, "fetch")):
+        net = make_net(timeouts=slow)
+        assert probe(net, "r1", "kv1") == [Answer.HIT] * 4
+        wait(net, wait_s)  # the window ends 3 s (75% of 4) after the lookup
+        job = load(net, "r1", [5, 6, 7, 8])
+        net.run()
+        (result,) = net.engines["b"].collect(net.now)
+        assert result.job_id == job and result.success
+        (s,) = net.engines["b"].manager.sessions()
+        assert (s.counters.loads_read, s.counters.loads_fetched) == (
+            (1, 0) if path == "read" else (0, 1)
+        ), path
+        net.engines["b"].manager.on_request_finished("r1", net.now)
+        net.run()
+        collect_all(net)
+        assert_drained(net)
