@@ -304,8 +304,9 @@ class LoadManager:
         #: them a late Fetch waited out its deadline for stores that could
         #: not come, and kept an idle producer stepping meanwhile.
         self._finished_kv: dict[str, float] = {}
-        #: lookup keys every session together has queued for our engine
-        self._pending_keys = KeyCount()
+        #: every session together: lookup keys queued for our engine, and
+        #: keys of fetches waiting for stores (Limits.engine_*)
+        self._pending_keys, self._waiting_keys = KeyCount(), KeyCount()
         #: (when, kv id): Fetches for such an id, refused then unless a
         #: producer request for it came meanwhile
         self._late_fetches: list[tuple[float, str]] = []
@@ -634,8 +635,7 @@ class LoadManager:
             limits=self.limits,
             nonce=self._nonces(),
             reads=self.reads,
-            engine=self,
-            engine_pending=self._pending_keys,
+            engine_keys=(self._pending_keys, self._waiting_keys),
         )
         self._sessions[peer] = session
         self._touch(session)
@@ -708,7 +708,7 @@ class LoadManager:
     def waiting_fetch_keys(self) -> int:
         """Keys of every peer's Fetches waiting for stores we have yet to
         park (Limits.engine_waiting_fetch_keys)."""
-        return sum(s.waiting_fetch_keys() for s in self._sessions.values())
+        return self._waiting_keys.keys
 
     def on_bad_frame(self, peer: str, reason: str) -> None:
         """A frame that did not decode: counted, the session goes on."""

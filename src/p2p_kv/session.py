@@ -202,12 +202,6 @@ class PinResult:
     pins: list[tuple[int, list[bytes], list[int]]]
 
 
-class EngineLoad(Protocol):
-    """What all of the engine's sessions hold together (the manager)."""
-
-    def waiting_fetch_keys(self) -> int: ...
-
-
 class Pinner(Protocol):
     """The engine's primary tier, as the producer sees it during a serve
     window: look keys up and pin the hits (the adapter implements this over
@@ -328,12 +322,27 @@ class ParkedStore(Tracked):
 
 
 class KeyCount:
-    """Keys a session's serves hold in one state, kept by the serves."""
+    """Keys held in one place (a session's queued lookups, its fetches
+    waiting for stores), kept as they come and go, and passed on to the
+    engine's count of the same (``engine``) while the session belongs to
+    the engine: both bounds read a number, never a scan."""
 
-    __slots__ = ("keys",)
+    __slots__ = ("engine", "keys")
 
-    def __init__(self) -> None:
+    def __init__(self, engine: KeyCount | None = None) -> None:
         self.keys = 0
+        self.engine = engine
+
+    def add(self, n: int) -> None:
+        self.keys += n
+        if self.engine is not None:
+            self.engine.keys += n
+
+    def detach(self) -> None:
+        """Take these keys out of the engine's count, for good."""
+        if self.engine is not None:
+            self.engine.keys -= self.keys
+            self.engine = None
 
 
 class Serve(Tracked):
@@ -372,7 +381,7 @@ class Serve(Tracked):
     def fire(self, event: Event) -> State:
         new = super().fire(event)
         if self.waiting is not None and new is not State.FETCH_WAITING:
-            self.waiting.keys -= len(self.fetch.keys) if self.fetch is not None else 0
+            self.waiting.add(-len(self.fetch.keys) if self.fetch is not None else 0)
             self.waiting = None
         return new
 
@@ -451,15 +460,12 @@ class Session:
         limits: Limits | None = None,
         nonce: bytes,
         reads: bool = True,
-        engine: EngineLoad | None = None,
-        engine_pending: KeyCount | None = None,
+        engine_keys: tuple[KeyCount, KeyCount] | None = None,
     ) -> None:
         self.peer = peer
-        #: the engine-wide side of Limits.engine_* (None: this session alone):
-        #: waiting fetch keys summed by the manager, and a count of queued
-        #: lookup keys every session keeps up to date (one per Lookup)
-        self._engine: EngineLoad = engine or self
-        self._engine_pending = engine_pending or KeyCount()
+        #: the engine's counts of queued lookup keys and of keys of fetches
+        #: waiting for stores (Limits.engine_*; None: this session alone)
+        pending, waiting = engine_keys or (KeyCount(), KeyCount())
         self.timeouts = timeouts or Timeouts()
         self.limits = limits or Limits()
         #: Offer our pinned blocks for one-sided READ, and READ offered ones.
@@ -505,9 +511,10 @@ class Session:
         # producer role
         self._serves: dict[tuple[str, int], Serve] = {}
         self._serve_queue: list[Serve] = []  # LOOKUP_QUEUED, in arrival order
-        self._pending_keys = 0  # keys of queued lookups (Limits.max_pending_keys)
+        #: keys of queued lookups (Limits.max_pending_keys)
+        self._pending = KeyCount(pending)
         #: keys of this peer's serves in FETCH_WAITING (see Serve.waiting)
-        self._waiting = KeyCount()
+        self._waiting = KeyCount(waiting)
         self._writing: dict[int, Serve] = {}  # by write id
         self._next_write = 0
         self._store_results: list[StoreResult] = []
@@ -1089,14 +1096,13 @@ class Session:
     # ------------------------------------------------------------------
 
     def pending_lookup_keys(self) -> int:
-        return self._pending_keys
+        return self._pending.keys
 
     def leave_engine(self) -> None:
-        """The manager forgets this session: its queued keys leave the
-        engine's count (and whatever it drops later, only its own)."""
-        self._engine_pending.keys -= self._pending_keys
-        self._engine_pending = KeyCount()
-        self._engine_pending.keys = self._pending_keys
+        """The manager forgets this session: what it holds leaves the
+        engine's counts (and whatever it drops later, only its own)."""
+        self._pending.detach()
+        self._waiting.detach()
 
     def waiting_fetch_keys(self) -> int:
         """Keys of this peer's Fetches that wait for stores to be parked."""
@@ -1104,15 +1110,13 @@ class Session:
 
     def _on_lookup(self, msg: Lookup, now: float) -> None:
         cost = max(1, len(msg.keys))
-        engine = self._engine_pending.keys
-        if (
-            self._pending_keys + cost > self.limits.max_pending_keys
-            or engine + cost > self.limits.engine_pending_keys
-        ):
-            mine = self._pending_keys + cost > self.limits.max_pending_keys
+        held = self._pending.keys
+        engine = self._pending.engine.keys if self._pending.engine else held
+        mine = held + cost > self.limits.max_pending_keys
+        if mine or engine + cost > self.limits.engine_pending_keys:
             self._protocol_error(
                 "limit_pending_keys" if mine else "limit_engine_pending_keys",
-                f"{self._pending_keys if mine else engine} lookup keys already "
+                f"{held if mine else engine} lookup keys already "
                 f"wait for our engine{'' if mine else ' from all peers'}",
                 msg.req,
                 msg.gen,
@@ -1140,17 +1144,14 @@ class Session:
         else:
             serve.fire(Event.LOOKUP)
         serve.pending_lookups.append(msg)
-        self._pending_keys += cost
-        self._engine_pending.keys += cost
+        self._pending.add(cost)
         if serve not in self._serve_queue:
             self._serve_queue.append(serve)
 
     def _drop_pending(self, serve: Serve) -> list[Lookup]:
         """Take a serve's queued lookups off the pending-keys budget."""
         pending, serve.pending_lookups = serve.pending_lookups, []
-        cost = sum(max(1, len(lk.keys)) for lk in pending)
-        self._pending_keys -= cost
-        self._engine_pending.keys -= cost
+        self._pending.add(-sum(max(1, len(lk.keys)) for lk in pending))
         return pending
 
     @property
@@ -1248,8 +1249,8 @@ class Session:
             if len(self._serves) >= self.limits.max_serves:
                 self._send(TransferDone(msg.req, msg.gen, msg.job, False, "busy"))
                 return
-            waiting = self.waiting_fetch_keys()
-            engine = self._engine.waiting_fetch_keys()
+            waiting = self._waiting.keys
+            engine = self._waiting.engine.keys if self._waiting.engine else waiting
             cost = len(msg.keys)
             mine = waiting + cost > self.limits.max_waiting_fetch_keys
             if mine or engine + cost > self.limits.engine_waiting_fetch_keys:
@@ -1275,7 +1276,7 @@ class Session:
             self._arm(serve, serve.deadline)
             self._serves[(msg.req, msg.gen)] = serve
             serve.waiting = self._waiting
-            self._waiting.keys += cost
+            self._waiting.add(cost)
             self.wants_parked.append(serve)
             return
         if serve.state is State.REVOKING:
@@ -1663,7 +1664,7 @@ class Session:
             "writes": len(self._writing),
             "fenced_results": len(self._fenced_results),
             "offers": len(self._offers),
-            "pending_lookup_keys": self._pending_keys,
+            "pending_lookup_keys": self._pending.keys,
             "revoked": len(self._revoked),
             "buffered_results": len(self._load_results) + len(self._store_results),
         }

@@ -256,6 +256,8 @@ class Fleet(RuleBasedStateMachine):
             m = eng.manager
             queued = sum(s.pending_lookup_keys() for s in m.sessions())
             assert m.pending_lookup_keys() == queued
+            waiting = sum(s.waiting_fetch_keys() for s in m.sessions())
+            assert m.waiting_fetch_keys() == waiting
 
     def teardown(self) -> None:
         if not hasattr(self, "net"):
