@@ -1379,16 +1379,18 @@ class Session:
             serve.req, serve.gen, serve.fetch.job, ok, "" if ok else why
         )
 
-    def on_write_unstoppable(self, write_id: int) -> None:
+    def on_write_unstoppable(
+        self, write_id: int, event: Event = Event.WRITES_FAILED
+    ) -> None:
         """A write of ours was given up on while still running: its bytes
         may yet land in the peer's slots (NIXL cannot stop them). The peer
         must not hear that it is over; it hears Goodbye, fails the load and
-        drops our agent, which is what fences it."""
+        drops our agent, which is what fences it. ``event``: what ended the
+        serve (the data plane's report, or its own TIMEOUT row when no
+        report came)."""
         serve = self._writing.pop(write_id, None)
         if serve is not None:
-            self._release_serve(
-                serve, Event.WRITES_FAILED, ok=False, reason="write_failed"
-            )
+            self._release_serve(serve, event, ok=False, reason="write_failed")
         self.close("a write we could not stop may still land: drop our agent")
 
     def _on_abort(self, msg: Abort) -> None:
@@ -1562,7 +1564,7 @@ class Session:
         fetch = serve.fetch
         if serve.state in (State.WRITE_CANCELLING, State.ABORT_CANCELLING):
             # The data plane never said the write stopped.
-            self.on_write_unstoppable(serve.write_id)
+            self.on_write_unstoppable(serve.write_id, Event.TIMEOUT)
             return
         if serve.state in (State.WRITING, State.ABORT_WRITING):
             self.counters.bump(self.counters.failures, "write_timeout")
