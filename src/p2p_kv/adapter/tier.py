@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import sys
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from queue import Queue
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
@@ -105,15 +105,23 @@ def _engine_input_queue() -> tuple[Any, bool]:
     without end at idle). Also whether that engine is a data-parallel
     rank, whose steps its peers wait for in lockstep: it must never sleep
     at a step."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        owner = frame.f_locals.get("self")
+    for local in _callers():
+        owner = local.get("self")
         queue = getattr(owner, "input_queue", None)
         names = {cls.__name__ for cls in type(owner).__mro__}
         if queue is not None and "EngineCore" in names:
             return queue, "DPEngineCoreProc" in names
-        frame = frame.f_back  # type: ignore[assignment]
     return None, False
+
+
+def _callers() -> Iterator[dict[str, Any]]:
+    """The locals of every frame above the caller, innermost first: what
+    built this tier (vLLM hands a secondary tier neither its engine nor
+    its config, so both are found where they are being built)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        yield frame.f_locals
+        frame = frame.f_back  # type: ignore[assignment]
 
 
 class _ParentPinner:
@@ -418,17 +426,15 @@ def _hash_algo() -> str:
     scheduler's), else vLLM's current config. Read later, at first contact
     from inside a step, no config was current and every engine said
     "sha256", so peers that hash blocks differently were not refused."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        found = frame.f_locals.get("vllm_config")
+    for local in _callers():
+        found = local.get("vllm_config")
         if found is None:
-            found = getattr(frame.f_locals.get("self"), "vllm_config", None)
+            found = getattr(local.get("self"), "vllm_config", None)
         algo = getattr(
             getattr(found, "cache_config", None), "prefix_caching_hash_algo", None
         )
         if isinstance(algo, str):
             return algo
-        frame = frame.f_back  # type: ignore[assignment]
     try:
         from vllm.config import get_current_vllm_config
 
