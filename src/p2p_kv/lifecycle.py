@@ -17,8 +17,9 @@ The four machines
 -----------------
 ``PROBE``  (consumer, one per Lookup batch) -- asks a peer which blocks it has.
 ``LOAD``   (consumer, one per load job)     -- a one-sided READ of blocks the
-           peer offered with its lookup answer, or else a Fetch (the peer
-           WRITEs), and the fence behind either: the job's destination slots
+           peer offered with its lookup answer, or else a Fetch: the peer
+           WRITEs, or (a disaggregated prefill's parked stores) answers with
+           an offer we READ, and the fence behind each: the job's destination slots
            go back to the engine only from DONE or FAILED, and FAILED is
            reached only once nothing can land in them any more (our READ
            ended; TransferDone or AbortAck; or the peer's agent invalidated).
@@ -27,7 +28,8 @@ The four machines
            it fails at once, for nothing was started that could land.
 ``SERVE``  (producer, one per peer x (req, gen)) -- pins blocks for a peer's
            lookup (which it may READ until it releases them) or binds parked
-           stores to its fetch, writes them, releases.
+           stores to its fetch and writes them, or offers them for READ as
+           it offers pins; releases.
 ``PARKED`` (producer, one per store job of a ``remote_decoder`` request) --
            blocks kept for a decoder that has not fetched yet.
 """
@@ -90,6 +92,8 @@ class Event(Enum):
     RELEASE = "release"
     REVOKE = "revoke"
     ORPHAN = "orphan"  # the session ended while the peer may still READ
+    #: the blocks of a Fetch are offered for READ instead of written
+    OFFER = "offer"
     POSTED = "posted"  # the data plane took our READ: bytes may land now
     TRANSFER_OK = "transfer_ok"
     TRANSFER_FAILED = "transfer_failed"
@@ -121,6 +125,9 @@ TABLE: Final[dict[Machine, dict[State, dict[Event, State]]]] = {
             E.PEER_LOST: S.FAILED,
         },
         S.FETCH_POSTED: {
+            # The producer offers its parked stores instead of writing them
+            # (a ``read`` Fetch): from here on it is our READ to fence.
+            E.OFFER: S.READ_QUEUED,
             E.TRANSFER_OK: S.DONE,
             E.TRANSFER_FAILED: S.FAILED,
             # The producer may be mid-write: quarantine, do not fail yet.
@@ -208,6 +215,8 @@ TABLE: Final[dict[Machine, dict[State, dict[Event, State]]]] = {
         },
         S.FETCH_WAITING: {
             E.STORES_READY: S.WRITING,
+            # A ``read`` Fetch: the stores are offered, held as pins are.
+            E.OFFER: S.PINNED,
             E.ABORT: S.RELEASED,
             E.TIMEOUT: S.RELEASED,
             E.PEER_LOST: S.RELEASED,

@@ -20,7 +20,7 @@ from typing import Annotated, Final
 
 import msgspec
 
-PROTOCOL_VERSION: Final = 3
+PROTOCOL_VERSION: Final = 4
 
 #: Largest frame accepted from a peer. A lookup of 65,536 keys of 36 bytes
 #: is about 2.5 MiB, so 4 MiB fits the largest legal message with room.
@@ -118,7 +118,13 @@ class Fetch(_Msg, tag="fetch", frozen=True):
     which may come after this Fetch; the producer waits for them. False
     when a lookup came first: only its pins can serve the Fetch, and a
     producer that no longer holds them (their lifetime ended, a cache
-    reset, a reconnect) says so at once instead of waiting."""
+    reset, a reconnect) says so at once instead of waiting.
+
+    ``read`` (with ``parked``): the consumer READs the blocks itself, so
+    the producer answers with a :class:`FetchOffer` once they are parked
+    instead of writing: nothing of the producer's ever lands in the
+    consumer's slots, so a producer that stalls and resumes cannot write
+    into slots the consumer gave back (see ``docs/architecture.md``)."""
 
     req: ReqId
     gen: Gen
@@ -126,6 +132,21 @@ class Fetch(_Msg, tag="fetch", frozen=True):
     keys: Keys
     slots: Slots
     parked: bool = True
+    read: bool = False
+
+
+class FetchOffer(_Msg, tag="fetch_offer", frozen=True):
+    """Producer's answer to a ``read`` Fetch: the fetch's blocks are in our
+    ``slots`` (parallel to its keys), held until the consumer's Release, its
+    Abort, or ``ttl_ms`` from when we sent this. The consumer counts the
+    window from when it sent the Fetch (earlier), so it never reads after
+    we could have let the blocks go."""
+
+    req: ReqId
+    gen: Gen
+    job: Gen
+    slots: Slots
+    ttl_ms: Annotated[int, msgspec.Meta(gt=0, le=MAX_TTL_MS)]
 
 
 class TransferDone(_Msg, tag="transfer_done", frozen=True):
@@ -197,6 +218,7 @@ Message = (
     | Lookup
     | LookupResp
     | Fetch
+    | FetchOffer
     | TransferDone
     | Release
     | Revoke

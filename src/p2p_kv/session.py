@@ -59,6 +59,7 @@ from p2p_kv.protocol import (
     AbortAck,
     Error,
     Fetch,
+    FetchOffer,
     Goodbye,
     Heartbeat,
     Hello,
@@ -268,9 +269,10 @@ class Load(Tracked):
         super().__init__(initial)
         self.job, self.req, self.gen, self.blocks = job, req, gen, blocks
         self.nbytes, self.started = nbytes, now
-        #: What the peer will be asked to WRITE once the handshake ends
-        #: (write path, queued only; a READ sends no request, its order
-        #: goes to our own data plane).
+        #: The Fetch: kept while queued (it is sent when the handshake
+        #: ends) and, for a ``read`` Fetch, until the peer's offer, whose
+        #: READ goes into its slots. A READ of a lookup's offer sends no
+        #: request: its order goes to our own data plane.
         self.fetch = fetch
         self.deadline = deadline
         self.read_until = read_until
@@ -402,6 +404,28 @@ class Serve(Tracked):
     @property
     def pinned_blocks(self) -> int:
         return sum(len(p.slots) for p in self.pins)
+
+    @property
+    def held_blocks(self) -> int:
+        """Pins and bound parked stores: blocks a peer may be told of."""
+        return self.pinned_blocks + sum(len(p.slots) for p in self.parked)
+
+    def let_go(self, ok: bool, reason: str) -> list[StoreResult]:
+        """Everything held goes back to the engine: the pins' jobs (which
+        only held blocks, so they succeed) and the bound parked stores
+        (``ok``: served). The results are the caller's to deliver."""
+        results = [StoreResult(pin.job_id, True) for pin in self.pins]
+        self.pins.clear()
+        event = (
+            Event.WRITES_DONE
+            if ok
+            else (Event.PEER_LOST if reason == "peer_down" else Event.WRITES_FAILED)
+        )
+        for store in self.parked:
+            store.fire(event)
+            results.append(StoreResult(store.job_id, ok, reason))
+        self.parked.clear()
+        return results
 
 
 _K = TypeVar("_K")
@@ -683,7 +707,8 @@ class Session:
                 load.fire(Event.SESSION_READY)
                 assert load.fetch is not None  # only a Fetch waits for READY
                 self._send(load.fetch)
-                load.fetch = None  # sent: the keys and slots are not kept
+                if not load.fetch.read:
+                    load.fetch = None  # sent: the keys and slots are not kept
 
     def close(self, reason: str) -> None:
         """Local decision to drop the peer (shutdown, idle, reset)."""
@@ -724,7 +749,7 @@ class Session:
         self._writes.clear()
         self.cancelled_reads.clear()
         for serve in list(self._serves.values()):
-            if serve.offered and serve.pins and serve.can(Event.ORPHAN):
+            if serve.offered and serve.held_blocks and serve.can(Event.ORPHAN):
                 # The peer may not know yet and READ on inside its window:
                 # the pins outlive us, owned by the manager to their deadline.
                 serve.fire(Event.ORPHAN)
@@ -780,6 +805,8 @@ class Session:
                     self._on_lookup_resp(msg)
                 case Fetch():
                     self._on_fetch(msg, now)
+                case FetchOffer():
+                    self._on_fetch_offer(msg, now)
                 case TransferDone():
                     self._on_transfer_done(msg, now)
                 case Release():
@@ -925,7 +952,15 @@ class Session:
             self.counters.loads_read += 1
         else:
             fetch = Fetch(
-                req=req, gen=gen, job=job_id, keys=keys, slots=slots, parked=parked
+                req=req,
+                gen=gen,
+                job=job_id,
+                keys=keys,
+                slots=slots,
+                parked=parked,
+                # Parked stores are offered to a reader: a producer's WRITE
+                # into our slots can only be fenced by its word or its death.
+                read=parked and self.reads,
             )
             initial = State.FETCH_POSTED if self.ready else State.QUEUED
             offer, read_until = None, 0.0
@@ -939,8 +974,7 @@ class Session:
             now,
             deadline,
             initial,
-            # kept only while queued: it is sent when the handshake ends
-            fetch=fetch if initial is State.QUEUED else None,
+            fetch=fetch if initial is State.QUEUED or (fetch and fetch.read) else None,
             read_until=read_until,
         )
         self._loads[job_id] = load
@@ -950,6 +984,60 @@ class Session:
             self._reads.append(ReadOrder(job_id, list(slots), remote))
         elif fetch is not None and initial is State.FETCH_POSTED:
             self._send(fetch)
+
+    def _on_fetch_offer(self, msg: FetchOffer, now: float) -> None:
+        load = self._loads.get(msg.job)
+        fetch = load.fetch if load is not None else None
+        if (
+            load is None
+            or fetch is None
+            or not fetch.read
+            or load.state is not State.FETCH_POSTED
+            or (load.req, load.gen) != (msg.req, msg.gen)
+        ):
+            # For a load we gave up on (its Abort crossed this offer) or
+            # never asked an offer for: the peer holds nothing past our
+            # Abort or its deadline, so nothing to answer.
+            self.counters.bump(self.counters.protocol_errors, "stale_fetch_offer")
+            return
+        region = self._peer_hello
+        assert region is not None
+        if (
+            len(msg.slots) != load.blocks
+            or not msg.slots
+            or max(msg.slots) >= region.num_blocks
+        ):
+            self._protocol_error(
+                "bad_fetch_offer",
+                f"{len(msg.slots)} slots for {load.blocks} keys, or outside the "
+                f"peer's {region.num_blocks} blocks",
+                msg.req,
+                msg.gen,
+            )
+            # Nothing read, and the producer offered rather than wrote: end
+            # it as an abort does, through the peer's ack (the fence).
+            load.fire(Event.ABORT)
+            self._arm(load, now + self.timeouts.abort_ack_s)
+            self._send(Abort(load.req, load.gen))
+            return
+        # Counted from when our Fetch left, before the peer's hold began.
+        until = load.started + msg.ttl_ms / 1000.0 * self.timeouts.read_window
+        load.fire(Event.OFFER)
+        load.fetch, load.read_until = None, until
+        late = now + load.nbytes / self.timeouts.fetch_bytes_per_s >= until
+        if late or msg.gen in self._revoked:
+            # No time left to READ it all inside the window, or the peer
+            # revoked it (a cache reset) before its offer reached us: the
+            # load recomputes, and the peer hears a Release (if its Revoke
+            # has not had one already).
+            why = "offer_too_late" if late else "revoked"
+            load.fire(Event.TIMEOUT)
+            self.counters.bump(self.counters.failures, why)
+            self._end_unstarted(load, why, now)
+            return
+        if until < load.deadline:
+            self._arm(load, until)
+        self._reads.append(ReadOrder(load.job, list(fetch.slots), list(msg.slots)))
 
     def on_read_done(self, job_id: int, ok: bool, now: float) -> None:
         """The data plane ended our READ of job ``job_id`` (exactly once)."""
@@ -1215,9 +1303,12 @@ class Session:
         if serve is None:
             return  # already released (deadline, abort): nothing to do
         serve.fire(Event.RELEASE)
-        blocks = min(msg.blocks, serve.pinned_blocks)
+        blocks = min(msg.blocks, serve.held_blocks)
         self.counters.bytes_served += blocks * self._me.block_bytes
-        self._release_serve(serve, None, ok=True, reason="")
+        # Parked stores the consumer never read (it gave the load up) were
+        # not served; pins only held blocks either way.
+        ok = blocks > 0 or not serve.parked
+        self._release_serve(serve, None, ok=ok, reason="" if ok else "unread")
 
     @property
     def pinned_blocks(self) -> int:
@@ -1313,7 +1404,10 @@ class Session:
         assert fetch is not None
         table = serve.slot_table()
         if all(k in table for k in fetch.keys):
-            self._start_writes(serve, Event.STORES_READY, now)
+            if fetch.read and self.reads:  # (``read_path: false``: we write)
+                self._offer_parked(serve, now)
+            else:
+                self._start_writes(serve, Event.STORES_READY, now)
         elif serve.complete:
             self._send(
                 TransferDone(
@@ -1321,6 +1415,27 @@ class Session:
                 )
             )
             self._release_serve(serve, Event.TIMEOUT, ok=False, reason="missing")
+
+    def _offer_parked(self, serve: Serve, now: float) -> None:
+        """The stores of a ``read`` Fetch are all here: tell the consumer
+        where, and hold them as offered pins are held (its Release, its
+        Abort, the pins' deadline, or orphaned past a lost session)."""
+        fetch = serve.fetch
+        assert fetch is not None
+        table = serve.slot_table()
+        serve.fire(Event.OFFER)
+        serve.offered = True
+        ttl_ms = max(1, min(int(self.timeouts.pin_ttl_s * 1000), MAX_TTL_MS))
+        self._arm(serve, now + ttl_ms / 1000.0)
+        self._send(
+            FetchOffer(
+                fetch.req,
+                fetch.gen,
+                fetch.job,
+                [table[key] for key in fetch.keys],
+                ttl_ms,
+            )
+        )
 
     def _start_writes(self, serve: Serve, event: Event, now: float) -> None:
         fetch = serve.fetch
@@ -1424,17 +1539,7 @@ class Session:
         self._serves.pop((serve.req, serve.gen), None)
         if serve.write_id in self._writing:
             del self._writing[serve.write_id]
-        for pin in serve.pins:
-            self._store_results.append(StoreResult(pin.job_id, True))
-        serve.pins.clear()
-        for store in serve.parked:
-            store.fire(
-                Event.WRITES_DONE
-                if ok
-                else (Event.PEER_LOST if reason == "peer_down" else Event.WRITES_FAILED)
-            )
-            self._store_results.append(StoreResult(store.job_id, ok, reason))
-        serve.parked.clear()
+        self._store_results.extend(serve.let_go(ok, reason))
 
     def release_unwritten(self) -> None:
         """Release every serve with no write in flight (cache reset). A later
@@ -1442,7 +1547,7 @@ class Session:
         Pins offered for READ are revoked instead: they go back when the
         peer's Release says no read is in flight (or at their deadline)."""
         for serve in list(self._serves.values()):
-            if serve.offered and serve.pins and serve.can(Event.REVOKE):
+            if serve.offered and serve.held_blocks and serve.can(Event.REVOKE):
                 for lookup in self._drop_pending(serve):
                     self._send(
                         LookupResp(

@@ -41,7 +41,7 @@ import zmq  # noqa: F401  (fail, not skip, without ZeroMQ)
 
 from p2p_kv.manager import Answer
 from p2p_kv.session import Session, Timeouts
-from p2p_kv.standalone import StandalonePeer, make_key
+from p2p_kv.standalone import StandalonePeer, block_pattern, make_key
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -801,6 +801,70 @@ def test_a_write_the_producer_cannot_stop_ends_the_session_not_the_load(
             prod.step(wait=False)
         assert not cons.results.pop(1).success
         rt.end_request("r1")
+        end = time.monotonic() + 5
+        while time.monotonic() < end and (
+            any(cons.manager.state_report().values())
+            or any(prod.manager.state_report().values())
+        ):
+            cons.step(wait=False)
+            prod.step(wait=False)
+        assert not any(cons.manager.state_report().values())
+        assert not any(prod.manager.state_report().values())
+    finally:
+        cons.close()
+        prod.close()
+
+
+@pytest.mark.parametrize("path", ["read", "nixl_read"])
+def test_a_decoder_reads_the_parked_prefill_and_the_producer_writes_nothing(
+    monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
+    """Disaggregated prefill between real runtimes (ZeroMQ, NIXL) in this
+    process: the prefiller parks its stores, the decoder's Fetch is
+    answered with an offer, and the decoder READs them (a same-host copy,
+    or NIXL into staging): the bytes are right, the stores are served and
+    released, and the producer's data plane never posted a WRITE, the one
+    transfer a stalled producer could land after the decoder gave its
+    slots back."""
+    from p2p_kv.manager import Roles, Source
+
+    bs, keys = 64 * KIB, [make_key(i) for i in range(8)]
+    prod = StandalonePeer(16, bs, engine_id=f"pdp-{os.getpid()}")
+    cons = StandalonePeer(
+        32, bs, engine_id=f"pdc-{os.getpid()}", same_host=path == "read"
+    )
+    writes: list[object] = []
+    real_post_write = prod.runtime.data.post_write
+
+    def post_write(*args: object, **kw: object) -> int:
+        writes.append(args)
+        return real_post_write(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(prod.runtime.data, "post_write", post_write)
+    try:
+        src, dst = [3, 5, 6, 7, 9, 10, 12, 15], list(range(20, 28))
+        prod.fill(keys, src)
+        prt = prod.runtime
+        prt.start_request("p1", Roles(dest_kv_id="kv-pd"))
+        prod.manager.submit_store(77, "p1", keys, src, prt.clock())
+        prt.end_request("p1")
+        rt, m = cons.runtime, cons.manager
+        rt.start_request("d1", Roles(Source("kv-pd", prod.address, probe=False)))
+        assert [m.lookup("d1", k) for k in keys] == [Answer.HIT] * len(keys)
+        rt.submit_load(1, "d1", keys, dst)
+        end = time.monotonic() + 10
+        while 1 not in cons.results or 77 not in prod.results:
+            assert time.monotonic() < end, "the parked load did not end"
+            cons.step(wait=False)
+            prod.step(wait=False)
+        assert cons.results.pop(1).success
+        assert prod.results.pop(77).success  # the store was served
+        for k, d in zip(keys, dst, strict=True):
+            assert bytes(cons.block(d)) == bytes(block_pattern(k, bs))
+        assert path_counts(cons) == (0, 1)  # a Fetch, answered with an offer
+        assert (cons.runtime.data.local_reads > 0) == (path == "read")
+        assert writes == []
+        rt.end_request("d1")
         end = time.monotonic() + 5
         while time.monotonic() < end and (
             any(cons.manager.state_report().values())

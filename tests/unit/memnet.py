@@ -100,6 +100,21 @@ class Engine:
         self.submitted.add(job)
         return job
 
+    def store(
+        self,
+        job: int,
+        req: str,
+        keys: Sequence[bytes],
+        slots: Sequence[int],
+        now: float,
+    ) -> None:
+        """A store job of a producer request: as in vLLM, its blocks stay
+        held (a peer may READ them) until the job's result comes back."""
+        self.pin_jobs[job] = list(slots)
+        for s in slots:
+            self.pin_count[s] = self.pin_count.get(s, 0) + 1
+        self.manager.submit_store(job, req, keys, slots, now)
+
     def put(self, k: bytes, slot: int) -> None:
         self.primary[k] = slot
         self.region[slot * BLOCK : (slot + 1) * BLOCK] = payload(k)

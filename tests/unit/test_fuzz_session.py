@@ -48,6 +48,7 @@ from p2p_kv.protocol import (
     MAX_FRAME_BYTES,
     Error,
     Fetch,
+    FetchOffer,
     Hello,
     HelloAck,
     LookupResp,
@@ -195,6 +196,11 @@ def _known_bad(rng: random.Random, net: Net, target: str) -> tuple[bytes, str]:
         (
             Fetch(rng.choice(reqs), rng.choice(gens), 5, [KEYS[0]], [NBLOCKS + 3]),
             "bad:slot_out_of_range",
+        ),
+        (FetchOffer("ghost", ghost_gen, 77, [1], 1000), "bad:stale_fetch_offer"),
+        (
+            FetchOffer(rng.choice(reqs), ghost_gen, rng.randrange(500), [1], 1000),
+            "bad:stale_fetch_offer",
         ),
         (Error(code="forged", req=rng.choice(reqs)), "bad:peer_error"),
         (HelloAck(mac=rng.randbytes(32)), "bad:unexpected_hello_ack"),

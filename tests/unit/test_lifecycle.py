@@ -238,6 +238,9 @@ FENCES: frozenset[tuple[State | None, Event]] = frozenset(
         (None, E.PEER_LOST),  # the session invalidates the peer's agent first
         (S.ABORTING, E.TIMEOUT),  # likewise: the session closes the peer
         (S.READ_CANCELLING, E.TIMEOUT),  # closing it also ends our READ
+        # A read Fetch's answer: the producer offers its blocks instead of
+        # writing them, so nothing of its lands; what follows is our READ.
+        (S.FETCH_POSTED, E.OFFER),
     }
 )
 
@@ -248,8 +251,8 @@ def fences(src: State, event: Event) -> bool:
 
 def unfenced_paths_to_failed(table: dict[State, dict[Event, State]]) -> list[str]:
     """Every path from a started transfer (FETCH_POSTED or READING) that
-    enters FAILED over a non-fencing event, found by exploring the table
-    (each state visited once)."""
+    enters FAILED with no fencing event on it, found by exploring the table
+    (each state visited once; past a fence every path is fenced)."""
     bad = []
     seen = {S.FETCH_POSTED, S.READING}
     todo: deque[tuple[State, list[str]]] = deque(
@@ -259,7 +262,9 @@ def unfenced_paths_to_failed(table: dict[State, dict[Event, State]]) -> list[str
         src, path = todo.popleft()
         for event, dst in table.get(src, {}).items():
             here = [*path, f"{src.name} -{event.name}->"]
-            if dst is S.FAILED and not fences(src, event):
+            if fences(src, event):
+                continue
+            if dst is S.FAILED:
                 bad.append(" ".join([*here, dst.name]))
             if dst not in seen and dst is not S.FAILED:
                 seen.add(dst)

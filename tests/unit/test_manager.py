@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from p2p_kv.manager import Answer, Roles
+from p2p_kv.protocol import Fetch, decode
 from p2p_kv.session import Timeouts
 
 from .memnet import Net, key, payload
@@ -317,7 +318,7 @@ def test_disaggregated_prefill_in_both_orders() -> None:
             "p1", Roles.parse({"remote_decoder": {"kv_request_id": "kv9"}}), net.now
         )
         store_job = a.new_job()
-        a.manager.submit_store(store_job, "p1", KEYS, [20, 21, 22, 23], net.now)
+        a.store(store_job, "p1", KEYS, [20, 21, 22, 23], net.now)
         for k, s in zip(KEYS, [20, 21, 22, 23], strict=True):
             a.region[s * 16 : (s + 1) * 16] = payload(k)
         if producer_finishes_first:
@@ -347,7 +348,7 @@ def test_parked_store_expires_when_nobody_fetches() -> None:
         "p1", Roles.parse({"remote_decoder": {"kv_request_id": "kv9"}}), net.now
     )
     job = a.new_job()
-    a.manager.submit_store(job, "p1", KEYS, [1, 2, 3, 4], net.now)
+    a.store(job, "p1", KEYS, [1, 2, 3, 4], net.now)
     a.manager.on_request_finished("p1", net.now)
     wait(net, 1.2)
     collect_all(net)
@@ -372,7 +373,7 @@ def test_request_with_both_legs_is_finished_on_both() -> None:
     b.manager.lookup("r1", KEYS[0])
     net.run()
     store = b.new_job()
-    b.manager.submit_store(store, "r1", [KEYS[0]], [9], net.now)
+    b.store(store, "r1", [KEYS[0]], [9], net.now)
     b.manager.on_request_finished("r1", net.now)
     report = b.manager.state_report()
     assert report["consumers"] == 0 and report["producers"] == 0
@@ -496,7 +497,7 @@ def test_a_fetch_after_its_producer_ended_with_nothing_parked_fails_at_once() ->
     collect_all(net)
     assert job not in b.results
     store = a.new_job()
-    a.manager.submit_store(store, "p2", KEYS, [20, 21, 22, 23], net.now)
+    a.store(store, "p2", KEYS, [20, 21, 22, 23], net.now)
     a.manager.on_request_finished("p2", net.now)
     net.run()
     collect_all(net)
@@ -606,3 +607,141 @@ def test_a_load_too_late_in_its_offer_to_read_is_fetched() -> None:
         net.run()
         collect_all(net)
         assert_drained(net)
+
+
+# ---------------------------------------------------------------------------
+# disaggregated prefill: the decoder READs the parked stores
+# ---------------------------------------------------------------------------
+
+
+def parked_fetch(net: Net, kv_id: str = "kv9") -> int:
+    """A finished ``remote_decoder`` request on a with its four blocks
+    parked, and a decoder request on b whose load of them is submitted."""
+    a, b = net.engines["a"], net.engines["b"]
+    dec = Roles.parse({"remote_decoder": {"kv_request_id": kv_id}})
+    a.manager.on_new_request("p1", dec, net.now)
+    a.store(a.new_job(), "p1", KEYS, [20, 21, 22, 23], net.now)
+    for k, s in zip(KEYS, [20, 21, 22, 23], strict=True):
+        a.region[s * 16 : (s + 1) * 16] = payload(k)
+    a.manager.on_request_finished("p1", net.now)
+    b.manager.on_new_request("d1", net.roles("a", kv_id, probe=False), net.now)
+    assert b.manager.lookup("d1", KEYS[0]) is Answer.HIT
+    return load(net, "d1", [40, 41, 42, 43])
+
+
+@pytest.mark.parametrize(
+    ("reads", "producer_reads"), [(True, True), (False, False), (True, False)]
+)
+def test_a_decoder_reads_parked_stores_so_no_producer_write_reaches_its_slots(
+    reads: bool, producer_reads: bool
+) -> None:
+    """The write path's fence is the producer's word or its death: a
+    producer that stalled past the ack deadline and resumed could still
+    write slots the decoder had given back (CMA writes from the producer's
+    own process). A decoder that reads asks for an offer instead, and
+    nothing of the producer's is ever posted toward its slots. A producer
+    with ``read_path: false`` offers nothing: it writes, as before."""
+    net = Net(reads=reads)
+    a, b = net.engines["a"], net.engines["b"]
+    a.manager.reads = producer_reads
+    reads = reads and producer_reads
+    job = parked_fetch(net)
+    net.hold_writes = True
+    posted: list[str] = []
+    for _ in range(8):
+        net.run(1)
+        posted += [f"write {o.write_id}" for _, _, o in net.writes]
+        posted += [f"read {o.job_id}" for _, _, o in net.reads]
+    assert posted and all(p.startswith("read" if reads else "write") for p in posted)
+    net.hold_writes = False
+    net.run()
+    collect_all(net)
+    assert b.results[job][0].success
+    assert [b.block(s) for s in (40, 41, 42, 43)] == [payload(k) for k in KEYS]
+    (store,) = [r for rs in a.results.values() for r in rs]
+    assert store.success  # served: by the decoder's READ or our WRITE
+    (session,) = b.manager.sessions()
+    assert session.counters.loads_fetched == 1
+    b.manager.on_request_finished("d1", net.now)
+    net.run()
+    collect_all(net)
+    assert_drained(net)
+
+
+def test_an_offer_with_no_time_left_to_read_recomputes_and_frees_the_stores() -> None:
+    """The decoder trusts an offer for the producer's hold counted from
+    when its Fetch left (the hold starts later). Stores parked so late that
+    the window cannot fit the READ: the load fails at once (nothing was
+    posted) and the Release frees the stores, not their TTL."""
+    net = Net(timeouts=Timeouts(pin_ttl_s=1.0))
+    a, b = net.engines["a"], net.engines["b"]
+    dec = Roles.parse({"remote_decoder": {"kv_request_id": "kv9"}})
+    a.manager.on_new_request("p1", dec, net.now)
+    b.manager.on_new_request("d1", net.roles("a", "kv9", probe=False), net.now)
+    job = load(net, "d1", [40, 41, 42, 43])
+    net.run()
+    wait(net, 0.8)  # past 0.75 x 1 s since the Fetch left
+    store = a.new_job()
+    a.store(store, "p1", KEYS, [20, 21, 22, 23], net.now)
+    a.manager.on_request_finished("p1", net.now)
+    net.run(3)
+    collect_all(net)
+    (result,) = b.results[job]
+    assert (result.success, result.reason) == (False, "offer_too_late")
+    assert a.results[store][0].success is False  # released, not expired
+    assert net.now < 1.5
+    b.manager.on_request_finished("d1", net.now)
+    net.run()
+    collect_all(net)
+    assert_drained(net)
+
+
+def test_an_abort_crossing_the_offer_is_acked_and_nothing_is_read() -> None:
+    net = Net()
+    b = net.engines["b"]
+    job = parked_fetch(net)
+    for _ in range(10):  # up to the Fetch leaving b
+        net.step(deliver=False)
+        if any(isinstance(decode(f), Fetch) for _, _, f in net.queue):
+            break
+        net.deliver_all()
+        net.serve()
+    net.deliver_all()  # a binds the stores: its offer leaves at its next step
+    b.manager.on_request_finished("d1", net.now)  # the Abort crosses it
+    net.run()
+    collect_all(net)
+    (result,) = b.results[job]
+    assert (result.success, result.reason) == (False, "abort")
+    (session,) = b.manager.sessions()
+    assert session.counters.protocol_errors == {"stale_fetch_offer": 1}
+    assert not net.reads and not b.manager.state_report()["fenced_slots"]
+    assert_drained(net)
+
+
+def test_offered_parked_stores_outlive_a_lost_session_to_their_deadline() -> None:
+    """As offered pins: the decoder may still be READing when the session
+    drops, so the stores stay held (orphaned) until the hold's end."""
+    net = Net(timeouts=Timeouts(pin_ttl_s=2.0))
+    a, b = net.engines["a"], net.engines["b"]
+    parked_fetch(net)
+    net.hold_writes = True
+    for _ in range(8):
+        net.run(1)
+        if net.reads:
+            break
+    assert net.reads
+    net.cut("a", "b")
+    net.run(1)
+    collect_all(net)
+    assert a.manager.state_report()["orphaned_pins"] == 4
+    assert not a.results  # the store is still held
+    net.hold_writes = False
+    wait(net, 2.2)
+    collect_all(net)
+    (store,) = [r for rs in a.results.values() for r in rs]
+    assert not store.success  # not known to be served
+    assert a.manager.state_report()["orphaned_pins"] == 0
+    b.manager.on_request_finished("d1", net.now)
+    net.run()
+    collect_all(net)
+    assert_drained(net)

@@ -233,7 +233,7 @@ def test_fenced_slots_and_parked_stores_gauges() -> None:
     a = net.engines["a"]
     roles = Roles.parse({"remote_decoder": {"kv_request_id": "kv9"}})
     a.manager.on_new_request("p1", roles, net.now)
-    a.manager.submit_store(a.new_job(), "p1", KEYS, [20, 21, 22, 23], net.now)
+    a.store(a.new_job(), "p1", KEYS, [20, 21, 22, 23], net.now)
     assert collect(ea, net, "a").gauges[PARKED_STORES] == {(): 1}
 
 

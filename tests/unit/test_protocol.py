@@ -20,6 +20,7 @@ from p2p_kv.protocol import (
     AbortAck,
     Error,
     Fetch,
+    FetchOffer,
     Goodbye,
     Heartbeat,
     Hello,
@@ -65,6 +66,8 @@ SAMPLES: list[Any] = [
     Fetch(req="req-1", gen=3, job=42, keys=[K1, K2], slots=[7, 0]),
     Fetch(req="req-1", gen=2**63 - 1, job=0, keys=[], slots=[]),
     Fetch(req="req-1", gen=3, job=42, keys=[K1], slots=[7], parked=False),
+    Fetch(req="req-1", gen=3, job=42, keys=[K1], slots=[7], read=True),
+    FetchOffer(req="req-1", gen=3, job=42, slots=[10, 13], ttl_ms=15000),
     TransferDone(req="req-1", gen=3, job=42, ok=True),
     TransferDone(req="req-1", gen=3, job=42, ok=False, reason="write failed"),
     Abort(req="req-1", gen=3),
@@ -250,6 +253,12 @@ def test_lookup_resp_slots_must_match_hits() -> None:
     refused(encode(bad), "2 hits but 1 slots")
     huge_ttl = LookupResp(req="r", gen=1, seq=1, hits=[True], slots=[4], ttl_ms=-1)
     refused(encode(huge_ttl))
+
+
+def test_a_fetch_offer_without_a_hold_is_refused() -> None:
+    # An offer whose blocks are held for no time cannot be read safely.
+    refused(encode(FetchOffer(req="r", gen=1, job=1, slots=[4], ttl_ms=0)))
+    assert not Fetch(req="r", gen=1, job=2, keys=[K1], slots=[3]).read
 
 
 def test_fetch_keys_slots_mismatch() -> None:
