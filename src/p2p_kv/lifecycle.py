@@ -190,6 +190,9 @@ TABLE: Final[dict[Machine, dict[State, dict[Event, State]]]] = {
         S.PINNED: {
             E.LOOKUP: S.LOOKUP_QUEUED,
             E.FETCH: S.WRITING,
+            # A ``read`` Fetch (the consumer's window on our answer closed
+            # before its load): the pins are offered again, held anew.
+            E.OFFER: S.PINNED,
             # The consumer READ the blocks itself (or gave up on them).
             E.RELEASE: S.RELEASED,
             E.REVOKE: S.REVOKING,

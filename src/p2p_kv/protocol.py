@@ -120,11 +120,12 @@ class Fetch(_Msg, tag="fetch", frozen=True):
     producer that no longer holds them (their lifetime ended, a cache
     reset, a reconnect) says so at once instead of waiting.
 
-    ``read`` (with ``parked``): the consumer READs the blocks itself, so
-    the producer answers with a :class:`FetchOffer` once they are parked
-    instead of writing: nothing of the producer's ever lands in the
-    consumer's slots, so a producer that stalls and resumes cannot write
-    into slots the consumer gave back (see ``docs/architecture.md``)."""
+    ``read``: the consumer READs the blocks itself, so the producer
+    answers with a :class:`FetchOffer` (once parked stores are all there,
+    or at once for pins it holds) instead of writing: nothing of the
+    producer's ever lands in the consumer's slots, so a producer that
+    stalls and resumes cannot write into slots the consumer gave back (see
+    ``docs/architecture.md``)."""
 
     req: ReqId
     gen: Gen

@@ -958,9 +958,9 @@ class Session:
                 keys=keys,
                 slots=slots,
                 parked=parked,
-                # Parked stores are offered to a reader: a producer's WRITE
-                # into our slots can only be fenced by its word or its death.
-                read=parked and self.reads,
+                # Offered to a reader, not written: a producer's WRITE into
+                # our slots is fenced only by its word or its death.
+                read=self.reads,
             )
             initial = State.FETCH_POSTED if self.ready else State.QUEUED
             offer, read_until = None, 0.0
@@ -974,7 +974,7 @@ class Session:
             now,
             deadline,
             initial,
-            fetch=fetch if initial is State.QUEUED or (fetch and fetch.read) else None,
+            fetch=fetch if initial is State.QUEUED or self.reads else None,
             read_until=read_until,
         )
         self._loads[job_id] = load
@@ -1390,7 +1390,12 @@ class Session:
                 )
             return
         serve.fetch = msg
-        self._start_writes(serve, Event.FETCH, now)
+        if msg.read and self.reads:
+            # The consumer's READ window on our lookup answer closed before
+            # its load: the pins are offered again, from now.
+            self._offer(serve, now)
+        else:
+            self._start_writes(serve, Event.FETCH, now)
 
     def attach_parked(
         self, serve: Serve, stores: list[ParkedStore], complete: bool, now: float
@@ -1405,7 +1410,7 @@ class Session:
         table = serve.slot_table()
         if all(k in table for k in fetch.keys):
             if fetch.read and self.reads:  # (``read_path: false``: we write)
-                self._offer_parked(serve, now)
+                self._offer(serve, now)
             else:
                 self._start_writes(serve, Event.STORES_READY, now)
         elif serve.complete:
@@ -1416,13 +1421,20 @@ class Session:
             )
             self._release_serve(serve, Event.TIMEOUT, ok=False, reason="missing")
 
-    def _offer_parked(self, serve: Serve, now: float) -> None:
-        """The stores of a ``read`` Fetch are all here: tell the consumer
-        where, and hold them as offered pins are held (its Release, its
-        Abort, the pins' deadline, or orphaned past a lost session)."""
+    def _offer(self, serve: Serve, now: float) -> None:
+        """Answer a ``read`` Fetch whose blocks we hold (pins, or parked
+        stores all here) with where they are, and hold them as offered pins
+        are held: to the consumer's Release or Abort, the hold's deadline,
+        or orphaned past a lost session."""
         fetch = serve.fetch
         assert fetch is not None
         table = serve.slot_table()
+        if not all(map(table.__contains__, fetch.keys)):
+            self._send(
+                TransferDone(serve.req, serve.gen, fetch.job, False, "block not pinned")
+            )
+            self._release_serve(serve, Event.ABORT, ok=False, reason="not_pinned")
+            return
         serve.fire(Event.OFFER)
         serve.offered = True
         ttl_ms = max(1, min(int(self.timeouts.pin_ttl_s * 1000), MAX_TTL_MS))

@@ -589,13 +589,23 @@ def test_a_load_too_late_in_its_offer_to_read_is_fetched() -> None:
     """A one-sided READ was chosen however little of the offer's trust
     window was left, and failed at its end (``read_late`` / abort) though
     the producer still held the pins; with no time to READ it all at the
-    rate the deadlines assume, the load is a Fetch."""
+    rate the deadlines assume, the load is a Fetch. The producer answers
+    it with a new offer of the pins it still holds, which the consumer
+    READs: no WRITE into the consumer's slots."""
     slow = Timeouts(pin_ttl_s=4.0, fetch_bytes_per_s=64.0)  # 4 blocks: 1 s
     for wait_s, path in ((0.5, "read"), (2.5, "fetch")):
         net = make_net(timeouts=slow)
         assert probe(net, "r1", "kv1") == [Answer.HIT] * 4
         wait(net, wait_s)  # the window ends 3 s (75% of 4) after the lookup
         job = load(net, "r1", [5, 6, 7, 8])
+        net.hold_writes = True
+        for _ in range(6):
+            net.run(1)
+            assert not net.writes
+            if net.reads:
+                break
+        assert net.reads
+        net.hold_writes = False
         net.run()
         (result,) = net.engines["b"].collect(net.now)
         assert result.job_id == job and result.success
