@@ -42,6 +42,7 @@ LOADED_BYTES = PREFIX + "loaded_bytes"
 SERVED_BYTES = PREFIX + "served_bytes"
 LOADS_READ = PREFIX + "loads_read"
 LOADS_FETCHED = PREFIX + "loads_fetched"
+LOADS_WRITTEN = PREFIX + "loads_written"
 SAME_HOST_READS = PREFIX + "same_host_reads"
 LOAD_TIME = PREFIX + "load_time_seconds"
 FALLBACKS = PREFIX + "fallbacks"
@@ -108,7 +109,16 @@ DEFINITIONS: dict[str, MetricDef] = {
         "counter", "Load jobs done by one-sided READ of a peer's pins.", _PEER
     ),
     LOADS_FETCHED: MetricDef(
-        "counter", "Load jobs done by Fetch (the peer WRITEs).", _PEER
+        "counter",
+        "Load jobs done by Fetch (the peer offers its blocks for READ, or "
+        "WRITEs them).",
+        _PEER,
+    ),
+    LOADS_WRITTEN: MetricDef(
+        "counter",
+        "Load jobs whose blocks the peer WROTE into our slots (read_path "
+        "false on either side; 0 otherwise).",
+        _PEER,
     ),
     SAME_HOST_READS: MetricDef(
         "counter",
@@ -201,6 +211,7 @@ _TOTALS = {
     SERVED_BYTES: "bytes_served",
     LOADS_READ: "loads_read",
     LOADS_FETCHED: "loads_fetched",
+    LOADS_WRITTEN: "loads_written",
 }
 _TABLES = {
     REFUSALS: "refused",

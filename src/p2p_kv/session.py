@@ -466,6 +466,9 @@ class SessionCounters:
     #: Load jobs by path: one-sided READ of offered pins, or Fetch + WRITE.
     loads_read: int = 0
     loads_fetched: int = 0
+    #: Loads whose bytes the peer WROTE into our slots (``read_path:
+    #: false`` on either side): the one path fenced only by its word.
+    loads_written: int = 0
 
     def bump(self, table: dict[str, int], key: str) -> None:
         tally(table, key, "other")
@@ -990,8 +993,7 @@ class Session:
         fetch = load.fetch if load is not None else None
         if (
             load is None
-            or fetch is None
-            or not fetch.read
+            or fetch is None  # kept in FETCH_POSTED for a read Fetch only
             or load.state is not State.FETCH_POSTED
             or (load.req, load.gen) != (msg.req, msg.gen)
         ):
@@ -1024,16 +1026,12 @@ class Session:
         until = load.started + msg.ttl_ms / 1000.0 * self.timeouts.read_window
         load.fire(Event.OFFER)
         load.fetch, load.read_until = None, until
-        late = now + load.nbytes / self.timeouts.fetch_bytes_per_s >= until
-        if late or msg.gen in self._revoked:
-            # No time left to READ it all inside the window, or the peer
-            # revoked it (a cache reset) before its offer reached us: the
-            # load recomputes, and the peer hears a Release (if its Revoke
-            # has not had one already).
-            why = "offer_too_late" if late else "revoked"
+        if now + load.nbytes / self.timeouts.fetch_bytes_per_s >= until:
+            # No time left to READ it all inside the window: the load
+            # recomputes, and its Release frees what the peer holds.
             load.fire(Event.TIMEOUT)
-            self.counters.bump(self.counters.failures, why)
-            self._end_unstarted(load, why, now)
+            self.counters.bump(self.counters.failures, "offer_too_late")
+            self._end_unstarted(load, "offer_too_late", now)
             return
         if until < load.deadline:
             self._arm(load, until)
@@ -1142,6 +1140,7 @@ class Session:
             # are done, so finishing the request needs no Abort round trip.
             # (A refusal may leave pins behind: the Abort still goes.)
             self._contacted.discard(msg.gen)
+            self.counters.loads_written += 1
         ok = load.state is State.DONE  # an aborted load fails even if whole
         if ok:
             self.counters.bytes_loaded += load.nbytes
@@ -1294,9 +1293,13 @@ class Session:
             # A hit the engine did not pin for us: no READ offer at all.
             return LookupResp(serve.req, serve.gen, lookup.seq, hits)
         serve.offered = True
-        # Announcing less than we hold is always safe; more never happens.
-        ttl_ms = min(int(self.timeouts.pin_ttl_s * 1000), MAX_TTL_MS)
-        return LookupResp(serve.req, serve.gen, lookup.seq, hits, slots, ttl_ms)
+        return LookupResp(serve.req, serve.gen, lookup.seq, hits, slots, self._hold_ms)
+
+    @property
+    def _hold_ms(self) -> int:
+        """How long offered blocks are held, as announced (announcing less
+        than we hold is always safe; more never happens)."""
+        return max(1, min(int(self.timeouts.pin_ttl_s * 1000), MAX_TTL_MS))
 
     def _on_release(self, msg: Release) -> None:
         serve = self._serves.get((msg.req, msg.gen))
@@ -1374,14 +1377,17 @@ class Session:
             # The consumer had not seen our Revoke yet: the pins are going.
             self._send(TransferDone(msg.req, msg.gen, msg.job, False, "reset"))
             return
-        if serve.state is not State.PINNED:
+        if serve.state is not State.PINNED or serve.fetch is not None:
+            # One Fetch per serve: a second one re-offering (or writing)
+            # blocks whose Release a first READ may send would let a peer
+            # hold parked stores for good, or read them after their release.
             self._protocol_error(
                 "duplicate_fetch",
                 f"fetch job {msg.job} while the request is {serve.state.value}",
                 msg.req,
                 msg.gen,
             )
-            # A replay of the job being written must not fail it early (its
+            # A replay of the job being served must not fail it early (its
             # slots would be released while our write can still land); a
             # different job has nothing in flight and can be refused.
             if serve.fetch is None or msg.job != serve.fetch.job:
@@ -1426,30 +1432,19 @@ class Session:
         stores all here) with where they are, and hold them as offered pins
         are held: to the consumer's Release or Abort, the hold's deadline,
         or orphaned past a lost session."""
-        fetch = serve.fetch
-        assert fetch is not None
-        table = serve.slot_table()
-        if not all(map(table.__contains__, fetch.keys)):
-            self._send(
-                TransferDone(serve.req, serve.gen, fetch.job, False, "block not pinned")
-            )
-            self._release_serve(serve, Event.ABORT, ok=False, reason="not_pinned")
+        src = self._fetch_sources(serve)
+        if src is None:
             return
         serve.fire(Event.OFFER)
         serve.offered = True
-        ttl_ms = max(1, min(int(self.timeouts.pin_ttl_s * 1000), MAX_TTL_MS))
-        self._arm(serve, now + ttl_ms / 1000.0)
-        self._send(
-            FetchOffer(
-                fetch.req,
-                fetch.gen,
-                fetch.job,
-                [table[key] for key in fetch.keys],
-                ttl_ms,
-            )
-        )
+        self._arm(serve, now + self._hold_ms / 1000.0)
+        fetch = serve.fetch
+        assert fetch is not None
+        self._send(FetchOffer(fetch.req, fetch.gen, fetch.job, src, self._hold_ms))
 
-    def _start_writes(self, serve: Serve, event: Event, now: float) -> None:
+    def _fetch_sources(self, serve: Serve) -> list[int] | None:
+        """Our slots of the serve's Fetch, key by key; None (the peer told,
+        the serve released) if a key is not among what it holds."""
         fetch = serve.fetch
         assert fetch is not None
         table = serve.slot_table()
@@ -1459,6 +1454,14 @@ class Session:
                 TransferDone(serve.req, serve.gen, fetch.job, False, "block not pinned")
             )
             self._release_serve(serve, Event.ABORT, ok=False, reason="not_pinned")
+            return None
+        return src
+
+    def _start_writes(self, serve: Serve, event: Event, now: float) -> None:
+        fetch = serve.fetch
+        assert fetch is not None
+        src = self._fetch_sources(serve)
+        if src is None:
             return
         serve.fire(event)
         self._next_write += 1

@@ -672,6 +672,7 @@ def test_a_decoder_reads_parked_stores_so_no_producer_write_reaches_its_slots(
     assert store.success  # served: by the decoder's READ or our WRITE
     (session,) = b.manager.sessions()
     assert session.counters.loads_fetched == 1
+    assert session.counters.loads_written == (0 if reads else 1)
     b.manager.on_request_finished("d1", net.now)
     net.run()
     collect_all(net)
@@ -752,6 +753,37 @@ def test_offered_parked_stores_outlive_a_lost_session_to_their_deadline() -> Non
     assert not store.success  # not known to be served
     assert a.manager.state_report()["orphaned_pins"] == 0
     b.manager.on_request_finished("d1", net.now)
+    net.run()
+    collect_all(net)
+    assert_drained(net)
+
+
+def test_a_second_fetch_cannot_hold_offered_stores_longer() -> None:
+    """One Fetch per serve: a second read Fetch for the same request used
+    to offer the stores again, re-arming their hold, so a peer repeating
+    it held parked stores for good (they do not count against the pinned
+    blocks bound); or, had its first READ released them meanwhile, read
+    them after their release. It is refused as a duplicate now."""
+    net = Net(timeouts=Timeouts(pin_ttl_s=2.0))
+    a = net.engines["a"]
+    parked_fetch(net)
+    net.hold_writes = True
+    for _ in range(8):
+        net.run(1)
+        if net.reads:
+            break
+    (sa,) = a.manager.sessions()
+    ((req, gen), serve) = next(iter(sa._serves.items()))
+    held_until = serve.deadline
+    net.advance(1.0)
+    again = Fetch(req, gen, 999, KEYS, [60, 61, 62, 63], read=True)
+    a.manager.on_message(sa.peer, again, net.now)
+    assert sa.counters.protocol_errors == {"duplicate_fetch": 1}
+    assert serve.deadline == held_until
+    net.hold_writes = False
+    net.run()
+    collect_all(net)
+    net.engines["b"].manager.on_request_finished("d1", net.now)
     net.run()
     collect_all(net)
     assert_drained(net)

@@ -110,7 +110,7 @@ def probe_and_load(net: Net, req: str, slots: list[int]) -> int:
 
 
 def test_definitions_are_prometheus_names_with_bounded_labels() -> None:
-    assert len(DEFINITIONS) == 20
+    assert len(DEFINITIONS) == 21
     for name, d in DEFINITIONS.items():
         assert name.startswith(PREFIX) and name.startswith("vllm:kv_offload")
         assert not name.endswith("_total")  # prometheus_client adds it

@@ -95,7 +95,7 @@ class Fleet(RuleBasedStateMachine):
         eng.manager.on_new_request(req, roles, self.net.now)
         self.producers[me].add(req)
         job = eng.new_job()
-        eng.store(job, req, KEYS[:n], [50 + 2 * i for i in range(n)], 0)
+        eng.store(job, req, KEYS[:n], [50 + 2 * i for i in range(n)], self.net.now)
 
     @rule(data=st.data(), me=st.sampled_from(ENGINES))
     def lookup_again(self, data: st.DataObject, me: str) -> None:
