@@ -17,8 +17,14 @@ both load paths:
   staging, then a copy into the slots (``p2p_kv.staging``);
 * ``nixl_read_in_place``: the same with ``read_staging_mib: 0``: the READ
   lands in the slots (the cost of staging is the gap between the two);
-* ``write`` (reads off, as for disaggregated prefill): lookup, Fetch, the
-  producer WRITEs with NIXL, TransferDone, job result.
+* ``write`` (reads off): lookup, Fetch, the producer WRITEs with NIXL,
+  TransferDone, job result;
+* ``pd`` (disaggregated prefill, the default configuration): the producer
+  parks the blocks as a ``remote_decoder`` request's stores (before the
+  clock starts); the consumer's ``remote_prefiller`` request needs no
+  lookup, its load is a Fetch the producer answers with an offer of the
+  parked stores, which the consumer READs (a same-host copy here), job
+  result. Its *submit* therefore includes the Fetch's round trip.
 
 Two times per fetch:
 
@@ -47,7 +53,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
+import multiprocessing as mp
 import os
 import platform
 import statistics
@@ -80,7 +88,7 @@ BIG_BYTES = 16 * MIB  # throughput target applies from here
 SMALL_BYTES = 1 * MIB  # latency target applies up to here
 TARGET_RATIO = 0.8
 TARGET_LATENCY_X = 2.0
-PATHS = ("read", "nixl_read", "nixl_read_in_place", "write")
+PATHS = ("read", "nixl_read", "nixl_read_in_place", "write", "pd")
 #: p2p_kv cells and the raw NIXL baseline each is compared with
 P2P_CELLS = {
     "submit": ("read", "submit", "raw_read"),
@@ -92,6 +100,7 @@ P2P_CELLS = {
     "n_dp": ("nixl_read", "data_plane", "raw_read"),
     "w_submit": ("write", "submit", "raw_nixl"),
     "w_e2e": ("write", "e2e", "raw_nixl"),
+    "pd_submit": ("pd", "submit", "raw_read"),
 }
 _TIMEOUT_S = 180.0
 
@@ -116,8 +125,13 @@ def _median_summary(seconds: list[float], nbytes: int) -> dict[str, float]:
 # ---------------------------------------------------------------------------
 
 
-def _p2p_producer(block_bytes: int, num_blocks: int, out: Any, stop: Any) -> None:
+def _p2p_producer(
+    block_bytes: int, num_blocks: int, parks: Any, out: Any, stop: Any
+) -> None:
+    """Serve lookups and fetches; on ``parks`` (a pipe), park the blocks of
+    slots ``0..n-1`` as a finished ``remote_decoder`` request's stores."""
     try:
+        from p2p_kv.manager import Roles
         from p2p_kv.standalone import StandalonePeer
 
         peer = StandalonePeer(
@@ -133,7 +147,24 @@ def _p2p_producer(block_bytes: int, num_blocks: int, out: Any, stop: Any) -> Non
             peer.pinner.table[_key(slot)] = slot
             crcs.append(zlib.crc32(rows[slot].data))
         out.put(("ready", peer.address, crcs))
-        peer.serve_until(stop, max_s=3600)
+        rt, stores = peer.runtime, itertools.count(1 << 50)
+        end = time.monotonic() + 3600
+        while not stop.is_set() and time.monotonic() < end:
+            peer.step()
+            peer.results.clear()  # the parked stores' results: served
+            if parks.poll():
+                kv_id, n = parks.recv()
+                with rt.lock:
+                    rt.start_request(f"p-{kv_id}", Roles(dest_kv_id=kv_id))
+                    rt.manager.submit_store(
+                        next(stores),
+                        f"p-{kv_id}",
+                        [_key(s) for s in range(n)],
+                        list(range(n)),
+                        rt.clock(),
+                    )
+                    rt.end_request(f"p-{kv_id}")
+                parks.send(kv_id)
         peer.close()
     except BaseException:
         out.put(("error", traceback.format_exc()))
@@ -148,8 +179,9 @@ class P2PPair:
         from p2p_kv.standalone import StandalonePeer
 
         self.block_bytes = block_bytes
+        self._parks, theirs = mp.get_context("spawn").Pipe()
         self._producer = ProducerProcess(
-            _p2p_producer, block_bytes, max_blocks, timeout_s=_TIMEOUT_S
+            _p2p_producer, block_bytes, max_blocks, theirs, timeout_s=_TIMEOUT_S
         )
         self.peer, self.crcs = self._producer.ready
         self.consumers = {
@@ -157,7 +189,7 @@ class P2PPair:
                 2 * max_blocks,
                 block_bytes,
                 engine_id=f"bench-cons-{path}-{os.getpid()}",
-                reads=path != "write",
+                reads=path != "write",  # pd reads: the default
                 same_host=not path.startswith("nixl_read"),
                 read_staging_bytes=0 if path == "nixl_read_in_place" else 64 * MIB,
             )
@@ -169,7 +201,14 @@ class P2PPair:
         self, path: str, keys: list[bytes], dst: list[int]
     ) -> tuple[float, float]:
         self._n += 1
-        out = self.consumers[path].fetch(self.peer, f"bench-{self._n}", keys, dst)
+        kv_id = f"bench-{self._n}"
+        if path == "pd":
+            self._parks.send((kv_id, len(keys)))  # keys are of slots 0..n-1
+            if self._parks.recv() != kv_id:
+                raise RuntimeError("p2p_kv producer did not park the blocks")
+        out = self.consumers[path].fetch(
+            self.peer, kv_id, keys, dst, probe=path != "pd"
+        )
         if not out.ok or out.hits != len(keys):
             raise RuntimeError(f"p2p_kv fetch failed: {out}")
         return out.total_s, out.total_s - out.lookup_s
@@ -209,11 +248,13 @@ class P2PPair:
         if any(report.values()):
             raise AssertionError(f"p2p_kv consumer state left over: {report}")
         used = sum(
-            s.counters.loads_fetched if path == "write" else s.counters.loads_read
+            s.counters.loads_fetched
+            if path in ("write", "pd")
+            else s.counters.loads_read
             for s in consumer.manager.sessions()
         )
         copies = consumer.runtime.data.local_reads
-        if used == 0 or (copies > 0) != (path == "read"):
+        if used == 0 or (copies > 0) != (path in ("read", "pd")):
             raise AssertionError(
                 f"p2p_kv: loads did not take the {path} path "
                 f"({used} loads, {copies} same-host copies)"
@@ -223,7 +264,7 @@ class P2PPair:
             "submit": _median_summary(submit, nbytes),
             "verified": True,
         }
-        if path != "write":
+        if path not in ("write", "pd"):
             out["data_plane"] = _median_summary(
                 self._data_plane(consumer, src, dst, repeats), nbytes
             )
@@ -512,7 +553,8 @@ HEADER = (
     f"{'read e2e':>8} {'us':>7} | {'nixl sub':>8} {'us':>7} {'x raw':>5} | "
     f"{'in place':>8} {'x raw':>5} | "
     f"{'raw WR':>7} {'us':>7} | {'write sub':>9} {'us':>7} {'x raw':>5} | "
-    f"{'vLLM':>5} {'x raw':>5} | {'dp us':>6} {'nixl dp':>7}"
+    f"{'vLLM':>5} {'x raw':>5} | {'dp us':>6} {'nixl dp':>7} | "
+    f"{'pd sub':>7} {'us':>7} {'x raw':>5}"
 )
 
 
@@ -521,7 +563,7 @@ def _line(row: dict[str, Any]) -> str:
     block = f"{bs // KIB}K" if bs < MIB else f"{bs // MIB}M"
     rr, sub, e2e, nsub = row["raw_read"], row["submit"], row["e2e"], row["n_submit"]
     rw, wsub, vl = row["raw_nixl"], row["w_submit"], row["vllm"]
-    isub = row["i_submit"]
+    isub, pd = row["i_submit"], row["pd_submit"]
     vcell = (
         f"{vl['gbps']:>5.2f} {vl['ratio_raw']:>5.2f}"
         if "gbps" in vl
@@ -536,7 +578,8 @@ def _line(row: dict[str, Any]) -> str:
         f"{isub['gbps']:>8.2f} {isub['ratio_raw']:>5.2f} | "
         f"{rw['gbps']:>7.2f} {rw['latency_us']:>7.1f} | "
         f"{wsub['gbps']:>9.2f} {wsub['latency_us']:>7.1f} {wsub['ratio_raw']:>5.2f} | "
-        f"{vcell} | {row['dp']['latency_us']:>6.1f} {row['n_dp']['latency_us']:>7.1f}"
+        f"{vcell} | {row['dp']['latency_us']:>6.1f} {row['n_dp']['latency_us']:>7.1f} | "
+        f"{pd['gbps']:>7.2f} {pd['latency_us']:>7.1f} {pd['ratio_raw']:>5.2f}"
     )
 
 
@@ -549,6 +592,7 @@ def _print_verdicts(result: dict[str, Any]) -> None:
         ("n_submit", "NIXL read submit->result (vs raw READ)"),
         ("i_submit", "NIXL read in place submit->result (vs raw READ)"),
         ("w_submit", "write path submit->result (vs raw WRITE)"),
+        ("pd_submit", "disaggregated prefill submit->result (vs raw READ)"),
         ("dp", "read path data plane alone, post->completion (vs raw READ)"),
         ("n_dp", "NIXL read data plane alone, post->completion (vs raw READ)"),
     ):
@@ -590,7 +634,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("GB/s (median); us = median latency; x raw = GB/s ratio to raw NIXL")
     print("sub = submit_load->result, e2e = lookup->result; read path (same-host")
     print("copy) and NIXL read path (staged; in place: no staging) vs raw READ,")
-    print("write path (reads off) vs raw WRITE;")
+    print("write path (reads off) vs raw WRITE; pd = disaggregated prefill")
+    print("(Fetch, offer of the parked stores, READ) vs raw READ;")
     print("dp = the read's data plane alone (post_read -> completion), us")
     print(HEADER)
     result = run(cells, base, rounds, lambda row: print(_line(row), flush=True))
