@@ -36,13 +36,16 @@ CONSUMER_BLOCKS = 64
 #: registered), from a GPU region through NIXL for loads of few runs (all of
 #: these); ``read_ipc``: a GPU region's loads of more than one run copied
 #: through CUDA IPC whatever their size; ``nixl_read``: every READ through NIXL; ``write``:
-#: the producer WRITEs after a Fetch. Copies are queued one batch a load,
+#: the producer WRITEs after a Fetch; ``pd``: disaggregated prefill, the
+#: producer's blocks parked as stores, offered to the consumer's Fetch and
+#: READ as on ``read``. Copies are queued one batch a load,
 #: and are also checked on their fallbacks: a runtime without batches
 #: (``read_per_run``) and none to call at all, torch's copies
 #: (``read_torch``).
-PATHS = ("read", "nixl_read", "write")
+PATHS = ("read", "nixl_read", "write", "pd")
 COPY_MODES = {
     "read": "batch",
+    "pd": "batch",
     "read_ipc": "batch",
     "read_per_run": "per_run",
     "read_torch": "torch",
@@ -52,6 +55,13 @@ CASES += [("vram", "read_ipc"), ("dram", "read_per_run"), ("dram", "read_torch")
 #: ``nixl_read`` with 3 blocks of staging (GPU memory): loads in pieces.
 CASES += [("vram", "nixl_read_pieces"), ("dram", "nixl_read_pieces")]
 STAGING_BLOCKS = {"nixl_read_pieces": 3}
+#: (producer blocks, consumer slots) of each fetch of the test
+MAPPINGS = [
+    ([0], [63]),  # one block, the region's last slot
+    (list(range(1, 9)), list(range(10, 18))),  # contiguous: one descriptor
+    (list(range(9, 17)), [20 + 2 * i for i in range(8)]),  # scattered
+    (list(range(31, 16, -1)), list(range(40, 55))),  # reversed: a descriptor each
+]
 
 
 def _devices() -> tuple[str, str]:
@@ -107,6 +117,15 @@ def _producer(kind: str, path: str, device: str, conn: Any, stop: Any) -> None:
         )
         for slot in range(PRODUCER_BLOCKS):
             peer.pinner.table[_key(slot)] = slot
+        if path == "pd":
+            from p2p_kv.manager import Roles
+
+            rt = peer.runtime
+            for n, (src, _) in enumerate(MAPPINGS):  # fetch n's blocks, parked
+                rt.start_request(f"p-{n}", Roles(dest_kv_id=f"gpu-{n}"))
+                keys = [_key(s) for s in src]
+                rt.manager.submit_store(1000 + n, f"p-{n}", keys, src, rt.clock())
+                rt.end_request(f"p-{n}")
         conn.send(("ready", peer.address, peer.runtime.data.local_region().mem_kind))
         peer.serve_until(stop, max_s=240)
         peer.close()
@@ -190,15 +209,15 @@ def test_fetch_into_gpu_memory(pair: tuple[Any, str, str, Any, str]) -> None:
     assert consumer.runtime.data.local_region().mem_kind == "VRAM"
     assert producer_mem in ("VRAM", "DRAM")
     expect: dict[int, int] = {}
-    mappings = [
-        ([0], [63]),  # one block, the region's last slot
-        (list(range(1, 9)), list(range(10, 18))),  # contiguous: one descriptor
-        (list(range(9, 17)), [20 + 2 * i for i in range(8)]),  # scattered
-        (list(range(31, 16, -1)), list(range(40, 55))),  # reversed: a descriptor each
-    ]
+    mappings = MAPPINGS
     for n, (src, dst) in enumerate(mappings):
         out = consumer.fetch(
-            address, f"gpu-{n}", [_key(s) for s in src], dst, timeout_s=60
+            address,
+            f"gpu-{n}",
+            [_key(s) for s in src],
+            dst,
+            timeout_s=60,
+            probe=path != "pd",
         )
         assert out.ok, out
         assert out.hits == len(src)
@@ -222,6 +241,9 @@ def test_fetch_into_gpu_memory(pair: tuple[Any, str, str, Any, str]) -> None:
     assert consumer.runtime.data.local_reads == copies
     if copies:
         assert consumer.runtime.data._copier.mode == COPY_MODES[path]
+    # Only the write path lets the producer write into our slots.
+    written = sum(s.counters.loads_written for s in consumer.manager.sessions())
+    assert written == (len(mappings) if path == "write" else 0)
 
 
 def test_pattern_detects_shifted_block() -> None:
