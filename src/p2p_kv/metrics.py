@@ -116,7 +116,7 @@ DEFINITIONS: dict[str, MetricDef] = {
     ),
     LOADS_WRITTEN: MetricDef(
         "counter",
-        "Load jobs whose blocks the peer WROTE into our slots (read_path "
+        "Load jobs the peer reported WRITTEN into our slots (read_path "
         "false on either side; 0 otherwise).",
         _PEER,
     ),

@@ -1293,13 +1293,19 @@ class Session:
             # A hit the engine did not pin for us: no READ offer at all.
             return LookupResp(serve.req, serve.gen, lookup.seq, hits)
         serve.offered = True
-        return LookupResp(serve.req, serve.gen, lookup.seq, hits, slots, self._hold_ms)
+        ttl_ms = round(self._hold_s() * 1000)
+        return LookupResp(serve.req, serve.gen, lookup.seq, hits, slots, ttl_ms)
 
-    @property
-    def _hold_ms(self) -> int:
-        """How long offered blocks are held, as announced (announcing less
-        than we hold is always safe; more never happens)."""
-        return max(1, min(int(self.timeouts.pin_ttl_s * 1000), MAX_TTL_MS))
+    def _hold_s(self, nbytes: int = 0) -> float:
+        """How long blocks offered for a READ of ``nbytes`` are held, as
+        announced: the pins' lifetime, plus the READ's own time (at the rate
+        the deadlines assume, over the reader's share of the window), so a
+        load too large for the bare lifetime can still be read inside it.
+        Whole milliseconds, as the wire carries them: announcing less than
+        we hold is always safe, more never happens."""
+        t = self.timeouts
+        hold = t.pin_ttl_s + nbytes / t.fetch_bytes_per_s / t.read_window
+        return max(1, min(int(hold * 1000), MAX_TTL_MS)) / 1000.0
 
     def _on_release(self, msg: Release) -> None:
         serve = self._serves.get((msg.req, msg.gen))
@@ -1395,13 +1401,10 @@ class Session:
                     TransferDone(msg.req, msg.gen, msg.job, False, "duplicate fetch")
                 )
             return
+        # (A read Fetch here: the consumer's READ window on our lookup
+        # answer closed before its load; the pins are offered again.)
         serve.fetch = msg
-        if msg.read and self.reads:
-            # The consumer's READ window on our lookup answer closed before
-            # its load: the pins are offered again, from now.
-            self._offer(serve, now)
-        else:
-            self._start_writes(serve, Event.FETCH, now)
+        self._serve_fetch(serve, Event.FETCH, now)
 
     def attach_parked(
         self, serve: Serve, stores: list[ParkedStore], complete: bool, now: float
@@ -1415,10 +1418,7 @@ class Session:
         assert fetch is not None
         table = serve.slot_table()
         if all(k in table for k in fetch.keys):
-            if fetch.read and self.reads:  # (``read_path: false``: we write)
-                self._offer(serve, now)
-            else:
-                self._start_writes(serve, Event.STORES_READY, now)
+            self._serve_fetch(serve, Event.STORES_READY, now)
         elif serve.complete:
             self._send(
                 TransferDone(
@@ -1426,6 +1426,16 @@ class Session:
                 )
             )
             self._release_serve(serve, Event.TIMEOUT, ok=False, reason="missing")
+
+    def _serve_fetch(self, serve: Serve, write_event: Event, now: float) -> None:
+        """The serve's Fetch, its blocks all held: offered for the consumer
+        to READ if it asked and we offer reads at all (``read_path``), else
+        written (``write_event`` starts the write)."""
+        assert serve.fetch is not None
+        if serve.fetch.read and self.reads:
+            self._offer(serve, now)
+        else:
+            self._start_writes(serve, write_event, now)
 
     def _offer(self, serve: Serve, now: float) -> None:
         """Answer a ``read`` Fetch whose blocks we hold (pins, or parked
@@ -1437,10 +1447,12 @@ class Session:
             return
         serve.fire(Event.OFFER)
         serve.offered = True
-        self._arm(serve, now + self._hold_ms / 1000.0)
+        hold_s = self._hold_s(len(src) * self._me.block_bytes)
+        self._arm(serve, now + hold_s)
         fetch = serve.fetch
         assert fetch is not None
-        self._send(FetchOffer(fetch.req, fetch.gen, fetch.job, src, self._hold_ms))
+        ttl_ms = round(hold_s * 1000)
+        self._send(FetchOffer(fetch.req, fetch.gen, fetch.job, src, ttl_ms))
 
     def _fetch_sources(self, serve: Serve) -> list[int] | None:
         """Our slots of the serve's Fetch, key by key; None (the peer told,

@@ -108,8 +108,11 @@ class Engine:
         slots: Sequence[int],
         now: float,
     ) -> None:
-        """A store job of a producer request: as in vLLM, its blocks stay
-        held (a peer may READ them) until the job's result comes back."""
+        """A store job of a producer request: its slots hold the keys'
+        blocks and, as in vLLM, stay held (a peer may READ them) until the
+        job's result comes back."""
+        for k, s in zip(keys, slots, strict=True):
+            self.region[s * BLOCK : (s + 1) * BLOCK] = payload(k)
         self.pin_jobs[job] = list(slots)
         for s in slots:
             self.pin_count[s] = self.pin_count.get(s, 0) + 1

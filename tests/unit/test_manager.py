@@ -42,6 +42,7 @@ def load(net: Net, req: str, slots: list[int], keys: list[bytes] = KEYS) -> int:
     job = eng.new_job()
     for s in slots:
         eng.slot_owner[s] = job
+    eng.expect[job] = (list(keys), list(slots))  # a success must hold them
     eng.manager.submit_load(job, req, keys, slots, net.now)
     return job
 
@@ -52,6 +53,7 @@ def assert_drained(net: Net) -> None:
         residue = {k: v for k, v in report.items() if v}
         assert not residue, f"{name} left {residue}"
         assert not eng.pin_count, f"{name} still has pinned slots {eng.pin_count}"
+        assert not eng.wrong_bytes, f"{name}: {eng.wrong_bytes}"
         assert eng.submitted == set(eng.results), f"{name}: jobs without a result"
         assert all(len(r) == 1 for r in eng.results.values()), "a job got two results"
 
@@ -784,6 +786,69 @@ def test_a_second_fetch_cannot_hold_offered_stores_longer() -> None:
     net.run()
     collect_all(net)
     net.engines["b"].manager.on_request_finished("d1", net.now)
+    net.run()
+    collect_all(net)
+    assert_drained(net)
+
+
+@pytest.mark.parametrize("pd", [True, False])
+def test_a_load_too_large_for_the_bare_pin_lifetime_is_still_read(pd: bool) -> None:
+    """An offer's hold grows with the READ it is for: held for the bare pin
+    lifetime, a load whose READ takes longer than the reader's share of it
+    (0.75 x 1.2 s here, a 1 s READ) could never be read, where the write
+    path used to load it."""
+    slow = Timeouts(pin_ttl_s=1.2, fetch_bytes_per_s=64.0)  # 4 blocks: 1 s
+    if pd:
+        net = Net(timeouts=slow)
+        job = parked_fetch(net)
+    else:
+        net = make_net(timeouts=slow)
+        assert probe(net, "r1", "kv1") == [Answer.HIT] * 4
+        job = load(net, "r1", [5, 6, 7, 8])
+    net.hold_writes = True
+    for _ in range(10):
+        net.run(1)
+        assert not net.writes
+        if net.reads:
+            break
+    assert net.reads
+    net.advance(1.0)  # the READ takes its time
+    net.hold_writes = False
+    net.run()
+    b = net.engines["b"]
+    collect_all(net)
+    (result,) = b.results[job]
+    assert result.success, result
+    b.manager.on_request_finished("d1" if pd else "r1", net.now)
+    net.run()
+    collect_all(net)
+    assert_drained(net)
+
+
+def test_a_cache_reset_during_a_decoders_read_holds_the_stores_until_it_ends() -> None:
+    """Offered parked stores are revoked, not released, by a reset: the
+    decoder may be READing them. Released at once, they went back to the
+    engine under the running READ (wrong bytes in a successful load)."""
+    net = Net()
+    a, b = net.engines["a"], net.engines["b"]
+    job = parked_fetch(net)
+    net.hold_writes = True
+    for _ in range(8):
+        net.run(1)
+        if net.reads:
+            break
+    assert net.reads
+    a.manager.release_for_reset(net.now)
+    net.run(1)
+    collect_all(net)
+    assert not a.results  # the store is held while the READ may run
+    # (memnet READs poison from a slot the engine holds no job for.)
+    net.hold_writes = False
+    net.run()
+    collect_all(net)
+    assert b.results[job][0].success
+    assert [b.block(s) for s in (40, 41, 42, 43)] == [payload(k) for k in KEYS]
+    b.manager.on_request_finished("d1", net.now)
     net.run()
     collect_all(net)
     assert_drained(net)
