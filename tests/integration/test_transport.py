@@ -423,6 +423,19 @@ def path_counts(c: StandalonePeer) -> tuple[int, int]:
     )
 
 
+def drain_both(cons: StandalonePeer, prod: StandalonePeer) -> None:
+    """Step two in-process peers until neither holds per-request state."""
+    end = time.monotonic() + 5
+    while time.monotonic() < end and (
+        any(cons.manager.state_report().values())
+        or any(prod.manager.state_report().values())
+    ):
+        cons.step(wait=False)
+        prod.step(wait=False)
+    assert not any(cons.manager.state_report().values())
+    assert not any(prod.manager.state_report().values())
+
+
 def reset_region(c: StandalonePeer) -> None:
     np.asarray(c.region)[:] = SENTINEL
 
@@ -801,15 +814,7 @@ def test_a_write_the_producer_cannot_stop_ends_the_session_not_the_load(
             prod.step(wait=False)
         assert not cons.results.pop(1).success
         rt.end_request("r1")
-        end = time.monotonic() + 5
-        while time.monotonic() < end and (
-            any(cons.manager.state_report().values())
-            or any(prod.manager.state_report().values())
-        ):
-            cons.step(wait=False)
-            prod.step(wait=False)
-        assert not any(cons.manager.state_report().values())
-        assert not any(prod.manager.state_report().values())
+        drain_both(cons, prod)
     finally:
         cons.close()
         prod.close()
@@ -865,15 +870,7 @@ def test_a_decoder_reads_the_parked_prefill_and_the_producer_writes_nothing(
         assert (cons.runtime.data.local_reads > 0) == (path == "read")
         assert writes == []
         rt.end_request("d1")
-        end = time.monotonic() + 5
-        while time.monotonic() < end and (
-            any(cons.manager.state_report().values())
-            or any(prod.manager.state_report().values())
-        ):
-            cons.step(wait=False)
-            prod.step(wait=False)
-        assert not any(cons.manager.state_report().values())
-        assert not any(prod.manager.state_report().values())
+        drain_both(cons, prod)
     finally:
         cons.close()
         prod.close()

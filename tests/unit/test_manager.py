@@ -600,13 +600,7 @@ def test_a_load_too_late_in_its_offer_to_read_is_fetched() -> None:
         assert probe(net, "r1", "kv1") == [Answer.HIT] * 4
         wait(net, wait_s)  # the window ends 3 s (75% of 4) after the lookup
         job = load(net, "r1", [5, 6, 7, 8])
-        net.hold_writes = True
-        for _ in range(6):
-            net.run(1)
-            assert not net.writes
-            if net.reads:
-                break
-        assert net.reads
+        until_read_posted(net)
         net.hold_writes = False
         net.run()
         (result,) = net.engines["b"].collect(net.now)
@@ -639,6 +633,24 @@ def parked_fetch(net: Net, kv_id: str = "kv9") -> int:
     b.manager.on_new_request("d1", net.roles("a", kv_id, probe=False), net.now)
     assert b.manager.lookup("d1", KEYS[0]) is Answer.HIT
     return load(net, "d1", [40, 41, 42, 43])
+
+
+def until_read_posted(net: Net, rounds: int = 10) -> None:
+    """Steps, transfers held, until b's READ is posted; no WRITE may be."""
+    net.hold_writes = True
+    for _ in range(rounds):
+        net.run(1)
+        assert not net.writes, net.writes
+        if net.reads:
+            return
+    raise AssertionError(f"no READ posted in {rounds} steps")
+
+
+def finish_and_drain(net: Net, req: str = "d1") -> None:
+    net.engines["b"].manager.on_request_finished(req, net.now)
+    net.run()
+    collect_all(net)
+    assert_drained(net)
 
 
 @pytest.mark.parametrize(
@@ -675,10 +687,7 @@ def test_a_decoder_reads_parked_stores_so_no_producer_write_reaches_its_slots(
     (session,) = b.manager.sessions()
     assert session.counters.loads_fetched == 1
     assert session.counters.loads_written == (0 if reads else 1)
-    b.manager.on_request_finished("d1", net.now)
-    net.run()
-    collect_all(net)
-    assert_drained(net)
+    finish_and_drain(net)
 
 
 def test_an_offer_with_no_time_left_to_read_recomputes_and_frees_the_stores() -> None:
@@ -703,10 +712,7 @@ def test_an_offer_with_no_time_left_to_read_recomputes_and_frees_the_stores() ->
     assert (result.success, result.reason) == (False, "offer_too_late")
     assert a.results[store][0].success is False  # released, not expired
     assert net.now < 1.5
-    b.manager.on_request_finished("d1", net.now)
-    net.run()
-    collect_all(net)
-    assert_drained(net)
+    finish_and_drain(net)
 
 
 def test_an_abort_crossing_the_offer_is_acked_and_nothing_is_read() -> None:
@@ -735,14 +741,9 @@ def test_offered_parked_stores_outlive_a_lost_session_to_their_deadline() -> Non
     """As offered pins: the decoder may still be READing when the session
     drops, so the stores stay held (orphaned) until the hold's end."""
     net = Net(timeouts=Timeouts(pin_ttl_s=2.0))
-    a, b = net.engines["a"], net.engines["b"]
+    a = net.engines["a"]
     parked_fetch(net)
-    net.hold_writes = True
-    for _ in range(8):
-        net.run(1)
-        if net.reads:
-            break
-    assert net.reads
+    until_read_posted(net)
     net.cut("a", "b")
     net.run(1)
     collect_all(net)
@@ -754,10 +755,7 @@ def test_offered_parked_stores_outlive_a_lost_session_to_their_deadline() -> Non
     (store,) = [r for rs in a.results.values() for r in rs]
     assert not store.success  # not known to be served
     assert a.manager.state_report()["orphaned_pins"] == 0
-    b.manager.on_request_finished("d1", net.now)
-    net.run()
-    collect_all(net)
-    assert_drained(net)
+    finish_and_drain(net)
 
 
 def test_a_second_fetch_cannot_hold_offered_stores_longer() -> None:
@@ -769,11 +767,7 @@ def test_a_second_fetch_cannot_hold_offered_stores_longer() -> None:
     net = Net(timeouts=Timeouts(pin_ttl_s=2.0))
     a = net.engines["a"]
     parked_fetch(net)
-    net.hold_writes = True
-    for _ in range(8):
-        net.run(1)
-        if net.reads:
-            break
+    until_read_posted(net)
     (sa,) = a.manager.sessions()
     ((req, gen), serve) = next(iter(sa._serves.items()))
     held_until = serve.deadline
@@ -785,10 +779,7 @@ def test_a_second_fetch_cannot_hold_offered_stores_longer() -> None:
     net.hold_writes = False
     net.run()
     collect_all(net)
-    net.engines["b"].manager.on_request_finished("d1", net.now)
-    net.run()
-    collect_all(net)
-    assert_drained(net)
+    finish_and_drain(net)
 
 
 @pytest.mark.parametrize("pd", [True, False])
@@ -805,13 +796,7 @@ def test_a_load_too_large_for_the_bare_pin_lifetime_is_still_read(pd: bool) -> N
         net = make_net(timeouts=slow)
         assert probe(net, "r1", "kv1") == [Answer.HIT] * 4
         job = load(net, "r1", [5, 6, 7, 8])
-    net.hold_writes = True
-    for _ in range(10):
-        net.run(1)
-        assert not net.writes
-        if net.reads:
-            break
-    assert net.reads
+    until_read_posted(net)
     net.advance(1.0)  # the READ takes its time
     net.hold_writes = False
     net.run()
@@ -832,12 +817,7 @@ def test_a_cache_reset_during_a_decoders_read_holds_the_stores_until_it_ends() -
     net = Net()
     a, b = net.engines["a"], net.engines["b"]
     job = parked_fetch(net)
-    net.hold_writes = True
-    for _ in range(8):
-        net.run(1)
-        if net.reads:
-            break
-    assert net.reads
+    until_read_posted(net)
     a.manager.release_for_reset(net.now)
     net.run(1)
     collect_all(net)
@@ -848,7 +828,4 @@ def test_a_cache_reset_during_a_decoders_read_holds_the_stores_until_it_ends() -
     collect_all(net)
     assert b.results[job][0].success
     assert [b.block(s) for s in (40, 41, 42, 43)] == [payload(k) for k in KEYS]
-    b.manager.on_request_finished("d1", net.now)
-    net.run()
-    collect_all(net)
-    assert_drained(net)
+    finish_and_drain(net)
