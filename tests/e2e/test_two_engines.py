@@ -181,6 +181,9 @@ def test_disaggregated_prefill_parks_then_serves(
         t.join(60)
     assert box["b"]["cached"] >= 128, box
     assert box["b"]["tokens"][0] == out_a["tokens"][0]
+    # B READ the parked stores A offered: A wrote nothing into B's slots.
+    counters = b.state()["counters"]
+    assert counters["loads_fetched"] >= 1 and counters["loads_written"] == 0, counters
     settle(a)
     settle(b)
     assert residue(a) == {} and residue(b) == {}

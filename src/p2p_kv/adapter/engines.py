@@ -464,6 +464,8 @@ def _counters(tier: Any) -> dict[str, Any]:
         "bytes_served": sum(s.counters.bytes_served for s in sessions),
         "lookups": sum(s.counters.lookups for s in sessions),
         "hits": sum(s.counters.hits for s in sessions),
+        "loads_fetched": sum(s.counters.loads_fetched for s in sessions),
+        "loads_written": sum(s.counters.loads_written for s in sessions),
         "refusals": {f"{p}:{r}": n for (p, r), n in m.refusals.items()},
         "fallbacks": dict(m.fallbacks),
         "failures": [dict(s.counters.failures) for s in sessions],
