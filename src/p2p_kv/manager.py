@@ -859,7 +859,7 @@ class LoadManager:
         while self._orphans and self._orphans[0][0] <= now:
             _, _, serve = heapq.heappop(self._orphans)
             serve.fire(Event.TIMEOUT)
-            self._results.extend(serve.let_go(False, "peer_down"))
+            self._results.extend(serve.let_go(Event.PEER_LOST, False, "peer_down"))
         if len(self._retry_at) > 1024:
             self._retry_at = {p: t for p, t in self._retry_at.items() if t > now}
 
@@ -1099,7 +1099,7 @@ class LoadManager:
             "buffered_results": len(self._results),
             "unsent_lookups": len(self._unsent),
             "fenced_slots": sum(s.fenced_slots for s in self._sessions.values()),
-            "orphaned_pins": sum(sv.held_blocks for _, _, sv in self._orphans),
+            "orphaned_blocks": sum(sv.held_blocks for _, _, sv in self._orphans),
         }
         for session in self._sessions.values():
             for name, size in session.sizes().items():

@@ -410,19 +410,17 @@ class Serve(Tracked):
         """Pins and bound parked stores: blocks a peer may be told of."""
         return self.pinned_blocks + sum(len(p.slots) for p in self.parked)
 
-    def let_go(self, ok: bool, reason: str) -> list[StoreResult]:
+    def let_go(self, event: Event | None, ok: bool, reason: str) -> list[StoreResult]:
         """Everything held goes back to the engine: the pins' jobs (which
         only held blocks, so they succeed) and the bound parked stores
-        (``ok``: served). The results are the caller's to deliver."""
+        (``ok``: served). A store takes the serve's own ``event`` where its
+        table has a row for it (peer lost, reset), else the outcome's. The
+        results are the caller's to deliver."""
         results = [StoreResult(pin.job_id, True) for pin in self.pins]
         self.pins.clear()
-        event = (
-            Event.WRITES_DONE
-            if ok
-            else (Event.PEER_LOST if reason == "peer_down" else Event.WRITES_FAILED)
-        )
+        outcome = Event.WRITES_DONE if ok else Event.WRITES_FAILED
         for store in self.parked:
-            store.fire(event)
+            store.fire(event if event is not None and store.can(event) else outcome)
             results.append(StoreResult(store.job_id, ok, reason))
         self.parked.clear()
         return results
@@ -1566,7 +1564,7 @@ class Session:
         self._serves.pop((serve.req, serve.gen), None)
         if serve.write_id in self._writing:
             del self._writing[serve.write_id]
-        self._store_results.extend(serve.let_go(ok, reason))
+        self._store_results.extend(serve.let_go(event, ok, reason))
 
     def release_unwritten(self) -> None:
         """Release every serve with no write in flight (cache reset). A later

@@ -747,14 +747,14 @@ def test_offered_parked_stores_outlive_a_lost_session_to_their_deadline() -> Non
     net.cut("a", "b")
     net.run(1)
     collect_all(net)
-    assert a.manager.state_report()["orphaned_pins"] == 4
+    assert a.manager.state_report()["orphaned_blocks"] == 4
     assert not a.results  # the store is still held
     net.hold_writes = False
     wait(net, 2.2)
     collect_all(net)
     (store,) = [r for rs in a.results.values() for r in rs]
     assert not store.success  # not known to be served
-    assert a.manager.state_report()["orphaned_pins"] == 0
+    assert a.manager.state_report()["orphaned_blocks"] == 0
     finish_and_drain(net)
 
 
