@@ -349,11 +349,11 @@ class _Peer:
     map_tried: bool = False
 
 
-#: A GPU peer's blocks are copied here only when a load has this many runs
-#: or more; fewer go through NIXL's cuda_ipc, which posts them faster. On
-#: the lent H200 pair (GPU to GPU), 256 scattered runs: 241 GB/s copied
-#: against 209 through NIXL (2 MiB blocks), 27.5 against 14.5 (64 KiB);
-#: 16 runs: 83 against 103, 4.2 against 6.1; one run: 315 against 345.
+#: Blocks in another GPU's memory are copied here only when a load has this
+#: many runs or more; fewer go through NIXL's cuda_ipc, which posts them
+#: faster. On the lent H200 pair (GPU to GPU), 256 scattered runs: 241 GB/s
+#: copied against 209 through NIXL (2 MiB blocks), 27.5 against 14.5 (64
+#: KiB); 16 runs: 83 against 103, 4.2 against 6.1; one run: 315 against 345.
 IPC_MIN_RUNS: Final = 64
 
 
@@ -362,17 +362,23 @@ def _may_copy(
 ) -> bool:
     """Whether our own copy could beat NIXL for this load, known before
     planning it: from a host region always (NIXL's host-to-GPU path is a
-    software copy, and CMA is slower than ``preadv``); from a GPU region
+    software copy, and CMA is slower than ``preadv``), and from a region on
+    our own GPU (see :attr:`CudaIpcMapping.same_gpu`); from another GPU
     only for :data:`IPC_MIN_RUNS` blocks or more that are not one run on
     both sides (planning 256 blocks cost 100 us there, a third of a 16 MiB
     load, and one run is NIXL's fastest case). The plan's run count
-    decides the rest."""
-    if isinstance(mapping, PeerMapping):
+    decides the rest (:func:`_copy_always`)."""
+    if _copy_always(mapping):
         return True
     n = len(local)
     if n < IPC_MIN_RUNS or len(remote) != n:
         return False  # (a mismatch is refused, with its reason, below)
     return not (local[-1] - local[0] == n - 1 == remote[-1] - remote[0])
+
+
+def _copy_always(mapping: PeerMapping | CudaIpcMapping) -> bool:
+    """Whether every load from ``mapping`` is our copy, whatever its runs."""
+    return isinstance(mapping, PeerMapping) or mapping.same_gpu
 
 
 @dataclass
@@ -961,7 +967,7 @@ class NixlDataTransport:
                 plan = plan_write(
                     local_blocks, remote_blocks, self._num_blocks, info.num_blocks
                 )
-                if isinstance(mapping, PeerMapping) or len(plan.counts) >= IPC_MIN_RUNS:
+                if _copy_always(mapping) or len(plan.counts) >= IPC_MIN_RUNS:
                     return self._copy(peer, plan)
             if op == "READ" and self._stage_bytes and mapping is None:
                 return self._post_staged(peer, local_blocks, remote_blocks)

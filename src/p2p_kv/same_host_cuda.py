@@ -194,16 +194,38 @@ class _IpcHandle(ctypes.Structure):
     _fields_ = [("reserved", ctypes.c_char * _IPC_HANDLE_BYTES)]
 
 
-def _address_range(addr: int) -> tuple[int, int]:
-    """``(base, size)`` of the CUDA allocation that holds ``addr`` (on the
-    current device's context), or OSError if the driver cannot say."""
+#: ``CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL``
+_POINTER_DEVICE_ORDINAL = 9
+
+
+def _driver_call(name: str) -> Any:
+    """A CUDA driver function of the driver torch loaded, or OSError."""
     path = loaded_library("libcuda")
     if path is None:
         raise OSError("no CUDA driver loaded to call")
     try:
-        address_range = ctypes.CDLL(path).cuMemGetAddressRange_v2
+        return getattr(ctypes.CDLL(path), name)
     except (OSError, AttributeError) as exc:
-        raise OSError(f"no cuMemGetAddressRange_v2 in {path}") from exc
+        raise OSError(f"no {name} in {path}") from exc
+
+
+def _device_ordinal(addr: int) -> int:
+    """The GPU (as this process numbers them) whose memory holds ``addr``."""
+    ordinal = ctypes.c_int(-1)
+    rc = _driver_call("cuPointerGetAttribute")(
+        ctypes.byref(ordinal),
+        ctypes.c_int(_POINTER_DEVICE_ORDINAL),
+        ctypes.c_uint64(addr),
+    )
+    if rc:
+        raise OSError(f"cuPointerGetAttribute failed: CUDA error {rc}")
+    return ordinal.value
+
+
+def _address_range(addr: int) -> tuple[int, int]:
+    """``(base, size)`` of the CUDA allocation that holds ``addr`` (on the
+    current device's context), or OSError if the driver cannot say."""
+    address_range = _driver_call("cuMemGetAddressRange_v2")
     base, size = ctypes.c_uint64(0), ctypes.c_size_t(0)
     rc = address_range(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(addr))
     if rc:
@@ -254,6 +276,11 @@ class CudaIpcMapping:
             raise ValueError(f"a CUDA IPC handle has {_IPC_HANDLE_BYTES} bytes")
         self.info = info
         self.addr = 0
+        #: Whether the peer's memory is on the GPU we opened it on (two
+        #: engines sharing one GPU): UCX's cuda_ipc READs between two
+        #: processes on one GPU crawl (0.7 GB/s on an H200), so every load
+        #: from such a peer is our copy, however few its runs.
+        self.same_gpu = False
         self._base = 0
         self._lib = _cudart()
         if self._lib is None:
@@ -287,6 +314,12 @@ class CudaIpcMapping:
             raise
         self._base = ptr.value
         self.addr = self._base + self.info.offset
+        current = ctypes.c_int(-1)
+        try:
+            if self._lib.cudaGetDevice(ctypes.byref(current)) == 0:
+                self.same_gpu = _device_ordinal(self._base) == current.value
+        except OSError:
+            pass  # unknown: the run-count rule alone decides, as across GPUs
 
     def close(self) -> None:
         """After every copy from it has ended."""

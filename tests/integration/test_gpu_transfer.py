@@ -34,8 +34,9 @@ CONSUMER_BLOCKS = 64
 #: ``read``: the consumer READs the pinned blocks: from a host region on
 #: this host as its own copies (DMA from the producer's shared file,
 #: registered), from a GPU region through NIXL for loads of few runs (all of
-#: these); ``read_ipc``: a GPU region's loads of more than one run copied
-#: through CUDA IPC whatever their size; ``nixl_read``: every READ through NIXL; ``write``:
+#: these, unless it is on our own GPU: then as copies); ``read_ipc``: a GPU
+#: region's loads of more than one run copied through CUDA IPC whatever
+#: their size; ``nixl_read``: every READ through NIXL; ``write``:
 #: the producer WRITEs after a Fetch; ``pd``: disaggregated prefill, the
 #: producer's blocks parked as stores, offered to the consumer's Fetch and
 #: READ as on ``read``. Copies are queued one batch a load,
@@ -229,12 +230,15 @@ def test_fetch_into_gpu_memory(pair: tuple[Any, str, str, Any, str]) -> None:
     # a consumer that never READ through NIXL made none.
     size = STAGING_BLOCKS.get(path, 1024) if path.startswith("nixl_read") else 0
     assert consumer.runtime.data.staging_blocks() == (size, size, 0)
-    # Only the read paths copy without NIXL: from a host region every load
-    # in every copy mode; from a GPU region only loads of many runs, here
-    # (``read_ipc``, any number of runs) the scattered and reversed ones:
-    # the others are one run each, which NIXL posts faster.
+    # Only the read paths copy without NIXL: from a host region, or a GPU
+    # region on our own GPU (one GPU here: NIXL's READs between two
+    # processes on one GPU crawl), every load in every copy mode; from
+    # another GPU only loads of many runs, here (``read_ipc``, any number of
+    # runs) the scattered and reversed ones: the others are one run each,
+    # which NIXL posts faster.
+    one_gpu = len(set(_devices())) == 1
     copies = 0
-    if path in COPY_MODES and producer_mem == "DRAM":
+    if path in COPY_MODES and (producer_mem == "DRAM" or one_gpu):
         copies = len(mappings)
     elif path == "read_ipc":
         copies = 2

@@ -515,12 +515,22 @@ def test_only_a_gpu_consumer_opens_a_gpu_peers_ipc_offer(
     assert [op for op, *_ in agents[0].xfers] == ["READ"]
 
 
-def test_a_gpu_peers_loads_are_copied_only_when_they_scatter(
-    agents: list[FakeAgent], monkeypatch: pytest.MonkeyPatch
+class OpenedGpuRegion:
+    """A GPU peer's region as opened through CUDA IPC (not a host file)."""
+
+    def __init__(self, same_gpu: bool) -> None:
+        self.same_gpu = same_gpu
+
+
+@pytest.mark.parametrize("same_gpu", [False, True], ids=["other_gpu", "same_gpu"])
+def test_a_gpu_peers_loads_are_copied_when_they_scatter_or_share_our_gpu(
+    agents: list[FakeAgent], monkeypatch: pytest.MonkeyPatch, same_gpu: bool
 ) -> None:
-    """Opened through CUDA IPC, a GPU peer's region is copied from only by
-    loads of many runs; small or single-run loads stay on NIXL, which
-    posts them faster (``data.IPC_MIN_RUNS``)."""
+    """Opened through CUDA IPC, a region on another GPU is copied from only
+    by loads of many runs; small or single-run loads stay on NIXL, which
+    posts them faster (``data.IPC_MIN_RUNS``). A region on our own GPU is
+    copied from by every load: NIXL's READs between two processes on one
+    GPU crawl (0.7 GB/s on an H200)."""
     monkeypatch.setattr(data, "IPC_MIN_RUNS", 4)
     t = NixlDataTransport(FakeCudaTensor(0x7F00_0000_0000, 64 * BS, index=0), BS)
     t.add_peer(_peer(MEM_VRAM, 1, 0x7E00_0000_0000, 64))
@@ -530,13 +540,24 @@ def test_a_gpu_peers_loads_are_copied_only_when_they_scatter(
         def copy(self, src: object, plan: WritePlan) -> None:
             copied.append(plan.runs())
 
-    t._peers["peer-1"].mapping = object()  # type: ignore[assignment]  # opened, not a host file
+    t._peers["peer-1"].mapping = OpenedGpuRegion(same_gpu)  # type: ignore[assignment]
     t._copier = Copier()  # type: ignore[assignment]
     t.post_read("peer-1", [0, 1, 2], [5, 7, 9])  # 3 blocks: too few
     t.post_read("peer-1", list(range(8)), list(range(10, 18)))  # one run
     t.post_read("peer-1", list(range(8)), [10, 11, 12, 13, 20, 21, 22, 23])  # 2 runs
     t.post_read("peer-1", list(range(8)), list(range(10, 26, 2)))  # 8 runs
-    assert copied == [[(10 + 2 * i, i, 1) for i in range(8)]]
+    scattered = [(10 + 2 * i, i, 1) for i in range(8)]
+    if same_gpu:
+        assert copied == [
+            [(5, 0, 1), (7, 1, 1), (9, 2, 1)],
+            [(10, 0, 8)],
+            [(10, 0, 4), (20, 4, 4)],
+            scattered,
+        ]
+        assert t.local_reads == 4
+        assert agents[0].xfers == []
+        return
+    assert copied == [scattered]
     assert t.local_reads == 1
     assert [op for op, *_ in agents[0].xfers] == ["READ"] * 3
     with pytest.raises(ValueError, match="8 entries but dst_blocks has 0"):
