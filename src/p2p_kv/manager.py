@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -872,6 +873,20 @@ class LoadManager:
         if self._orphans:
             best = min(best, self._orphans[0][0])
         return best
+
+    def drain_deadline(self, now: float) -> float:
+        """When a cache reset's drain may give up on jobs still running.
+
+        Every job ends by a deadline armed now (sessions' timers, orphaned
+        serves, parked stores, late Fetches) or by a cancel's wait after
+        it. A fixed 30 s was shorter than an offered READ's hold, which
+        grows with its bytes (6 GB: 15 s + 16 s): vLLM's reset then found a
+        job left and asserted."""
+        heaps = (self._late_fetches, self._parked_heap, self._orphans)
+        latest = max((entry[0] for heap in heaps for entry in heap), default=-math.inf)
+        for session in self._sessions.values():
+            latest = max(latest, session.latest_deadline())
+        return max(now + 30.0, latest + self.timeouts.abort_ack_s + 5.0)
 
     def end_step(self, now: float) -> None:
         """Re-arm deadlines of sessions touched this step, then forget them."""

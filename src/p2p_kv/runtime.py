@@ -499,15 +499,22 @@ class TierRuntime:
 
     def drain(self, timeout_s: float | None = None) -> None:
         """Block until every job has ended, its result buffered for the
-        engine's next :meth:`finished_jobs` (cache reset); bounded. Pins a
-        peer may be READing end at their deadline at the latest, so the
-        default bound outlasts it."""
-        if timeout_s is None:
-            timeout_s = max(30.0, self.manager.timeouts.pin_ttl_s + 5.0)
-        end = self.clock() + timeout_s
-        while self.manager.jobs_unended(self.clock()) and self.clock() < end:
+        engine's next :meth:`finished_jobs` (cache reset); bounded by
+        :meth:`LoadManager.drain_deadline` (vLLM asserts that no job is
+        left after it, and without asserts resets slots a peer may still
+        READ)."""
+        m, start = self.manager, self.clock()
+        end = start + timeout_s if timeout_s is not None else m.drain_deadline(start)
+        while m.jobs_unended(self.clock()) and self.clock() < end:
             self.poll(wait=not self._xfers)
             time.sleep(0 if self._xfers else 0.001)
+        left = m.jobs_unended(self.clock())
+        if left:
+            log.error(
+                "p2p_kv: %d jobs still running after the cache reset's drain of %.1f s",
+                left,
+                self.clock() - start,
+            )
 
     # ------------------------------------------------------------------
     # the waker: peers answered while the engine does not step at all

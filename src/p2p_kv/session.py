@@ -1223,7 +1223,11 @@ class Session:
             )
             self._arm(serve, serve.deadline)
             self._serves[(msg.req, msg.gen)] = serve
-        elif serve.state is State.REVOKING:
+        elif serve.state is State.REVOKING or serve.fetch is not None:
+            # After a Fetch (one load per generation) a lookup can only be a
+            # key asked in the step of the load, sent after it: serving it
+            # would re-arm the serve to the bare pin lifetime, shorter than
+            # an offered READ's hold, and free the blocks under the READ.
             self._send(LookupResp(msg.req, msg.gen, msg.seq, [False] * len(msg.keys)))
             return
         else:
@@ -1622,6 +1626,14 @@ class Session:
         if offers:
             times.append(offers[0][0])
         return min(times)
+
+    def latest_deadline(self) -> float:
+        """No earlier than the last deadline armed for any probe, load or
+        serve of this session (a stale timer entry can only make it later):
+        by then, and a cancel's wait, every job here has ended."""
+        if self.link is Link.CLOSED or not self._timers:
+            return float("-inf")
+        return max(deadline for deadline, _, _ in self._timers)
 
     def _arm(self, item: Probe | Load | Serve, deadline: float) -> None:
         """Set ``item``'s deadline; the old timer entry goes stale."""

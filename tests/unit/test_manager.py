@@ -615,6 +615,42 @@ def test_a_load_too_late_in_its_offer_to_read_is_fetched() -> None:
         assert_drained(net)
 
 
+def test_a_lookup_sent_after_a_read_fetch_leaves_the_offers_hold_alone() -> None:
+    """A key asked in the step of a load leaves in a Lookup after the
+    load's Fetch. Served, it took the offered serve back to its lookup
+    window, re-armed to the bare pin lifetime: shorter than the offer's
+    hold (pin lifetime plus the READ's time), so the producer let the
+    blocks go under a READ its consumer still trusted (wrong bytes in a
+    successful load). It is answered all-miss and changes nothing."""
+    slow = Timeouts(pin_ttl_s=1.2, fetch_floor_s=0.6, fetch_bytes_per_s=64.0)
+    net = make_net(timeouts=slow)  # the 4-block READ: 1 s at the deadlines' rate
+    a, b = net.engines["a"], net.engines["b"]
+    assert probe(net, "r1", "kv1") == [Answer.HIT] * 4
+    wait(net, 1.0)  # the lookup's offer window (0.9 s) closed: the load Fetches
+    late = key(50)
+    assert b.manager.lookup("r1", late) is Answer.RETRY  # asked, not yet sent
+    t0 = net.now
+    job = load(net, "r1", [5, 6, 7, 8])
+    until_read_posted(net)
+    (serve,) = next(iter(a.manager.sessions())).serves()
+    while net.now < t0 + 1.45:  # the READ takes its time
+        net.advance(0.05)
+        net.run(1)
+        a.collect(net.now)
+        assert serve.deadline > t0 + 1.6, "the offer's hold was cut short"
+    net.hold_writes = False
+    net.run()
+    collect_all(net)
+    (result,) = b.results[job]
+    assert result.success and not b.wrong_bytes, (result, b.wrong_bytes)
+    assert [b.block(s) for s in (5, 6, 7, 8)] == [payload(k) for k in KEYS]
+    assert b.manager.lookup("r1", late) is Answer.MISS
+    b.manager.on_request_finished("r1", net.now)
+    net.run()
+    collect_all(net)
+    assert_drained(net)
+
+
 # ---------------------------------------------------------------------------
 # disaggregated prefill: the decoder READs the parked stores
 # ---------------------------------------------------------------------------
@@ -808,6 +844,32 @@ def test_a_load_too_large_for_the_bare_pin_lifetime_is_still_read(pd: bool) -> N
     net.run()
     collect_all(net)
     assert_drained(net)
+
+
+def test_a_cache_resets_drain_outlasts_a_dead_readers_large_offer() -> None:
+    """An offer's hold grows with the READ's bytes (the pin lifetime plus
+    the READ's time over the reader's share). A reader that dies mid-READ
+    leaves the stores held to the hold's end, and a cache reset on the
+    producer drains until then: its fixed 30 s bound gave up first, and
+    vLLM's reset asserted that no job was left."""
+    net = Net(timeouts=Timeouts(fetch_bytes_per_s=1.0))  # 64 bytes: 64 s
+    a = net.engines["a"]
+    parked_fetch(net)
+    until_read_posted(net)
+    net.cut("a", "b")  # the decoder dies mid-READ: the offer is orphaned
+    net.run(1)
+    a.manager.release_for_reset(net.now)
+    reset_at = net.now
+    give_up = a.manager.drain_deadline(reset_at)
+    assert give_up - reset_at > 15.0 + 64 / 0.75 - 1.0  # the hold, at least
+    while a.manager.jobs_unended(net.now) and net.now < give_up:
+        net.advance(0.5)
+        net.step()
+        a.collect(net.now)
+    assert a.manager.jobs_unended(net.now) == 0, net.now - reset_at
+    (store,) = [r for rs in a.results.values() for r in rs]
+    assert not store.success
+    assert net.now - reset_at > 30.0  # where the old bound gave up
 
 
 def test_a_cache_reset_during_a_decoders_read_holds_the_stores_until_it_ends() -> None:
