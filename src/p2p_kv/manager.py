@@ -95,6 +95,8 @@ class Roles:
         raise ValueError naming the field, so the adapter can refuse them."""
         if not params:
             return Roles()
+        if not isinstance(params, Mapping):
+            raise ValueError("kv_transfer_params must be a mapping")
         source = None
         for name, probe in (("remote_prefiller", False), ("remote_kv_source", True)):
             leg = params.get(name)
@@ -110,7 +112,7 @@ class Roles:
             if not kv_id or not host or not port:
                 raise ValueError(
                     f"kv_transfer_params.{name} needs kv_request_id, remote_host "
-                    f"and remote_port (got {sorted(leg)})"
+                    f"and remote_port (got {sorted(map(repr, leg))})"
                 )
             source = Source(
                 _check_kv_id(name, kv_id),

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from p2p_kv.manager import Answer, Roles
 from p2p_kv.protocol import Fetch, decode
@@ -459,6 +464,49 @@ def test_roles_parse_refuses_a_kv_id_the_protocol_cannot_carry(
         Roles.parse({leg: params})
     params["kv_request_id"] = 7
     assert Roles.parse({leg: params}) != Roles()
+
+
+_JUNK = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.dictionaries(
+            st.sampled_from(
+                ["kv_request_id", "remote_host", "remote_port", "remote_kv_source"]
+            )
+            | st.integers()
+            | st.text(max_size=4),
+            inner,
+            max_size=4,
+        )
+    ),
+    max_leaves=12,
+)
+_LEG = st.dictionaries(
+    st.sampled_from(["kv_request_id", "remote_host", "remote_port"])
+    | st.integers()
+    | st.none(),
+    _JUNK,
+    max_size=4,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.dictionaries(
+        st.sampled_from(["remote_kv_source", "remote_prefiller", "remote_decoder"]),
+        _LEG | _JUNK,
+    )
+    | _JUNK
+)
+def test_roles_parse_raises_nothing_but_value_error(params: Any) -> None:
+    """vLLM hands the tier whatever its caller put in
+    ``kv_transfer_params`` (the offline API takes any Python object), and
+    the adapter refuses only ValueError: anything else escaped into
+    vLLM's add_request and took the engine down. A leg with an int key
+    did (TypeError from sorting its keys for the message)."""
+    with contextlib.suppress(ValueError):
+        Roles.parse(params)
 
 
 def test_roles_parse_takes_a_port_as_a_decimal_string_and_brackets() -> None:
