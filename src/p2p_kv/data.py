@@ -387,8 +387,9 @@ class _Xfer:
     peer: str
 
 
-#: Staging of transports closed while READs into it still ran (see close).
-_KEPT_STAGING: list[StagingMemory | None] = []
+#: Staging bytes of transports closed while READs into them still ran
+#: (see close).
+_KEPT_STAGING: list[Any] = []
 
 
 #: Pieces of one staged READ in flight at once, each at most this share of
@@ -1328,11 +1329,11 @@ class NixlDataTransport:
             try:
                 self._finish(list(self._inflight))
                 self._done.clear()
-                if self._zombies:
+                if self._zombies and self._stage_mem is not None:
                     # UCX may still write into their staging until the agent
                     # is gone, and we cannot know when that is: it is kept
                     # for the life of the process (at most the pool).
-                    _KEPT_STAGING.append(self._stage_mem)
+                    _KEPT_STAGING.append(self._stage_mem.buffer)
                 for z in self._zombies:
                     self._release(z.handle)
                 self._zombies.clear()

@@ -139,6 +139,14 @@ class StagingMemory:
             )
         self.nbytes = num_blocks * block_bytes
 
+    @property
+    def buffer(self) -> Any:
+        """The staging bytes alone: what must outlive a transport closed
+        while a READ given up on may still write them. Not this object,
+        whose view of the region would keep the engine's whole KV cache
+        (GPU memory) alive with it."""
+        return self._buf
+
     def copy_out(self, stage: Blocks, slots: Blocks) -> None:
         """Staging block ``stage[i]`` into region block ``slots[i]``; done
         (on the GPU: finished) when this returns."""

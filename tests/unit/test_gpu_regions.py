@@ -183,6 +183,7 @@ class FakeStaging:
         self.addr, self.nbytes = STAGE_BASE, num_blocks * block_bytes
         self.device_id = 0 if cuda_region is None else cuda_region.device.index
         self.copies: list[tuple[list[int], list[int]]] = []
+        self.buffer = bytearray(self.nbytes)
 
     def copy_out(self, stage: Any, slots: Any) -> None:
         self.copies.append((stage.tolist(), slots.tolist()))
@@ -393,6 +394,25 @@ def test_an_idle_runtime_frees_the_staging_of_a_read_given_up_on(
         assert t._stage_mem.copies == []  # nothing of it reached the slots
     finally:
         rt.close()
+
+
+def test_a_transport_closed_under_a_read_given_up_on_keeps_only_its_staging(
+    agents: list[FakeAgent],
+) -> None:
+    """UCX may still write a cancelled READ's staging after close, so the
+    staging outlives the transport; the object that owns it also views the
+    engine's region, and kept whole it kept the engine's KV cache (GPU
+    memory) alive for the life of the process."""
+    t, _, _ = _six_block_staged_read(agents)
+    t.remove_peer("peer-1")  # the READ is given up on while it runs
+    assert t.settling()
+    stage = t._stage_mem
+    kept = len(data._KEPT_STAGING)
+    t.close()
+    try:
+        assert data._KEPT_STAGING[kept:] == [stage.buffer]
+    finally:
+        del data._KEPT_STAGING[kept:]
 
 
 def test_host_to_gpu_descriptors_mix_memory_types(
