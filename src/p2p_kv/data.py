@@ -392,10 +392,18 @@ class _Xfer:
 _KEPT_STAGING: list[Any] = []
 
 
-#: Pieces of one staged READ in flight at once, each at most this share of
-#: the staging: one is posted (and the one before copied out) while another
-#: runs, instead of each waiting for the last.
+#: Pieces of one staged READ in flight at once: one is posted (and the one
+#: before copied out) while another runs, instead of each waiting for the
+#: last.
 PIECES_IN_FLIGHT = 2
+
+#: One peer's staged READs, running or given up on, hold at most this share
+#: of the staging (pieces are this share over :data:`PIECES_IN_FLIGHT`). A
+#: peer that stalls mid-READ, alive and connected, keeps its READs' staging
+#: until it resumes or dies (UCX does not end them); with no share, one
+#: such READ held all of it, and every other peer's READs waited out their
+#: deadlines for as long as the stall lasted.
+PEER_STAGING_SHARE = 0.5
 
 
 @dataclass
@@ -1089,9 +1097,11 @@ class NixlDataTransport:
                 return "PROC" if read.pieces else "DONE"
             if not post or len(read.pieces) >= PIECES_IN_FLIGHT:
                 return "PROC"
-            stage = pool.take(min(left, max(1, pool.size // PIECES_IN_FLIGHT)))
+            share = max(1, int(pool.size * PEER_STAGING_SHARE))
+            most = max(1, share // PIECES_IN_FLIGHT)
+            stage = pool.take(min(left, most, share - self._staging_held(read)))
             if not stage.size:
-                return "PROC"  # every staging block is taken: wait for one
+                return "PROC"  # the peer's share or the pool is taken: wait
             lo, handle = read.posted, None
             try:
                 handle = self._stage_xfer(
@@ -1113,6 +1123,20 @@ class NixlDataTransport:
                 return "ERR"
             read.pieces.append(_Piece(handle, stage, lo, state))
             read.posted += int(stage.size)
+
+    def _staging_held(self, read: _StagedRead) -> int:
+        """Staging blocks held by ``read``'s peer: its READs' pieces running
+        (``read``'s included, posted before it is tracked) and given up on."""
+        name = read.peer.info.agent_name
+        held = sum(int(z.stage.size) for z in self._zombies if z.peer == name)
+        reads = [x.handle for x in self._inflight.values() if x.peer == name]
+        reads += [] if read in reads else [read]
+        return held + sum(
+            int(p.stage.size)
+            for r in reads
+            if isinstance(r, _StagedRead)
+            for p in r.pieces
+        )
 
     def _stage_xfer(
         self, peer: _Peer, stage: npt.NDArray[np.int64], remote: npt.NDArray[np.int64]

@@ -13,9 +13,11 @@ of ours (made and registered once, at the first such READ). Its bytes are
 copied into the engine's slots only after UCX reports it done. One given
 up on hands the engine's slots back at once (reported failed, no drain to
 wait out) and keeps its staging blocks, quarantined, until UCX ends it: a
-peer that resumes lands its bytes there, a dead one errors it. A load
-larger than half the staging moves in pieces of at most half, two in
-flight: one lands and is copied out while the next runs.
+peer that resumes lands its bytes there, a dead one errors it. One
+peer's READs, running or given up on, hold at most half the staging (a
+peer stalled mid-READ keeps its share for the stall, and only its share),
+so a load larger than that moves in pieces of a quarter, two in flight:
+one lands and is copied out while the next runs.
 
 :class:`StagingPool` is the allocator (pure); :class:`StagingMemory` owns
 the bytes and the copy out of them. ``p2p_kv.data`` drives both.

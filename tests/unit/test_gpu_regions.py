@@ -292,8 +292,8 @@ def test_vram_read_names_each_sides_gpu(agents: list[FakeAgent], staged: bool) -
     t = NixlDataTransport(
         FakeCudaTensor(local_base, 16 * BS, index=1),
         BS,
-        # 8 staging blocks: the 3 go as one piece (at most half the pool)
-        read_staging_bytes=8 * BS if staged else 0,
+        # 16 staging blocks: the 3 go as one piece (at most a quarter)
+        read_staging_bytes=16 * BS if staged else 0,
     )
     t.add_peer(_peer(MEM_VRAM, 0, remote_base, 32))
     tid = t.post_read("peer-1", [30, 31, 5], [7, 8, 9])  # remote blocks, then ours
@@ -307,7 +307,7 @@ def test_vram_read_names_each_sides_gpu(agents: list[FakeAgent], staged: bool) -
     )
     if staged:
         assert t._stage_mem.copies == [([0, 1, 2], [7, 8, 9])]
-        assert t.staging_blocks() == (8, 8, 0)
+        assert t.staging_blocks() == (16, 16, 0)
 
 
 PIECES_SLOTS = [1, 3, 5, 7, 9, 11]
@@ -316,11 +316,12 @@ PIECES_SLOTS = [1, 3, 5, 7, 9, 11]
 def _six_block_staged_read(
     agents: list[FakeAgent],
 ) -> tuple[NixlDataTransport, FakeAgent, int]:
-    """A READ of 6 blocks into 4 of staging, its transfers held running."""
+    """A READ of 6 blocks into 8 of staging (the peer's share: 4), its
+    transfers held running."""
     t = NixlDataTransport(
         FakeCudaTensor(0x7F00_0000_0000, 16 * BS, index=1),
         BS,
-        read_staging_bytes=4 * BS,
+        read_staging_bytes=8 * BS,
     )
     t.add_peer(_peer(MEM_VRAM, 0, 0x7E00_0000_0000, 32))
     agent = agents[0]
@@ -329,13 +330,13 @@ def _six_block_staged_read(
 
 
 def test_a_staged_read_keeps_two_pieces_in_flight(agents: list[FakeAgent]) -> None:
-    """A load larger than half the staging moves in pieces of at most half,
-    two running at once: one lands (and is copied out) while the next runs,
-    instead of every piece waiting for the one before."""
+    """A load larger than the peer's share of the staging moves in pieces of
+    half that share, two running at once: one lands (and is copied out)
+    while the next runs, instead of every piece waiting for the one before."""
     t, agent, tid = _six_block_staged_read(agents)
     assert len(agent.handles) == 2  # two pieces of 2 blocks, both running
     assert t.poll_completions() == []
-    assert t.staging_blocks() == (4, 0, 0)
+    assert t.staging_blocks() == (8, 4, 0)
     agent.landed.append(agent.handles[1])  # the second piece lands first
     assert t.poll_completions() == []
     assert len(agent.handles) == 3  # its staging went to the third piece
@@ -344,7 +345,7 @@ def test_a_staged_read_keeps_two_pieces_in_flight(agents: list[FakeAgent]) -> No
     copies = t._stage_mem.copies
     assert sorted(s for _, out in copies for s in out) == PIECES_SLOTS
     assert [out for _, out in copies] == [[5, 7], [1, 3], [9, 11]]
-    assert t.staging_blocks() == (4, 4, 0)
+    assert t.staging_blocks() == (8, 8, 0)
 
 
 def test_a_failed_piece_buries_the_piece_still_running(agents: list[FakeAgent]) -> None:
@@ -353,11 +354,41 @@ def test_a_failed_piece_buries_the_piece_still_running(agents: list[FakeAgent]) 
     t, agent, tid = _six_block_staged_read(agents)
     agent.failed.append(agent.handles[0])
     assert t.poll_completions() == [(tid, False)]
-    assert t.staging_blocks() == (4, 2, 2)
+    assert t.staging_blocks() == (8, 6, 2)
     agent.landed.append(agent.handles[1])
     assert t.poll_completions() == []
-    assert t.staging_blocks() == (4, 4, 0)
+    assert t.staging_blocks() == (8, 8, 0)
     assert t._stage_mem.copies == []
+
+
+def test_a_peer_that_stalls_mid_read_leaves_the_others_their_staging(
+    agents: list[FakeAgent],
+) -> None:
+    """A peer alive and connected but stalled keeps its READs' staging
+    (UCX does not end them) until it resumes or dies. One such READ took
+    the whole staging, and every other peer's READs waited out their
+    deadlines for as long as the stall lasted: a peer's READs now hold at
+    most its share (``data.PEER_STAGING_SHARE``)."""
+    t = NixlDataTransport(
+        FakeCudaTensor(0x7F00_0000_0000, 32 * BS, index=1),
+        BS,
+        read_staging_bytes=8 * BS,
+    )
+    t.add_peer(_peer(MEM_VRAM, 0, 0x7E00_0000_0000, 32))
+    other = _peer(MEM_VRAM, 0, 0x7C00_0000_0000, 32)
+    t.add_peer(
+        msgspec.structs.replace(other, agent_name="peer-2", agent_metadata=b"md:peer-2")
+    )
+    agent = agents[0]
+    agent.hold = True
+    t.post_read("peer-1", list(range(8)), list(range(0, 16, 2)))
+    t.remove_peer("peer-1")  # its session was lost: the READ is given up on
+    assert [ok for _, ok in t.poll_completions()] == [False]
+    assert t.staging_blocks() == (8, 4, 4)  # its share, held for the stall
+    tid = t.post_read("peer-2", [3, 4], [20, 22])
+    agent.landed.append(agent.handles[-1])
+    assert t.poll_completions() == [(tid, True)]
+    assert t._stage_mem.copies[-1][1] == [20, 22]
 
 
 def test_an_idle_runtime_frees_the_staging_of_a_read_given_up_on(
@@ -384,11 +415,11 @@ def test_an_idle_runtime_frees_the_staging_of_a_read_given_up_on(
         t.remove_peer("peer-1")  # its session closed: the READ is given up on
         rt.poll(wait=False)  # the failed completion is taken
         assert t.in_flight() == 0
-        assert t.staging_blocks() == (4, 0, 4)
+        assert t.staging_blocks() == (8, 4, 4)
         assert t.settling()
         agent.landed.extend(agent.handles)  # UCX ends both pieces
         rt.poll(wait=False)
-        assert t.staging_blocks() == (4, 4, 0)
+        assert t.staging_blocks() == (8, 8, 0)
         assert not t.settling()
         assert t._retiring == {}  # and the removed peer's agent is dropped
         assert t._stage_mem.copies == []  # nothing of it reached the slots
