@@ -22,6 +22,8 @@ __all__ = [
     "holds_connection",
     "loaded_library",
     "mapping_of",
+    "process_dir",
+    "process_uid",
     "shm_devices",
     "socket_inode",
 ]
@@ -115,10 +117,31 @@ def socket_inode(fd: int) -> str | None:
     return link[8:-1]
 
 
-def holds_connection(pid: int, ours: str) -> bool:
-    """Whether process ``pid`` holds the far end of our TCP connection
-    (socket inode ``ours``): proof that it is the peer we talk to, which
-    a listener on the same port number elsewhere is not."""
+@contextlib.contextmanager
+def process_dir(pid: int) -> Iterator[int | None]:
+    """``/proc/<pid>`` as a directory fd (None if there is no such process)
+    for the lookups of one proof. Pids are reused: a proof made of several
+    lookups by pid could mix two processes, the peer and one given its pid
+    after it exited. Lookups through this fd are all of the process it was
+    opened for, and fail (ESRCH) once that one has exited."""
+    try:
+        fd = os.open(f"/proc/{pid}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        yield None
+        return
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def holds_connection(proc: int | None, ours: str) -> bool:
+    """Whether the process of ``proc`` (a :func:`process_dir`) holds the far
+    end of our TCP connection (socket inode ``ours``): proof that it is the
+    peer we talk to, which a listener on the same port number elsewhere is
+    not."""
+    if proc is None:
+        return False
     sockets = _tcp_sockets()
     mine = [(_endpoint(lo), _endpoint(re)) for lo, re, ino in sockets if ino == ours]
     if not mine:
@@ -132,25 +155,36 @@ def holds_connection(pid: int, ours: str) -> bool:
     if not wanted:
         return False
     try:
-        names = os.listdir(f"/proc/{pid}/fd")
+        fds = os.open("fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=proc)
     except OSError:
         return False
-    for name in names:
-        try:
-            if os.readlink(f"/proc/{pid}/fd/{name}") in wanted:
-                return True
-        except OSError:
-            continue
+    try:
+        for name in os.listdir(fds):
+            with contextlib.suppress(OSError):
+                if os.readlink(name, dir_fd=fds) in wanted:
+                    return True
+    except OSError:
+        pass
+    finally:
+        os.close(fds)
     return False
 
 
-def process_uid(pid: int) -> int | None:
-    """The uid process ``pid`` runs as (the owner of its ``/proc`` entry),
-    or None if it is gone."""
-    try:
-        return os.stat(f"/proc/{pid}").st_uid
-    except OSError:
+def process_uid(proc: int | None) -> int | None:
+    """The effective uid of the process of ``proc`` (a :func:`process_dir`),
+    or None once it has exited (``fstat`` of the directory would still
+    answer then, with root's uid)."""
+    if proc is None:
         return None
+    try:
+        fd = os.open("status", os.O_RDONLY | os.O_CLOEXEC, dir_fd=proc)
+        with os.fdopen(fd) as f:
+            for line in f:
+                if line.startswith("Uid:"):
+                    return int(line.split()[2])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 @cache

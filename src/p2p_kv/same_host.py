@@ -55,6 +55,7 @@ from p2p_kv.procfs import (
     boot_id,
     holds_connection,
     mapping_of,
+    process_dir,
     process_uid,
     shm_devices,
 )
@@ -125,14 +126,17 @@ def host_buffer(addr: int, nbytes: int) -> memoryview:
     return memoryview((ctypes.c_uint8 * nbytes).from_address(addr)).cast("B")
 
 
-def check_peer(info: ShmRegion | CudaIpcRegion, conn_inode: str) -> None:
-    """Refuse a region offer unless its pid is the peer at the far end of
-    our connection ``conn_inode``, on this boot of this host."""
+def check_peer(
+    info: ShmRegion | CudaIpcRegion, conn_inode: str, proc: int | None
+) -> None:
+    """Refuse a region offer unless its pid (``proc``, its
+    :func:`~p2p_kv.procfs.process_dir`) is the peer at the far end of our
+    connection ``conn_inode``, on this boot of this host."""
     if info.boot_id != boot_id():
         raise ValueError("peer is on another host (boot id differs)")
     if info.length <= 0 or info.offset < 0:
         raise ValueError(f"bad region span {info.offset}+{info.length}")
-    if not holds_connection(info.pid, conn_inode):
+    if not holds_connection(proc, conn_inode):
         raise ValueError(
             f"pid {info.pid} does not hold the far end of our connection: "
             "not the peer we talk to (or in another network namespace)"
@@ -152,8 +156,12 @@ class PeerMapping:
         """Open the region of the peer at the far end of our TCP
         connection ``conn_inode``, or raise ``ValueError``/``OSError``
         saying why not."""
-        check_peer(info, conn_inode)
-        fd = os.open(f"/proc/{info.pid}/fd/{info.fd}", os.O_RDONLY | os.O_CLOEXEC)
+        with process_dir(info.pid) as proc:
+            check_peer(info, conn_inode, proc)
+            # Its uid while it holds our connection: after it exits the
+            # read fails, where a later process given its pid would answer.
+            owner = process_uid(proc)
+            fd = os.open(f"fd/{info.fd}", os.O_RDONLY | os.O_CLOEXEC, dir_fd=proc)
         try:
             st = os.fstat(fd)
             if (st.st_dev, st.st_ino) != (info.dev, info.ino):
@@ -163,7 +171,8 @@ class PeerMapping:
                 )
             if st.st_dev not in shm_devices():
                 raise ValueError("peer's region is not in shared memory (tmpfs)")
-            owner = process_uid(info.pid)
+            if owner is None:
+                raise ValueError(f"pid {info.pid} exited while proving itself")
             if owner != 0 and st.st_uid != owner:
                 # We reopened its fd with our own rights: a peer that holds
                 # a file it may not read (an O_PATH fd to a root-only file)

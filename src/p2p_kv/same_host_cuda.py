@@ -28,7 +28,7 @@ import msgspec
 import numpy as np
 
 from p2p_kv.plan import WritePlan
-from p2p_kv.procfs import boot_id, loaded_library
+from p2p_kv.procfs import boot_id, loaded_library, process_dir
 from p2p_kv.same_host import PeerMapping, check_peer
 
 __all__ = [
@@ -271,7 +271,8 @@ class CudaIpcMapping:
     :meth:`map`, called by the copier on its device."""
 
     def __init__(self, info: CudaIpcRegion, conn_inode: str) -> None:
-        check_peer(info, conn_inode)
+        with process_dir(info.pid) as proc:
+            check_peer(info, conn_inode, proc)
         if len(info.handle) != _IPC_HANDLE_BYTES:
             raise ValueError(f"a CUDA IPC handle has {_IPC_HANDLE_BYTES} bytes")
         self.info = info

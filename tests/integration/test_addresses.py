@@ -71,7 +71,7 @@ def test_our_connection_names_its_socket_from_the_first_poll(host: str) -> None:
     monitor, attached before connecting (on loopback the connection can be
     up before connect() returns); the far end is the listener's process."""
     from p2p_kv.control import ControlTransport
-    from p2p_kv.procfs import holds_connection
+    from p2p_kv.procfs import holds_connection, process_dir
 
     server = ControlTransport(host, 0, heartbeat_s=0.5)
     client = ControlTransport("127.0.0.1", 0, heartbeat_s=0.5)
@@ -85,7 +85,8 @@ def test_our_connection_names_its_socket_from_the_first_poll(host: str) -> None:
             if inode is not None:
                 break
         assert inode is not None, "CONNECTED never reported"
-        assert holds_connection(os.getpid(), inode)
+        with process_dir(os.getpid()) as proc:
+            assert holds_connection(proc, inode)
         client.close_conn(server.address)
         assert client.connection_inode(server.address) is None
     finally:

@@ -12,11 +12,17 @@ import pytest
 from p2p_kv.procfs import (
     holds_connection,
     loaded_library,
+    process_dir,
     process_uid,
     shm_devices,
     socket_inode,
 )
 from tests.support.sockets import tcp_connection
+
+
+def _holds(pid: int, inode: str) -> bool:
+    with process_dir(pid) as proc:
+        return holds_connection(proc, inode)
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
@@ -25,16 +31,16 @@ def test_the_far_end_proves_which_process_we_talk_to(host: str) -> None:
     try:
         inode = socket_inode(ours.fileno())
         assert inode is not None
-        assert holds_connection(os.getpid(), inode)
-        assert not holds_connection(2**22 + 1, inode)  # no such process
+        assert _holds(os.getpid(), inode)
+        assert not _holds(2**22 + 1, inode)  # no such process
         child = subprocess.Popen(["sleep", "30"])
         try:
-            assert not holds_connection(child.pid, inode)  # not its socket
+            assert not _holds(child.pid, inode)  # not its socket
         finally:
             child.kill()
             child.wait()
         far.close()  # the far end gone: nothing proves anything
-        assert not holds_connection(os.getpid(), inode)
+        assert not _holds(os.getpid(), inode)
     finally:
         for sock in (listener, ours, far):
             sock.close()
@@ -53,7 +59,7 @@ def test_a_listener_on_the_same_port_is_no_proof() -> None:
         child_conn = socket_inode(ours.fileno())
         assert child_conn is not None
         far.close()  # only the same-port listener is left here
-        assert not holds_connection(os.getpid(), child_conn)
+        assert not _holds(os.getpid(), child_conn)
         other.close()
     finally:
         for sock in (listener, ours, far):
@@ -83,14 +89,34 @@ def test_the_cuda_runtime_is_found_among_what_is_loaded() -> None:
     assert loaded_library("libc") is not None
 
 
-def test_a_process_uid_is_read_fresh_every_time() -> None:
-    """Pids are reused: a uid remembered for a pid would vouch for whatever
-    process has that pid next (the same-host region check reads it)."""
-    child = subprocess.Popen(["sleep", "30"])
+def test_a_proof_is_of_the_process_it_began_with() -> None:
+    """Pids are reused: a proof made of lookups by pid (the connection, the
+    file, the uid) could mix the peer with a process given its pid after it
+    exited. Made through one ``/proc/<pid>`` fd, every lookup after the exit
+    fails instead of answering for whoever has the pid now."""
+    listener, ours, far = tcp_connection("127.0.0.1")
+    inode = socket_inode(ours.fileno())
+    assert inode is not None
+    child = subprocess.Popen(["sleep", "30"], pass_fds=[far.fileno()])
     try:
-        assert process_uid(child.pid) == os.getuid()
+        with process_dir(child.pid) as proc:
+            assert holds_connection(proc, inode)
+            assert process_uid(proc) == os.geteuid()
+            child.kill()
+            child.wait()
+            assert not holds_connection(proc, inode)
+            assert process_uid(proc) is None
+            with pytest.raises(OSError):
+                os.open("fd/0", os.O_RDONLY, dir_fd=proc)
     finally:
-        child.kill()
-        child.wait()
-    assert process_uid(child.pid) is None
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        for sock in (listener, ours, far):
+            sock.close()
+    assert holds_connection(None, inode) is False
+    assert process_uid(None) is None
+
+
+def test_shm_devices_are_the_hosts() -> None:
     assert shm_devices() is shm_devices()  # that one is the host's: made once
