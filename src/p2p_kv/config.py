@@ -8,6 +8,7 @@ key is absent), named like vLLM's own: ``VLLM_P2P_KV_<KEY>``.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -128,8 +129,10 @@ class TierConfig:
             "pin_ttl_s",
             "parked_ttl_s",
         ):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"p2p_kv: {name} must be > 0")
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                # An endless wait is no deadline: every wait must end.
+                raise ConfigError(f"p2p_kv: {name} must be > 0 and finite")
         if self.pin_ttl_s > 3600:
             raise ConfigError(
                 f"p2p_kv: pin_ttl_s {self.pin_ttl_s} is over 3600: the protocol "

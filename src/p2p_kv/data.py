@@ -406,7 +406,7 @@ PIECES_IN_FLIGHT = 2
 PEER_STAGING_SHARE = 0.5
 
 
-@dataclass
+@dataclass(eq=False)
 class _Piece:
     """One piece of a staged READ: the peer's blocks for ``local[lo:lo +
     stage.size]``, landing in staging blocks ``stage``."""
@@ -417,7 +417,7 @@ class _Piece:
     state: str
 
 
-@dataclass
+@dataclass(eq=False)
 class _StagedRead:
     """A READ landing in staging (``p2p_kv.staging``) in pieces, up to
     :data:`PIECES_IN_FLIGHT` at once; ``posted`` blocks of ``local`` have
@@ -430,7 +430,7 @@ class _StagedRead:
     pieces: list[_Piece] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Zombie:
     """A staged READ given up on while UCX still runs it: its staging blocks
     stay taken until UCX ends it (``lost``: until close, when its state can
@@ -1129,12 +1129,12 @@ class NixlDataTransport:
         (``read``'s included, posted before it is tracked) and given up on."""
         name = read.peer.info.agent_name
         held = sum(int(z.stage.size) for z in self._zombies if z.peer == name)
-        reads = [x.handle for x in self._inflight.values() if x.peer == name]
-        reads += [] if read in reads else [read]
+        reads = {id(x.handle): x.handle for x in self._inflight.values()}
+        reads[id(read)] = read
         return held + sum(
             int(p.stage.size)
-            for r in reads
-            if isinstance(r, _StagedRead)
+            for r in reads.values()
+            if isinstance(r, _StagedRead) and r.peer is read.peer
             for p in r.pieces
         )
 

@@ -58,6 +58,9 @@ from p2p_kv.session import (
 MAX_REFUSED_INBOUND = 4096
 #: Finished producer requests remembered (see ``LoadManager._finished_kv``).
 MAX_FINISHED_KV = 65_536
+#: The longest a cache reset's drain waits (an offered READ of 1 TB is held
+#: about 45 minutes at the default deadlines).
+MAX_DRAIN_S = 3600.0
 #: How long a Fetch for such a kv id waits for a new producer request
 #: under the same id (a retry) before it is told nothing was stored.
 LATE_FETCH_GRACE_S = 1.0
@@ -884,11 +887,12 @@ class LoadManager:
         it. A fixed 30 s was shorter than an offered READ's hold, which
         grows with its bytes (6 GB: 15 s + 16 s): vLLM's reset then found a
         job left and asserted."""
-        heaps = (self._late_fetches, self._parked_heap, self._orphans)
-        latest = max((entry[0] for heap in heaps for entry in heap), default=-math.inf)
-        for session in self._sessions.values():
-            latest = max(latest, session.latest_deadline())
-        return max(now + 30.0, latest + self.timeouts.abort_ack_s + 5.0)
+        held = [at for at, _ in self._late_fetches]
+        held += [at for at, _, st in self._parked_heap if st.state is State.STORED]
+        held += [at for at, _, sv in self._orphans if not sv.terminal]
+        held += [s.latest_deadline() for s in self._sessions.values()]
+        latest = max(held, default=-math.inf) + self.timeouts.abort_ack_s + 5.0
+        return min(max(now + 30.0, latest), now + MAX_DRAIN_S)
 
     def end_step(self, now: float) -> None:
         """Re-arm deadlines of sessions touched this step, then forget them."""

@@ -1629,11 +1629,13 @@ class Session:
 
     def latest_deadline(self) -> float:
         """No earlier than the last deadline armed for any probe, load or
-        serve of this session (a stale timer entry can only make it later):
-        by then, and a cancel's wait, every job here has ended."""
-        if self.link is Link.CLOSED or not self._timers:
-            return float("-inf")
-        return max(deadline for deadline, _, _ in self._timers)
+        serve of this session, or for the offered pins it leaves orphaned
+        when closed (a stale timer entry can only make it later): by then,
+        and a cancel's wait, every job here has ended."""
+        held = [sv.deadline for sv in self.orphans]
+        if self.link is not Link.CLOSED:
+            held += [at for at, _, item in self._timers if not item.terminal]
+        return max(held, default=float("-inf"))
 
     def _arm(self, item: Probe | Load | Serve, deadline: float) -> None:
         """Set ``item``'s deadline; the old timer entry goes stale."""

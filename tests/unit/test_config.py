@@ -58,6 +58,16 @@ def test_bad_type_names_the_source() -> None:
         TierConfig.from_dict({"require_hash_seed": "maybe"}, env={})
 
 
+@pytest.mark.parametrize("name", ["parked_ttl_s", "abort_ack_timeout_s", "pin_ttl_s"])
+@pytest.mark.parametrize("value", ["inf", "nan", "-inf"])
+def test_a_wait_must_end(name: str, value: str) -> None:
+    """Every wait has a deadline: an infinite one (float('inf') passed the
+    old ``> 0`` check) made a cache reset's drain wait forever for a job
+    stuck past it, under the tier's lock."""
+    with pytest.raises(ConfigError, match=f"{name} must be > 0 and finite"):
+        TierConfig.from_dict({name: value}, env={})
+
+
 def test_missing_hash_seed_says_how_to_fix_it() -> None:
     with pytest.raises(ConfigError, match="export the same PYTHONHASHSEED"):
         check_hash_seed(env={})

@@ -391,6 +391,33 @@ def test_a_peer_that_stalls_mid_read_leaves_the_others_their_staging(
     assert t._stage_mem.copies[-1][1] == [20, 22]
 
 
+def test_two_staged_reads_from_one_peer_share_its_staging(
+    agents: list[FakeAgent],
+) -> None:
+    """A peer's second READ while its first runs counts the first's pieces
+    against the peer's share, and both land. (The count compared READs by
+    value, their numpy block arrays with them, and failed the second.)"""
+    t = NixlDataTransport(
+        FakeCudaTensor(0x7F00_0000_0000, 32 * BS, index=1),
+        BS,
+        read_staging_bytes=16 * BS,  # the peer's share: 8, pieces of 4
+    )
+    t.add_peer(_peer(MEM_VRAM, 0, 0x7E00_0000_0000, 32))
+    agent = agents[0]
+    agent.hold = True
+    first = t.post_read("peer-1", list(range(6)), list(range(0, 12, 2)))
+    second = t.post_read("peer-1", [10, 11, 12, 13], [20, 22, 24, 26])
+    assert t.staging_blocks() == (16, 8, 0)  # 4 + 2, then 2 of the second's
+    done: list[tuple[int, bool]] = []
+    for _ in range(4):  # every piece posted so far lands
+        agent.landed[:] = agent.handles
+        done += t.poll_completions()
+    assert sorted(done) == [(first, True), (second, True)]
+    landed = sorted(s for _, out in t._stage_mem.copies for s in out)
+    assert landed == sorted([*range(0, 12, 2), 20, 22, 24, 26])
+    assert t.staging_blocks() == (16, 16, 0)
+
+
 def test_an_idle_runtime_frees_the_staging_of_a_read_given_up_on(
     agents: list[FakeAgent],
 ) -> None:
