@@ -61,6 +61,9 @@ MAX_FINISHED_KV = 65_536
 #: The longest a cache reset's drain waits (an offered READ of 1 TB is held
 #: about 45 minutes at the default deadlines).
 MAX_DRAIN_S = 3600.0
+#: Dials past ``max_peers`` while idle sessions closed for room still hold
+#: their sockets (``p2p_kv.config.MAX_PEERS`` leaves room for 20 there).
+CLOSING_ROOM = 16
 #: How long a Fetch for such a kv id waits for a new producer request
 #: under the same id (a retry) before it is told nothing was stored.
 LATE_FETCH_GRACE_S = 1.0
@@ -228,6 +231,9 @@ class Consumer:
     asked: set[bytes] = field(default_factory=set)
     unsent: list[bytes] = field(default_factory=list)
     fetched: bool = False
+    #: its peer was past ``max_peers`` when it began: it recomputes (asked
+    #: again, it would only be refused again)
+    refused: bool = False
 
 
 @dataclass(slots=True)
@@ -293,6 +299,8 @@ class LoadManager:
         self.reconnect_backoff_s = reconnect_backoff_s
         #: Outbound sessions at once (p2p_kv.config.TierConfig.max_peers).
         self.max_peers = max_peers
+        #: when each dialled session last served a request's dial or lookup
+        self._used_at: dict[str, float] = {}
         #: Sessions peers open to us at once (TierConfig.max_inbound_peers).
         self.max_inbound = max_inbound
         self._gens = itertools.count(1)
@@ -371,7 +379,8 @@ class LoadManager:
             consumer = Consumer(req_id, roles.source, next(self._gens))
             self._consumers[req_id] = consumer
             self._by_gen[consumer.gen] = consumer
-            self._session_for(roles.source.peer, now)
+            if self._session_for(roles.source.peer, now) is None:
+                consumer.refused = self._dialled() >= self.max_peers
         if roles.dest_kv_id:
             self._finished_kv.pop(roles.dest_kv_id, None)
             self._producers[req_id] = roles.dest_kv_id
@@ -390,14 +399,20 @@ class LoadManager:
         if consumer is None or req_id in self._failed:
             return Answer.MISS
         session = self._sessions.get(consumer.source.peer)
-        if session is None or session.link is Link.CLOSED:
+        if session is None and consumer.refused:
+            return Answer.MISS
+        if session is not None and session.link is Link.CLOSED:
             return Answer.MISS
         if consumer.fetched:
             # One fetch per generation: the peer released its pins with it
             # (a prefiller's blocks were all loaded by it).
             return Answer.MISS
         if not consumer.source.probe:
-            return Answer.HIT
+            return Answer.HIT if session is not None else Answer.MISS
+        # No session (one lost since the request began): the key is asked
+        # all the same, and flush dials again (or, in the reconnect backoff
+        # or past max_peers, answers it a miss). Answered MISS here, the
+        # request never asked again, and lost its remote hits for good.
         known = consumer.keys.get(key)
         if known is not None:
             return Answer.HIT if known else Answer.MISS
@@ -617,20 +632,48 @@ class LoadManager:
     def _session_for(self, peer: str, now: float) -> Session | None:
         session = self._sessions.get(peer)
         if session is not None and not session.closed:
+            self._used_at[peer] = now
             return session
         if session is not None:
             return None  # closed, awaiting invalidation
         if now < self._retry_at.get(peer, 0.0):
             return None
-        dialled = sum(1 for p in self._sessions if not is_inbound(p))
-        if dialled >= self.max_peers:
+        if self._dialled() >= self.max_peers and not self._make_room():
             # Clients choose the peers; each dial costs sockets the engine
             # cannot run out of. This request recomputes.
             tally(self.refusals, ("other", "too_many_peers"), ("other", "other"))
             self.dials_refused += 1
             return None
         self._to_connect.append(peer)
+        self._used_at[peer] = now
         return self._new_session(peer, now)
+
+    def _make_room(self) -> bool:
+        """Close the dialled session used longest ago that nothing needs (no
+        live request names it, nothing in flight), so a new peer can be
+        dialled; False if there is none. Sessions are never closed for
+        idling otherwise, so without this ``max_peers`` capped the distinct
+        peers an engine ever talked to while they lived: past it, every
+        new peer lost the tier for good. A closing session keeps its
+        sockets until its invalidation (this step's pump), so at most
+        :data:`CLOSING_ROOM` dials pass ``max_peers`` meanwhile."""
+        if self._dialled() >= self.max_peers + CLOSING_ROOM:
+            return False
+        named = {c.source.peer for c in self._consumers.values()}
+        idle = [
+            (self._used_at.get(p, 0.0), p)
+            for p, s in self._sessions.items()
+            if not is_inbound(p) and not s.closed and not s.active and p not in named
+        ]
+        if not idle:
+            return False
+        _, peer = min(idle)
+        self.close_session(peer, "idle: room for a new peer (max_peers)")
+        return True
+
+    def _dialled(self) -> int:
+        """Sessions we dialled (a scan: only when a dial is considered)."""
+        return sum(1 for p in self._sessions if not is_inbound(p))
 
     def _new_session(self, peer: str, now: float) -> Session:
         session = Session(
@@ -835,6 +878,7 @@ class LoadManager:
         self.retired_sessions.append(session)  # its last counts, for metrics
         session.leave_engine()
         del self._sessions[peer]
+        self._used_at.pop(peer, None)
         self._dirty.discard(peer)
         if not is_inbound(peer):
             self._retry_at[peer] = now + self.reconnect_backoff_s

@@ -194,7 +194,7 @@ class Net:
         )
 
     def _other(self, engine: str, peer: str) -> tuple[str, str] | None:
-        for link in self.links:
+        for link in reversed(self.links):  # the newest: a redial's
             if link.a == (engine, peer):
                 return link.b if link.up else None
             if link.b == (engine, peer):
@@ -202,7 +202,7 @@ class Net:
         return None
 
     def _link(self, engine: str, peer: str) -> Link | None:
-        for link in self.links:
+        for link in reversed(self.links):  # the newest: a redial's
             if (engine, peer) in (link.a, link.b):
                 return link
         return None

@@ -13,7 +13,7 @@ from p2p_kv.manager import Answer, Roles
 from p2p_kv.protocol import Fetch, decode
 from p2p_kv.session import Timeouts
 
-from .memnet import Net, key, payload
+from .memnet import FAST_TIMEOUTS, Net, key, payload
 
 KEYS = [key(i) for i in range(4)]
 
@@ -255,6 +255,51 @@ def test_session_close_fails_loads_but_not_finished_ids() -> None:
     assert b.manager.lookup("r2", KEYS[0]) is Answer.MISS
     b.manager.on_request_finished("r2", net.now)
     assert b.manager.failed_ids() == frozenset()
+
+
+def test_a_request_that_outlives_its_session_asks_again_through_a_new_one() -> None:
+    """A request waiting in vLLM's queue when its peer's session drops asks
+    nothing until it runs. Its lookups answered MISS for as long as no
+    other request dialled that peer again: its remote hits were lost for
+    good (and so were those of an id reused after a late failure closed
+    the session). They ask through a new session now."""
+    net = make_net(timeouts=FAST_TIMEOUTS)
+    b = net.engines["b"].manager
+    assert probe(net, "warm", "w") == [Answer.HIT] * 4
+    b.on_new_request("old", net.roles("a", "kv-old"), net.now)
+    net.cut("a", "b")
+    wait(net, 2.0)  # the session ends, and the reconnect backoff passes
+    assert not list(b.sessions())
+    assert [b.lookup("old", k) for k in KEYS] == [Answer.RETRY] * 4
+    net.run()
+    assert [b.lookup("old", k) for k in KEYS] == [Answer.HIT] * 4
+    job = load(net, "old", [5, 6, 7, 8])
+    net.run()
+    collect_all(net)
+    assert net.engines["b"].results[job][0].success
+    for req in ("warm", "old"):
+        b.on_request_finished(req, net.now)
+    net.run()
+    collect_all(net)
+    assert_drained(net)
+
+
+def test_a_lost_session_keeps_none_of_what_it_had_armed() -> None:
+    """A session that ends is kept for its last counts (up to 1,024 of them,
+    until metrics collect them); its timer heap kept every probe, load and
+    serve it had armed with it: 5 MB for 2,000 lookups of 256 keys."""
+    net = make_net()
+    b = net.engines["b"].manager
+    for i in range(50):
+        b.on_new_request(f"r{i}", net.roles("a", f"kv{i}"), net.now)
+        assert [b.lookup(f"r{i}", k) for k in KEYS] == [Answer.RETRY] * 4
+    net.run(1)
+    (session,) = b.sessions()
+    assert len(session._timers) >= 50
+    net.cut("a", "b")
+    net.run()
+    assert session in b.retired_sessions
+    assert session._timers == []
 
 
 def test_reused_id_gets_a_real_remote_lookup() -> None:
@@ -602,6 +647,33 @@ def test_a_refused_peer_is_counted_once_however_much_it_says() -> None:
     for msg in (Heartbeat(seq=1), Lookup("r", 1, 1, [key(1)]), Heartbeat(seq=2)):
         a.on_message(peer, msg, 0.0)
     assert a.refusals == {(peer, "hash_seed"): 1}
+
+
+def test_a_new_peer_past_max_peers_takes_the_place_of_an_idle_one() -> None:
+    """Sessions are never closed for idling, so ``max_peers`` capped the
+    distinct peers an engine ever talked to while they lived: past it,
+    every new peer lost the tier for good. A session nothing needs (no
+    live request names it, nothing in flight) makes room now: the one used
+    longest ago closes, and the new peer is dialled."""
+    net = make_net(names=("a", "b", "c"))
+    for i, k in enumerate(KEYS):
+        net.engines["c"].put(k, 30 + i)
+    b = net.engines["b"].manager
+    b.max_peers = 1
+    assert probe(net, "r1", "kv1") == [Answer.HIT] * 4
+    b.on_request_finished("r1", net.now)
+    net.run()
+    (idle,) = b.sessions()
+    b.on_new_request("r2", net.roles("c", "kv2"), net.now)
+    assert idle.closed and b.dials_refused == 0
+    assert [b.lookup("r2", k) for k in KEYS] == [Answer.RETRY] * 4
+    net.run()
+    assert [b.lookup("r2", k) for k in KEYS] == [Answer.HIT] * 4
+    assert [s.peer for s in b.sessions()] == ["c:1"]
+    b.on_request_finished("r2", net.now)
+    net.run()
+    collect_all(net)
+    assert_drained(net)
 
 
 def test_a_request_naming_a_peer_past_max_peers_recomputes_and_is_counted() -> None:
