@@ -72,6 +72,10 @@ def resolve_bind_host(host: str) -> str:
     return str(infos[0][4][0])
 
 
+#: Why a dial is lost when nothing accepts the connection.
+UNREACHABLE = "nothing accepts connections there (refused or unreachable)"
+
+
 @dataclass(frozen=True, slots=True)
 class Inbound:
     """A frame from a peer: ``conn`` is ``in:<identity hex>`` for inbound
@@ -82,6 +86,8 @@ class Inbound:
     frame: bytes
     new: bool
     lost: bool = False
+    #: why it went down, for the log (``lost`` only)
+    why: str = ""
 
 
 def wait_readable(fds: list[int], timeout_s: float) -> None:
@@ -194,7 +200,7 @@ class ControlTransport:
             # The monitor first: on loopback the connection can be up before
             # connect() returns, and its CONNECTED event names our socket.
             monitor = sock.get_monitor_socket(
-                zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+                zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
             )
             sock.connect(zmq_endpoint(host, port))
         except Exception as exc:
@@ -272,7 +278,7 @@ class ControlTransport:
         for monitor, peer in list(self._monitors.items()):
             if monitor not in events:
                 continue
-            lost = False
+            lost = ""
             while True:
                 try:
                     event = recv_monitor_message(monitor, flags=zmq.NOBLOCK)
@@ -285,10 +291,15 @@ class ControlTransport:
                     if inode is not None:
                         self._conn_inodes[peer] = inode
                 elif event["event"] == zmq.EVENT_DISCONNECTED:
-                    lost = True
+                    lost = "connection lost"
                     self._conn_inodes.pop(peer, None)
+                elif event["event"] == zmq.EVENT_CONNECT_RETRIED:
+                    # The dial failed (refused, unreachable) and libzmq will
+                    # retry: it says nothing else, so a dial to a peer that
+                    # is down waited out the handshake (5 s) a request.
+                    lost = lost or UNREACHABLE
             if lost:
-                out.append(Inbound(peer, b"", False, lost=True))
+                out.append(Inbound(peer, b"", False, lost=True, why=lost))
         for sock, peer in list(self._by_socket.items()):
             if sock not in events:
                 continue

@@ -693,6 +693,18 @@ def _not_ready(
             _REFUSAL_FIXES.get(reason, ""),
             details,
         )
+    from p2p_kv.control import UNREACHABLE
+
+    if UNREACHABLE in why:
+        details.update(state="unreachable", detail=why)
+        return CheckResult(
+            "peer",
+            False,
+            f"{target}: {UNREACHABLE}",
+            "check the peer engine runs with the p2p_kv tier, that HOST:PORT "
+            "is its tier's host/port, and that no firewall blocks the port",
+            details,
+        )
     if session.closed and not why.startswith("handshake_timeout"):
         details.update(state="closed", detail=why)
         return CheckResult(

@@ -328,7 +328,7 @@ class TierRuntime:
         for inbound in inbound_frames:
             now = self.clock()
             if inbound.lost:
-                self.manager.on_disconnected(inbound.conn, "connection lost", now)
+                self.manager.on_disconnected(inbound.conn, inbound.why, now)
                 work = True
                 continue
             if inbound.new:

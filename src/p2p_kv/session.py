@@ -1609,19 +1609,19 @@ class Session:
         """Earliest time :meth:`tick` has something to do."""
         if self.link is Link.CLOSED:
             return float("inf")
-        if self.link is Link.HANDSHAKING:
-            return self._created + self.timeouts.handshake_s
-        times = [
-            self._last_tx + self.timeouts.heartbeat_interval_s,
-            self._last_rx + self.timeouts.liveness_s,
-        ]
         timers = self._timers
         while timers and (
             timers[0][2].terminal or timers[0][2].deadline != timers[0][0]
         ):
             heapq.heappop(timers)
-        if timers:
-            times.append(timers[0][0])
+        first = timers[0][0] if timers else float("inf")
+        if self.link is Link.HANDSHAKING:
+            return min(first, self._created + self.timeouts.handshake_s)
+        times = [
+            self._last_tx + self.timeouts.heartbeat_interval_s,
+            self._last_rx + self.timeouts.liveness_s,
+            first,
+        ]
         offers = self._offer_heap
         while offers and (
             offers[0][1] not in self._offers
@@ -1655,6 +1655,11 @@ class Session:
         if self.link is Link.HANDSHAKING:
             if now >= self._created + self.timeouts.handshake_s:
                 self._lose("handshake_timeout", "no handshake in time")
+                return
+            # A request's own deadline runs whether or not the peer ever
+            # answers: a lookup to a peer that is down waited out the 5 s
+            # handshake, not its 2 s.
+            self._fire_timers(now)
             return
         if now - self._last_tick > self.timeouts.liveness_s:
             # It is we who were silent (a long engine step): do not blame the
@@ -1667,6 +1672,21 @@ class Session:
             self._outbox.append(Goodbye(reason="no heartbeat from you in time"))
             self._lose("peer_down", "heartbeat deadline passed")
             return
+        if not self._fire_timers(now):
+            return
+        offers = self._offer_heap
+        while offers and offers[0][0] <= now:
+            until, gen = heapq.heappop(offers)
+            offer = self._offers.get(gen)
+            if offer is not None and offer.valid_until == until:
+                del self._offers[gen]  # a load now takes the Fetch path
+        if now >= self._last_tx + self.timeouts.heartbeat_interval_s:
+            self._hb_seq += 1
+            self._send(Heartbeat(seq=self._hb_seq))
+
+    def _fire_timers(self, now: float) -> bool:
+        """Fire the probes', loads' and serves' deadlines that passed; False
+        if that ended the session."""
         while self._timers and self._timers[0][0] <= now:
             deadline, _, item = heapq.heappop(self._timers)
             if item.terminal or item.deadline != deadline:
@@ -1682,7 +1702,7 @@ class Session:
                     # path to it) is not healthy, and only dropping its agent
                     # fences our slots.
                     self._lose("abort_timeout", f"job {item.job} did not end")
-                    return
+                    return False
                 item.fire(Event.TIMEOUT)
                 self.counters.bump(self.counters.failures, "timeout")
                 if item.state is State.FAILED:  # was only queued
@@ -1698,16 +1718,8 @@ class Session:
                 if self.closed:
                     # A write it could not stop ended the session: what it
                     # held is now the manager's (orphans) or released.
-                    return
-        offers = self._offer_heap
-        while offers and offers[0][0] <= now:
-            until, gen = heapq.heappop(offers)
-            offer = self._offers.get(gen)
-            if offer is not None and offer.valid_until == until:
-                del self._offers[gen]  # a load now takes the Fetch path
-        if now >= self._last_tx + self.timeouts.heartbeat_interval_s:
-            self._hb_seq += 1
-            self._send(Heartbeat(seq=self._hb_seq))
+                    return False
+        return True
 
     def _expire_serve(self, serve: Serve, now: float) -> None:
         fetch = serve.fetch

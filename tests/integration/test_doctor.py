@@ -262,9 +262,23 @@ def test_mismatched_peer_is_refused_naming_the_field(
     assert result.fix == doctor._REFUSAL_FIXES[reason]
 
 
-def test_silent_port_times_out() -> None:
+def test_a_port_nothing_listens_on_is_named_unreachable() -> None:
     port = free_port()
-    result = check_peer(f"127.0.0.1:{port}", GOOD, timeout_s=0.5)
+    result = check_peer(f"127.0.0.1:{port}", GOOD, timeout_s=2.0)
+    assert not result.ok
+    assert result.details["state"] == "unreachable"
+    assert f"127.0.0.1:{port}: nothing accepts connections" in result.summary
+    assert "host/port" in result.fix
+
+
+def test_a_listener_that_never_answers_the_handshake_times_out() -> None:
+    import socket
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        port = silent.getsockname()[1]
+        result = check_peer(f"127.0.0.1:{port}", GOOD, timeout_s=0.5)
     assert not result.ok
     assert result.details["state"] == "timeout"
     assert "no handshake from 127.0.0.1:" in result.summary

@@ -734,6 +734,38 @@ def test_cache_reset_drain_waits_for_jobs_not_for_their_collection() -> None:
         peer.close()
 
 
+def test_a_request_to_a_peer_that_is_down_recomputes_at_once() -> None:
+    """A dial to an address where nothing listens: libzmq retries quietly
+    and reports no disconnect, so the request's lookup waited out the 5 s
+    handshake. Its retry event now ends the session: the lookup misses
+    within a few steps, and the next dial waits for the backoff."""
+    import socket
+
+    from p2p_kv.manager import Roles
+
+    with socket.socket() as probe_port:
+        probe_port.bind(("127.0.0.1", 0))
+        port = probe_port.getsockname()[1]  # free once closed: nothing listens
+    peer = StandalonePeer(4, 4096, engine_id=f"down-{os.getpid()}")
+    try:
+        rt, m = peer.runtime, peer.manager
+        leg = {"kv_request_id": "kv1", "remote_host": "127.0.0.1", "remote_port": port}
+        rt.start_request("r1", Roles.parse({"remote_kv_source": leg}))
+        k = make_key(1)
+        t0 = time.monotonic()
+        answer = m.lookup("r1", k)
+        while answer is Answer.RETRY and time.monotonic() - t0 < 10:
+            rt.flush()
+            peer.step()
+            answer = m.lookup("r1", k)
+        elapsed = time.monotonic() - t0
+        assert answer is Answer.MISS
+        assert elapsed < 1.0, f"the lookup waited {elapsed:.2f} s"
+        rt.end_request("r1")
+    finally:
+        peer.close()
+
+
 def test_a_peer_address_libzmq_refuses_costs_only_its_request() -> None:
     """A host name the tier's check lets through can still be one libzmq
     refuses when dialling ("-"): that raised out of the engine's step, left
@@ -754,11 +786,11 @@ def test_a_peer_address_libzmq_refuses_costs_only_its_request() -> None:
         assert m.lookup("bad", k) is Answer.RETRY
         assert m.lookup("good", k) is Answer.RETRY
         rt.flush()  # dials both
-        peer.step()
-        assert m.lookup("bad", k) is Answer.MISS
         assert "127.0.0.1:9" in rt.control._dealers
         assert "-:5555" not in rt.control._dealers
         assert len(rt.control._monitors) == len(rt.control._dealers) == 1
+        peer.step()
+        assert m.lookup("bad", k) is Answer.MISS
         rt.end_request("bad")
         rt.end_request("good")
         peer.step()

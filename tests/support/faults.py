@@ -252,7 +252,9 @@ class FaultyControl:
         timeout_s = max(0.0, min(timeout_s, self._next_due() - now))
         got = self._inner.poll(timeout_s)
         self._release_out()
-        out: list[Inbound] = [Inbound(c, b"", False, lost=True) for c in self._lost]
+        out: list[Inbound] = [
+            Inbound(c, b"", False, lost=True, why="cut") for c in self._lost
+        ]
         self._lost.clear()
         for item in got:
             if item.conn in self._dead:

@@ -649,6 +649,33 @@ def test_a_refused_peer_is_counted_once_however_much_it_says() -> None:
     assert a.refusals == {(peer, "hash_seed"): 1}
 
 
+def test_a_lookup_to_a_peer_that_never_answers_the_handshake_ends_at_its_deadline() -> (
+    None
+):
+    """A peer that is down when we dial answers no Hello: the lookup's own
+    deadline (``lookup_s``, 2 s) ends it, where it used to wait out the
+    handshake's (5 s), a request at a time."""
+    import os
+
+    from p2p_kv.manager import LoadManager, Source
+
+    from .memnet import identity
+
+    m = LoadManager(identity("a"), nonces=lambda: os.urandom(16))
+    assert m.timeouts.lookup_s < m.timeouts.handshake_s
+    m.on_new_request("r1", Roles(Source("kv1", "10.0.0.9:5800", True)), 0.0)
+    k = key(1)
+    assert m.lookup("r1", k) is Answer.RETRY
+    m.flush(0.0)
+    m.end_step(0.0)
+    assert m.next_deadline() == m.timeouts.lookup_s
+    m.tick(m.timeouts.lookup_s)
+    m.end_step(m.timeouts.lookup_s)
+    assert m.lookup("r1", k) is Answer.MISS
+    (session,) = m.sessions()
+    assert session.counters.failures == {"lookup_timeout": 1}
+
+
 def test_a_new_peer_past_max_peers_takes_the_place_of_an_idle_one() -> None:
     """Sessions are never closed for idling, so ``max_peers`` capped the
     distinct peers an engine ever talked to while they lived: past it,
