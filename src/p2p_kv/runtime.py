@@ -90,6 +90,8 @@ class TierRuntime:
         self._idle_streak = 0
         #: manager.dials_refused when last logged, and when to log again
         self._dials_refused, self._dials_warn_at = 0, 0.0
+        #: bad frames dropped since the last line that said so
+        self._bad_frames, self._bad_frames_warn_at = 0, 0.0
         #: Held by whoever is inside the runtime: the engine's thread or the
         #: waker (vLLM 0.33 also calls from its tier-poll thread).
         self.lock = threading.RLock()
@@ -346,10 +348,19 @@ class TierRuntime:
                 frame, sealed = session.unseal(frame)
                 msg = decode(frame)
             except ProtocolError as exc:
-                log.warning(
-                    "p2p_kv: dropped a bad frame from %s: %s", inbound.conn, exc
-                )
                 self.manager.on_bad_frame(inbound.conn, "decode")
+                self._bad_frames += 1
+                if now >= self._bad_frames_warn_at:
+                    # Anyone who reaches the port may send them: a line per
+                    # frame let a party without the secret flood the log.
+                    log.warning(
+                        "p2p_kv: dropped %d bad frames (protocol_errors"
+                        '{reason="decode"}), the last from %s: %s',
+                        self._bad_frames,
+                        inbound.conn,
+                        exc,
+                    )
+                    self._bad_frames, self._bad_frames_warn_at = 0, now + 60.0
                 continue
             except FrameRefused as exc:
                 self._refuse_frame(inbound.conn, exc)

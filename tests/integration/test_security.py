@@ -22,6 +22,7 @@ sockets plus, where it needs one to pass the handshake, a real NIXL agent.
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import threading
@@ -746,6 +747,32 @@ class _Boom:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_flood_of_bad_frames_is_counted_each_and_logged_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Anyone who reaches the port can send undecodable frames: one warning
+    each let a party without the secret flood the engine's log (20,000
+    frames, 20,000 lines). Each is counted; the log says so once a minute."""
+    peer = StandalonePeer(4, 4096, engine_id=f"flood-{os.getpid()}")
+    raw = Raw(peer.address)
+    try:
+        with caplog.at_level(logging.WARNING, logger="vllm.p2p_kv"):
+            for _ in range(500):
+                raw.send(b"\xc1junk")
+            end = time.monotonic() + 10
+            while time.monotonic() < end:
+                peer.step(wait=False)
+                counted = peer.manager.protocol_errors.get("decode", 0)
+                if counted >= 500:
+                    break
+        assert counted >= 500
+        lines = [r for r in caplog.records if "bad frame" in r.getMessage()]
+        assert len(lines) == 1, [r.getMessage() for r in lines]
+    finally:
+        raw.close()
+        peer.close()
 
 
 def test_oversized_frames_are_dropped_and_pickles_never_loaded(
