@@ -7,7 +7,11 @@ worse, loads wrong bytes into the right-looking slot).
 
 The hash seed itself never leaves the process: peers compare a salted digest
 of it, plus the hashes of a canonical token sequence, which also catches a
-different hash *function* configured under the same name.
+different hash *function* configured under the same name. Anyone who
+connects reads a Hello, and a guessable seed (a small PYTHONHASHSEED) falls
+to a search over those; so with a shared secret both are keyed with it, and
+compared only once the peer has proven the secret (a peer with another
+secret is then refused for ``auth``, not for its seed).
 
 With a shared secret, proving it in the handshake is not enough: a party
 without it can relay two engines' hellos and proofs to each other and end
@@ -29,6 +33,7 @@ from typing import Final
 from p2p_kv.protocol import PROTOCOL_VERSION, Hello
 
 _SEED_SALT = b"p2p_kv/hash-seed/v1"
+_KEYED_SALT = b"p2p_kv/keyed-hash/v1"
 _MAC_SALT = b"p2p_kv/handshake-mac/v1"
 _KEY_SALT = b"p2p_kv/session-key/v1"
 #: First byte of a sealed frame: one msgpack never emits, so a sealed frame
@@ -66,13 +71,21 @@ def seed_digest(seed: str) -> bytes:
     return hashlib.sha256(_SEED_SALT + seed.encode()).digest()
 
 
+def _keyed(secret: bytes | None, value: bytes) -> bytes:
+    """``value`` as a peer without ``secret`` may see it: keyed with it."""
+    if secret is None:
+        return value
+    mac = hmac.new(secret, _KEYED_SALT + value, hashlib.sha256).digest()
+    return mac[: len(value)]
+
+
 def make_hello(me: Identity, nonce: bytes) -> Hello:
     return Hello(
         version=PROTOCOL_VERSION,
         engine_id=me.engine_id,
         hash_algo=me.hash_algo,
-        seed_digest=seed_digest(me.hash_seed),
-        canonical_hashes=list(me.canonical_hashes),
+        seed_digest=_keyed(me.secret, seed_digest(me.hash_seed)),
+        canonical_hashes=[_keyed(me.secret, h) for h in me.canonical_hashes],
         layout=me.layout,
         block_bytes=me.block_bytes,
         num_blocks=me.num_blocks,
@@ -82,7 +95,9 @@ def make_hello(me: Identity, nonce: bytes) -> Hello:
 
 
 def check_hello(mine: Hello, theirs: Hello) -> None:
-    """Raise :class:`HandshakeRefused` naming the first field that differs."""
+    """Raise :class:`HandshakeRefused` naming the first field that differs.
+    Under a secret the hashes are keyed: :func:`check_hashes` compares them
+    once the peer's proof checked."""
     if theirs.version != mine.version:
         raise HandshakeRefused(
             "version",
@@ -96,6 +111,30 @@ def check_hello(mine: Hello, theirs: Hello) -> None:
             f"peer hashes blocks with {theirs.hash_algo!r}, we use "
             f"{mine.hash_algo!r} (set the same prefix_caching_hash_algo)",
         )
+    if theirs.authenticated != mine.authenticated:
+        who = "we require" if mine.authenticated else "the peer requires"
+        raise HandshakeRefused(
+            "auth", f"{who} a shared secret and the other side has none"
+        )
+    if not mine.authenticated:
+        check_hashes(mine, theirs)
+    if theirs.layout != mine.layout:
+        raise HandshakeRefused(
+            "layout",
+            f"peer's KV layout {theirs.layout!r} differs from ours {mine.layout!r}",
+        )
+    if theirs.block_bytes != mine.block_bytes:
+        raise HandshakeRefused(
+            "layout",
+            f"peer's block is {theirs.block_bytes} bytes, ours {mine.block_bytes}",
+        )
+    if theirs.nonce == mine.nonce:
+        raise HandshakeRefused("replay", "peer echoed our own nonce")
+
+
+def check_hashes(mine: Hello, theirs: Hello) -> None:
+    """Raise :class:`HandshakeRefused` if the peer would hash blocks
+    differently (its seed, or its canonical sequence's hashes)."""
     if theirs.seed_digest != mine.seed_digest:
         raise HandshakeRefused(
             "hash_seed",
@@ -108,23 +147,6 @@ def check_hello(mine: Hello, theirs: Hello) -> None:
             "peer hashes the canonical token sequence differently "
             "(block size or hash function differs)",
         )
-    if theirs.layout != mine.layout:
-        raise HandshakeRefused(
-            "layout",
-            f"peer's KV layout {theirs.layout!r} differs from ours {mine.layout!r}",
-        )
-    if theirs.block_bytes != mine.block_bytes:
-        raise HandshakeRefused(
-            "layout",
-            f"peer's block is {theirs.block_bytes} bytes, ours {mine.block_bytes}",
-        )
-    if theirs.authenticated != mine.authenticated:
-        who = "we require" if mine.authenticated else "the peer requires"
-        raise HandshakeRefused(
-            "auth", f"{who} a shared secret and the other side has none"
-        )
-    if theirs.nonce == mine.nonce:
-        raise HandshakeRefused("replay", "peer echoed our own nonce")
 
 
 def handshake_mac(secret: bytes | None, sender: Hello, receiver: Hello) -> bytes:

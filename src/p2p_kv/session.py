@@ -39,6 +39,7 @@ from p2p_kv.handshake import (
     FrameRefused,
     HandshakeRefused,
     Identity,
+    check_hashes,
     check_hello,
     frame_keys,
     handshake_mac,
@@ -675,6 +676,8 @@ class Session:
             return
         try:
             verify_mac(self._me.secret, self._peer_hello, self._hello, msg.mac)
+            if self._hello.authenticated:
+                check_hashes(self._hello, self._peer_hello)  # keyed: now
         except HandshakeRefused as err:
             self._refuse(err)
             return

@@ -278,10 +278,34 @@ def test_raw_seed_and_secret_never_cross_the_wire(ib: Identity) -> None:
     for frame in w.frames:
         for secret in (SEED.encode(), b"another-seed", SECRET, b"other"):
             assert secret not in frame
-    # what does cross is the salted digest
+    # What crosses is a digest keyed with the secret: not the salted digest
+    # a party without the secret could match by searching seeds.
     hello = decode(w.frames[0])
     assert isinstance(hello, Hello)
-    assert hello.seed_digest == seed_digest(SEED) != SEED.encode()
+    assert hello.seed_digest != seed_digest(SEED)
+    assert not set(hello.canonical_hashes) & set(ident("a").canonical_hashes)
+    assert make_hello(ident("a"), b"n" * 16).seed_digest == seed_digest(SEED)
+
+
+@pytest.mark.parametrize("reason", ["hash_seed", "canonical_hashes"])
+def test_under_a_secret_the_hashes_are_compared_once_the_peer_proved_it(
+    reason: str,
+) -> None:
+    """Keyed with the secret, the hashes of a peer with another secret
+    differ too: compared before its proof, it was refused for its seed.
+    Compared after, a peer with our secret and another seed is refused for
+    its seed, and gets no region."""
+    over: dict[str, Any] = (
+        {"hash_seed": "another-seed"}
+        if reason == "hash_seed"
+        else {"canonical_hashes": (b"c1" * 8, b"zz" * 8)}
+    )
+    w = pair(ident("a", secret=SECRET), ident("b", secret=SECRET, **over))
+    w.pump()
+    assert_refused(w.a, reason)
+    assert_refused(w.b, reason)
+    for name in "ab":
+        assert Region not in sent_types(w.sent[name])
 
 
 # ---------------------------------------------------------------------------
