@@ -285,6 +285,8 @@ class ControlTransport:
                 except zmq.Again:
                     break
                 if event["event"] == zmq.EVENT_CONNECTED:
+                    if lost == UNREACHABLE:
+                        lost = ""  # libzmq's retry got through after all
                     # The fd is libzmq's, in this process, and live now:
                     # name its socket before it can be closed and reused.
                     inode = socket_inode(int(event["value"]))

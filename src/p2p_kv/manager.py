@@ -301,6 +301,9 @@ class LoadManager:
         self.max_peers = max_peers
         #: when each dialled session last served a request's dial or lookup
         self._used_at: dict[str, float] = {}
+        #: sessions closed for room (:meth:`_make_room`): healthy peers, so
+        #: no reconnect backoff when they go
+        self._evicted: set[str] = set()
         #: Sessions peers open to us at once (TierConfig.max_inbound_peers).
         self.max_inbound = max_inbound
         self._gens = itertools.count(1)
@@ -379,8 +382,11 @@ class LoadManager:
             consumer = Consumer(req_id, roles.source, next(self._gens))
             self._consumers[req_id] = consumer
             self._by_gen[consumer.gen] = consumer
-            if self._session_for(roles.source.peer, now) is None:
-                consumer.refused = self._dialled() >= self.max_peers
+            refused = self.dials_refused
+            self._session_for(roles.source.peer, now)
+            # Past max_peers only: in the reconnect backoff, or while the
+            # peer's last session closes, its lookups ask again later.
+            consumer.refused = self.dials_refused > refused
         if roles.dest_kv_id:
             self._finished_kv.pop(roles.dest_kv_id, None)
             self._producers[req_id] = roles.dest_kv_id
@@ -669,6 +675,7 @@ class LoadManager:
             return False
         _, peer = min(idle)
         self.close_session(peer, "idle: room for a new peer (max_peers)")
+        self._evicted.add(peer)
         return True
 
     def _dialled(self) -> int:
@@ -880,7 +887,12 @@ class LoadManager:
         del self._sessions[peer]
         self._used_at.pop(peer, None)
         self._dirty.discard(peer)
-        if not is_inbound(peer):
+        if peer in self._evicted:
+            # Closed for room, not for a fault: the next request to it
+            # dials at once (with a backoff, peers used in turn slightly
+            # past max_peers missed for a second after each eviction).
+            self._evicted.discard(peer)
+        elif not is_inbound(peer):
             self._retry_at[peer] = now + self.reconnect_backoff_s
 
     def tick(self, now: float) -> None:

@@ -262,3 +262,30 @@ def test_a_flooding_peer_cannot_hold_the_poll() -> None:
     finally:
         sock.close()
         ctl.close()
+
+
+def test_a_dial_that_gets_through_on_libzmq_s_retry_is_not_lost() -> None:
+    """A dial nothing accepted yet ends its session (libzmq would retry
+    quietly, and the request waited out the handshake); but a peer that
+    comes up moments later is connected by libzmq's own retry, and when
+    one poll reads both events the connection must not be reported lost."""
+    from p2p_kv.control import ControlTransport
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dialler = ControlTransport("127.0.0.1", 0)
+    peer = f"127.0.0.1:{port}"
+    listener = None
+    try:
+        dialler.connect(peer)
+        time.sleep(0.05)  # refused: libzmq retries in 100 ms
+        listener = ControlTransport("127.0.0.1", port)  # the peer comes up
+        time.sleep(0.4)  # one long engine step: both events wait
+        got = dialler.poll(0)
+        assert not [i for i in got if i.lost], [(i.conn, i.why) for i in got]
+        assert dialler.connection_inode(peer) is not None
+    finally:
+        dialler.close()
+        if listener is not None:
+            listener.close()

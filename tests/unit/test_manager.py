@@ -699,6 +699,45 @@ def test_a_new_peer_past_max_peers_takes_the_place_of_an_idle_one() -> None:
     assert [s.peer for s in b.sessions()] == ["c:1"]
     b.on_request_finished("r2", net.now)
     net.run()
+    # The peer closed for room was healthy: no reconnect backoff for it
+    # (peers used in turn slightly past max_peers missed a second each).
+    b.on_new_request("r3", net.roles("a", "kv3"), net.now)
+    assert [b.lookup("r3", k) for k in KEYS] == [Answer.RETRY] * 4
+    net.run()
+    assert [b.lookup("r3", k) for k in KEYS] == [Answer.HIT] * 4
+    assert b.dials_refused == 0
+    b.on_request_finished("r3", net.now)
+    net.run()
+    collect_all(net)
+    assert_drained(net)
+
+
+def test_a_request_begun_while_its_peers_session_closes_asks_later() -> None:
+    """Only a request refused at ``max_peers`` recomputes at once. One that
+    began while its peer's session was closing (here: closed for room)
+    with the engine at the bound was taken for refused too, and missed
+    for its whole life though it could have dialled a moment later."""
+    net = make_net(names=("a", "b", "c"))
+    for i, k in enumerate(KEYS):
+        net.engines["c"].put(k, 30 + i)
+    b = net.engines["b"].manager
+    b.max_peers = 1
+    assert probe(net, "r1", "kv1") == [Answer.HIT] * 4
+    b.on_request_finished("r1", net.now)
+    net.run()
+    b.on_new_request("r2", net.roles("c", "kv2"), net.now)  # a closes for room
+    b.on_new_request("r3", net.roles("a", "kv3"), net.now)  # a still closing
+    assert b.dials_refused == 0
+    assert [b.lookup("r2", k) for k in KEYS] == [Answer.RETRY] * 4
+    net.run()
+    assert [b.lookup("r2", k) for k in KEYS] == [Answer.HIT] * 4
+    b.on_request_finished("r2", net.now)
+    net.run()
+    assert [b.lookup("r3", k) for k in KEYS] == [Answer.RETRY] * 4
+    net.run()
+    assert [b.lookup("r3", k) for k in KEYS] == [Answer.HIT] * 4
+    b.on_request_finished("r3", net.now)
+    net.run()
     collect_all(net)
     assert_drained(net)
 
