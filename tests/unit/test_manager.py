@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2p_kv.manager import Answer, Roles
+from p2p_kv.manager import Answer, LoadManager, Roles
 from p2p_kv.protocol import Fetch, decode
 from p2p_kv.session import Timeouts
 
@@ -676,12 +676,9 @@ def test_a_lookup_to_a_peer_that_never_answers_the_handshake_ends_at_its_deadlin
     assert session.counters.failures == {"lookup_timeout": 1}
 
 
-def test_a_new_peer_past_max_peers_takes_the_place_of_an_idle_one() -> None:
-    """Sessions are never closed for idling, so ``max_peers`` capped the
-    distinct peers an engine ever talked to while they lived: past it,
-    every new peer lost the tier for good. A session nothing needs (no
-    live request names it, nothing in flight) makes room now: the one used
-    longest ago closes, and the new peer is dialled."""
+def one_idle_session_at_max_peers() -> tuple[Net, LoadManager]:
+    """b (``max_peers`` 1) has dialled a for a request that finished: a's
+    session idles. c holds the same blocks."""
     net = make_net(names=("a", "b", "c"))
     for i, k in enumerate(KEYS):
         net.engines["c"].put(k, 30 + i)
@@ -690,6 +687,16 @@ def test_a_new_peer_past_max_peers_takes_the_place_of_an_idle_one() -> None:
     assert probe(net, "r1", "kv1") == [Answer.HIT] * 4
     b.on_request_finished("r1", net.now)
     net.run()
+    return net, b
+
+
+def test_a_new_peer_past_max_peers_takes_the_place_of_an_idle_one() -> None:
+    """Sessions are never closed for idling, so ``max_peers`` capped the
+    distinct peers an engine ever talked to while they lived: past it,
+    every new peer lost the tier for good. A session nothing needs (no
+    live request names it, nothing in flight) makes room now: the one used
+    longest ago closes, and the new peer is dialled."""
+    net, b = one_idle_session_at_max_peers()
     (idle,) = b.sessions()
     b.on_new_request("r2", net.roles("c", "kv2"), net.now)
     assert idle.closed and b.dials_refused == 0
@@ -717,14 +724,7 @@ def test_a_request_begun_while_its_peers_session_closes_asks_later() -> None:
     began while its peer's session was closing (here: closed for room)
     with the engine at the bound was taken for refused too, and missed
     for its whole life though it could have dialled a moment later."""
-    net = make_net(names=("a", "b", "c"))
-    for i, k in enumerate(KEYS):
-        net.engines["c"].put(k, 30 + i)
-    b = net.engines["b"].manager
-    b.max_peers = 1
-    assert probe(net, "r1", "kv1") == [Answer.HIT] * 4
-    b.on_request_finished("r1", net.now)
-    net.run()
+    net, b = one_idle_session_at_max_peers()
     b.on_new_request("r2", net.roles("c", "kv2"), net.now)  # a closes for room
     b.on_new_request("r3", net.roles("a", "kv3"), net.now)  # a still closing
     assert b.dials_refused == 0
