@@ -64,6 +64,10 @@ class State(Enum):
     # SERVE
     LOOKUP_QUEUED = "lookup_queued"  # waiting for the engine's serve window
     PINNED = "pinned"
+    #: a ``read`` Fetch answered with its blocks' slots: held for the
+    #: consumer's READ; no second Fetch, and no lookup (which re-armed the
+    #: serve to the bare pin lifetime, under the READ)
+    FETCH_OFFERED = "fetch_offered"
     FETCH_WAITING = "fetch_waiting"  # fetch arrived before its parked stores
     REVOKING = "revoking"  # reset: pins offered for READ wait for a Release
     ORPHANED = "orphaned"  # session gone; offered pins held to their deadline
@@ -192,11 +196,21 @@ TABLE: Final[dict[Machine, dict[State, dict[Event, State]]]] = {
             E.FETCH: S.WRITING,
             # A ``read`` Fetch (the consumer's window on our answer closed
             # before its load): the pins are offered again, held anew.
-            E.OFFER: S.PINNED,
+            E.OFFER: S.FETCH_OFFERED,
             # The consumer READ the blocks itself (or gave up on them).
             E.RELEASE: S.RELEASED,
             E.REVOKE: S.REVOKING,
             # A peer we lost may not know yet and still be reading.
+            E.ORPHAN: S.ORPHANED,
+            E.ABORT: S.RELEASED,
+            E.TIMEOUT: S.RELEASED,
+            E.PEER_LOST: S.RELEASED,
+            E.RESET: S.RELEASED,
+        },
+        S.FETCH_OFFERED: {
+            # The consumer READ the blocks (or gave up on them).
+            E.RELEASE: S.RELEASED,
+            E.REVOKE: S.REVOKING,
             E.ORPHAN: S.ORPHANED,
             E.ABORT: S.RELEASED,
             E.TIMEOUT: S.RELEASED,
@@ -219,7 +233,7 @@ TABLE: Final[dict[Machine, dict[State, dict[Event, State]]]] = {
         S.FETCH_WAITING: {
             E.STORES_READY: S.WRITING,
             # A ``read`` Fetch: the stores are offered, held as pins are.
-            E.OFFER: S.PINNED,
+            E.OFFER: S.FETCH_OFFERED,
             E.ABORT: S.RELEASED,
             E.TIMEOUT: S.RELEASED,
             E.PEER_LOST: S.RELEASED,

@@ -299,11 +299,6 @@ class LoadManager:
         self.reconnect_backoff_s = reconnect_backoff_s
         #: Outbound sessions at once (p2p_kv.config.TierConfig.max_peers).
         self.max_peers = max_peers
-        #: when each dialled session last served a request's dial or lookup
-        self._used_at: dict[str, float] = {}
-        #: sessions closed for room (:meth:`_make_room`): healthy peers, so
-        #: no reconnect backoff when they go
-        self._evicted: set[str] = set()
         #: Sessions peers open to us at once (TierConfig.max_inbound_peers).
         self.max_inbound = max_inbound
         self._gens = itertools.count(1)
@@ -382,11 +377,13 @@ class LoadManager:
             consumer = Consumer(req_id, roles.source, next(self._gens))
             self._consumers[req_id] = consumer
             self._by_gen[consumer.gen] = consumer
-            refused = self.dials_refused
-            self._session_for(roles.source.peer, now)
-            # Past max_peers only: in the reconnect backoff, or while the
-            # peer's last session closes, its lookups ask again later.
-            consumer.refused = self.dials_refused > refused
+            peer = roles.source.peer
+            if self._session_for(peer, now) is None:
+                # Past max_peers only: in the reconnect backoff, or while
+                # the peer's last session closes, its lookups ask later.
+                consumer.refused = peer not in self._sessions and (
+                    now >= self._retry_at.get(peer, 0.0)
+                )
         if roles.dest_kv_id:
             self._finished_kv.pop(roles.dest_kv_id, None)
             self._producers[req_id] = roles.dest_kv_id
@@ -638,7 +635,7 @@ class LoadManager:
     def _session_for(self, peer: str, now: float) -> Session | None:
         session = self._sessions.get(peer)
         if session is not None and not session.closed:
-            self._used_at[peer] = now
+            session.used_at = now
             return session
         if session is not None:
             return None  # closed, awaiting invalidation
@@ -651,7 +648,6 @@ class LoadManager:
             self.dials_refused += 1
             return None
         self._to_connect.append(peer)
-        self._used_at[peer] = now
         return self._new_session(peer, now)
 
     def _make_room(self) -> bool:
@@ -667,15 +663,15 @@ class LoadManager:
             return False
         named = {c.source.peer for c in self._consumers.values()}
         idle = [
-            (self._used_at.get(p, 0.0), p)
+            s
             for p, s in self._sessions.items()
             if not is_inbound(p) and not s.closed and not s.active and p not in named
         ]
         if not idle:
             return False
-        _, peer = min(idle)
-        self.close_session(peer, "idle: room for a new peer (max_peers)")
-        self._evicted.add(peer)
+        oldest = min(idle, key=lambda s: s.used_at)
+        oldest.evicted = True
+        self.close_session(oldest.peer, "idle: room for a new peer (max_peers)")
         return True
 
     def _dialled(self) -> int:
@@ -885,14 +881,11 @@ class LoadManager:
         self.retired_sessions.append(session)  # its last counts, for metrics
         session.leave_engine()
         del self._sessions[peer]
-        self._used_at.pop(peer, None)
         self._dirty.discard(peer)
-        if peer in self._evicted:
-            # Closed for room, not for a fault: the next request to it
-            # dials at once (with a backoff, peers used in turn slightly
-            # past max_peers missed for a second after each eviction).
-            self._evicted.discard(peer)
-        elif not is_inbound(peer):
+        # One closed for room was healthy: the next request to it dials at
+        # once (with a backoff, peers used in turn slightly past max_peers
+        # missed for a second after each eviction).
+        if not is_inbound(peer) and not session.evicted:
             self._retry_at[peer] = now + self.reconnect_backoff_s
 
     def tick(self, now: float) -> None:

@@ -89,9 +89,11 @@ class TierRuntime:
         self._live: set[str] = set()
         self._idle_streak = 0
         #: manager.dials_refused when last logged, and when to log again
-        self._dials_refused, self._dials_warn_at = 0, 0.0
-        #: bad frames dropped since the last line that said so
-        self._bad_frames, self._bad_frames_warn_at = 0, 0.0
+        self._dials_log = _Throttle()
+        #: undecodable frames dropped (anyone who reaches the port may send
+        #: them: a line each let a party without the secret flood the log)
+        self._bad_frames = 0
+        self._bad_frames_log = _Throttle()
         #: Held by whoever is inside the runtime: the engine's thread or the
         #: waker (vLLM 0.33 also calls from its tier-poll thread).
         self.lock = threading.RLock()
@@ -227,14 +229,14 @@ class TierRuntime:
         """Carry the manager's outputs to the transports."""
         m, now = self.manager, self.clock()
         m.tick(now)
-        if m.dials_refused != self._dials_refused and now >= self._dials_warn_at:
+        refused = self._dials_log.due(m.dials_refused, now)
+        if refused:
             log.warning(
                 "p2p_kv: %d requests named a peer past max_peers (%d dialled): "
                 "they recompute",
-                m.dials_refused - self._dials_refused,
+                refused,
                 m.max_peers,
             )
-            self._dials_refused, self._dials_warn_at = m.dials_refused, now + 60.0
         for peer in m.take_connects():
             try:
                 self.control.connect(peer)
@@ -350,17 +352,15 @@ class TierRuntime:
             except ProtocolError as exc:
                 self.manager.on_bad_frame(inbound.conn, "decode")
                 self._bad_frames += 1
-                if now >= self._bad_frames_warn_at:
-                    # Anyone who reaches the port may send them: a line per
-                    # frame let a party without the secret flood the log.
+                dropped = self._bad_frames_log.due(self._bad_frames, now)
+                if dropped:
                     log.warning(
                         "p2p_kv: dropped %d bad frames (protocol_errors"
                         '{reason="decode"}), the last from %s: %s',
-                        self._bad_frames,
+                        dropped,
                         inbound.conn,
                         exc,
                     )
-                    self._bad_frames, self._bad_frames_warn_at = 0, now + 60.0
                 continue
             except FrameRefused as exc:
                 self._refuse_frame(inbound.conn, exc)
@@ -629,6 +629,23 @@ class TierRuntime:
             self.pump()
             self.control.close()
             self.data.close()
+
+
+class _Throttle:
+    """A running total logged at most once a minute: a line says how much
+    it rose since the last one (clients and peers choose how often these
+    happen)."""
+
+    def __init__(self) -> None:
+        self._logged = 0
+        self._next_at = 0.0
+
+    def due(self, total: int, now: float) -> int:
+        """What to log now (and then count as logged), or 0."""
+        if total == self._logged or now < self._next_at:
+            return 0
+        rise, self._logged, self._next_at = total - self._logged, total, now + 60.0
+        return rise
 
 
 class _FailureLog:

@@ -507,6 +507,11 @@ class Session:
         self.link = Link.HANDSHAKING
         self.close_reason = ""
         self.refusal: HandshakeRefused | None = None
+        #: when a request of ours last dialled or asked through it (the
+        #: manager closes the one used longest ago for room at max_peers)
+        self.used_at = now
+        #: closed for room, not for a fault: its peer gets no backoff
+        self.evicted = False
         self.counters = SessionCounters()
         self._created = now
         self._last_rx = now
@@ -1231,11 +1236,9 @@ class Session:
             )
             self._arm(serve, serve.deadline)
             self._serves[(msg.req, msg.gen)] = serve
-        elif serve.state is State.REVOKING or serve.fetch is not None:
-            # After a Fetch (one load per generation) a lookup can only be a
-            # key asked in the step of the load, sent after it: serving it
-            # would re-arm the serve to the bare pin lifetime, shorter than
-            # an offered READ's hold, and free the blocks under the READ.
+        elif not serve.can(Event.LOOKUP):
+            # Revoking, or past its Fetch (one load per generation: a key
+            # asked in the step of the load, sent after it).
             self._send(LookupResp(msg.req, msg.gen, msg.seq, [False] * len(msg.keys)))
             return
         else:
@@ -1393,7 +1396,7 @@ class Session:
             # The consumer had not seen our Revoke yet: the pins are going.
             self._send(TransferDone(msg.req, msg.gen, msg.job, False, "reset"))
             return
-        if serve.state is not State.PINNED or serve.fetch is not None:
+        if serve.state is not State.PINNED:
             # One Fetch per serve: a second one re-offering (or writing)
             # blocks whose Release a first READ may send would let a peer
             # hold parked stores for good, or read them after their release.

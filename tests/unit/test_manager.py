@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from p2p_kv.lifecycle import State
 from p2p_kv.manager import Answer, LoadManager, Roles
 from p2p_kv.protocol import Fetch, decode
 from p2p_kv.session import Timeouts
@@ -819,6 +820,9 @@ def test_a_lookup_sent_after_a_read_fetch_leaves_the_offers_hold_alone() -> None
     job = load(net, "r1", [5, 6, 7, 8])
     until_read_posted(net)
     (serve,) = next(iter(a.manager.sessions())).serves()
+    # Its own state, with no LOOKUP row (PINNED's took it back to the
+    # lookup window): the late Lookup is answered all-miss.
+    assert serve.state is State.FETCH_OFFERED
     while net.now < t0 + 1.45:  # the READ takes its time
         net.advance(0.05)
         net.run(1)
