@@ -111,6 +111,21 @@ class Event(Enum):
 
 S, E = State, Event
 
+#: How a serve holding pins (maybe offered for READ) ends: the consumer's
+#: Release (it READ them, or gave up on them), its Abort, their deadline,
+#: the session's end or a reset. Offered pins may still be read: a reset
+#: waits for the Release (REVOKE) and a lost session leaves them held to
+#: their deadline (ORPHAN), since the peer may not know yet.
+_PINS_END: Final[dict[Event, State]] = {
+    E.RELEASE: S.RELEASED,
+    E.REVOKE: S.REVOKING,
+    E.ORPHAN: S.ORPHANED,
+    E.ABORT: S.RELEASED,
+    E.TIMEOUT: S.RELEASED,
+    E.PEER_LOST: S.RELEASED,
+    E.RESET: S.RELEASED,
+}
+
 TABLE: Final[dict[Machine, dict[State, dict[Event, State]]]] = {
     Machine.PROBE: {
         S.PROBING: {
@@ -182,14 +197,7 @@ TABLE: Final[dict[Machine, dict[State, dict[Event, State]]]] = {
             # it joins the queue and is answered in the same window.
             E.LOOKUP: S.LOOKUP_QUEUED,
             E.SERVED: S.PINNED,
-            # Earlier batches' pins were offered for READ: the reset waits.
-            E.REVOKE: S.REVOKING,
-            E.ORPHAN: S.ORPHANED,
-            E.RELEASE: S.RELEASED,
-            E.ABORT: S.RELEASED,
-            E.TIMEOUT: S.RELEASED,
-            E.PEER_LOST: S.RELEASED,
-            E.RESET: S.RELEASED,
+            **_PINS_END,  # earlier batches' pins
         },
         S.PINNED: {
             E.LOOKUP: S.LOOKUP_QUEUED,
@@ -197,26 +205,9 @@ TABLE: Final[dict[Machine, dict[State, dict[Event, State]]]] = {
             # A ``read`` Fetch (the consumer's window on our answer closed
             # before its load): the pins are offered again, held anew.
             E.OFFER: S.FETCH_OFFERED,
-            # The consumer READ the blocks itself (or gave up on them).
-            E.RELEASE: S.RELEASED,
-            E.REVOKE: S.REVOKING,
-            # A peer we lost may not know yet and still be reading.
-            E.ORPHAN: S.ORPHANED,
-            E.ABORT: S.RELEASED,
-            E.TIMEOUT: S.RELEASED,
-            E.PEER_LOST: S.RELEASED,
-            E.RESET: S.RELEASED,
+            **_PINS_END,
         },
-        S.FETCH_OFFERED: {
-            # The consumer READ the blocks (or gave up on them).
-            E.RELEASE: S.RELEASED,
-            E.REVOKE: S.REVOKING,
-            E.ORPHAN: S.ORPHANED,
-            E.ABORT: S.RELEASED,
-            E.TIMEOUT: S.RELEASED,
-            E.PEER_LOST: S.RELEASED,
-            E.RESET: S.RELEASED,
-        },
+        S.FETCH_OFFERED: _PINS_END,
         S.REVOKING: {
             E.RELEASE: S.RELEASED,
             E.ABORT: S.RELEASED,
