@@ -237,7 +237,9 @@ def test_disaggregated_prefill_parks_while_idle_then_serves(
     time.sleep(1.5)  # the worker's one-second spin after A's last step
     used = cpu_of(a, 2.0)
     print(f"A holding a parked store, all processes: {used:.1%} of a core")
-    assert used < 0.10, f"{used:.1%} of a core"
+    # A spin detector (without the sleep at a step: 131.5%), not a speed
+    # target: a CI runner may take twice this machine's 1-2%.
+    assert used < 0.25, f"{used:.1%} of a core"
     out_b = b.complete(ids, prefiller)
     assert out_b["choices"][0]["text"] == out_a["choices"][0]["text"]
     wait_loaded_past(a, b, pa, before)
@@ -254,9 +256,10 @@ def test_idle_three_process_engine_stays_idle(
     used = cpu_of(a, 4.0)
     print(f"idle vllm serve with p2p_kv, all processes: {used:.1%} of a core")
     # Kept stepping, the worker's busy loop costs about a core (105%); idle,
-    # 4-5.5% here (vLLM's own processes included), so 5% failed on noise.
+    # 4-5.5% here (vLLM's own processes included), so 5% failed on noise,
+    # and a CI runner may take twice that: this bound detects the spin.
     # The idle figure itself is measured by `p2p-kv bench vs_intree`.
-    assert used < 0.10, f"{used:.1%} of a core"
+    assert used < 0.25, f"{used:.1%} of a core"
     # ...and it still answers a peer at once: B's lookup is served by A's waker.
     rng = random.Random(4)
     ids = [rng.randrange(4, TINY.vocab_size) for _ in range(100)]

@@ -672,7 +672,9 @@ def test_idle_producer_is_cheap_and_responsive(
             f"max {1e3 * max(lat):.2f}); via fetch(): median "
             f"{1e3 * statistics.median(via_fetch):.2f} ms"
         )
-        assert cpu < 5.0
+        # A spin detector, not a speed target (a spinning producer takes
+        # 100%; a CI runner may be twice as slow as this machine).
+        assert cpu < 25.0
         assert med < 0.050
         settle(c, live, "live")
 
