@@ -12,7 +12,8 @@ process (real ZeroMQ and NIXL):
 * ``waker``: the engine sleeps; the waker sleeps on the control sockets'
   descriptors and calls the engine in when the lookup arrives;
 * ``tick``: the same waker with its descriptors hidden, so it wakes only
-  on its 10 ms tick (the waker before session 7).
+  on a 10 ms tick (the waker before session 7; since session 15 it
+  ticks at 10 ms only while transfers are in flight, 200 ms otherwise).
 
 Lookups of one key, a hit, one at a time, 50-60 ms apart (the producer
 falls back asleep between them). Run: ``python benchmarks/waker.py
@@ -60,9 +61,14 @@ class Producer:
         if mode == "stepping":
             target = self._step_always
         else:
+            idle_s = None
             if mode == "tick":
                 rt.control.readiness_fds = list  # nothing to sleep on: the tick
-            rt.start_waker(self._called.set)
+                idle_s = 0.01  # the old tick, also with nothing in flight
+            if idle_s is None:
+                rt.start_waker(self._called.set)
+            else:
+                rt.start_waker(self._called.set, idle_s=idle_s)
             target = self._step_when_called
         self._thread = threading.Thread(target=target, daemon=True)
         self._thread.start()
