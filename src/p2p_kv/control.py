@@ -92,19 +92,30 @@ class Inbound:
 
 def wait_readable(fds: list[int], timeout_s: float) -> None:
     """Sleep until one of ``fds`` is readable (or its peer hung up) or
-    ``timeout_s`` passes (see :meth:`ControlTransport.readiness_fds`). A
-    descriptor the kernel refuses, or one closed under us (poll reports it
-    at once, every time), makes it sleep the whole timeout: never a spin."""
-    poller = select.poll()
-    try:
-        for fd in fds:
-            poller.register(fd, select.POLLIN)
-        events = poller.poll(max(0, math.ceil(timeout_s * 1000)))
-    except (OSError, ValueError):
-        time.sleep(timeout_s)
-        return
-    if any(ev & select.POLLNVAL for _, ev in events):
-        time.sleep(timeout_s)
+    ``timeout_s`` passes (see :meth:`ControlTransport.readiness_fds`).
+
+    A descriptor closed under us (the engine's thread ended its session
+    after the list was taken) is reported at once, every time: it is
+    dropped and the wait goes on over the others, so it neither spins nor
+    hides a frame arriving on them (sleeping the whole timeout instead
+    held a lookup for the waker's idle bound). A list the kernel refuses
+    (a negative descriptor) sleeps the timeout."""
+    end = time.monotonic() + timeout_s
+    live = list(fds)
+    while live:
+        poller = select.poll()
+        try:
+            for fd in live:
+                poller.register(fd, select.POLLIN)
+            left = max(0.0, end - time.monotonic())
+            events = poller.poll(math.ceil(left * 1000))
+        except (OSError, ValueError):
+            break
+        closed = {fd for fd, ev in events if ev & select.POLLNVAL}
+        if len(closed) < len(events) or not events:
+            return  # readable, hung up, or the timeout
+        live = [fd for fd in live if fd not in closed]
+    time.sleep(max(0.0, end - time.monotonic()))
 
 
 class ControlTransport:

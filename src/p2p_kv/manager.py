@@ -1086,6 +1086,21 @@ class LoadManager:
     def has_lookups_to_serve(self) -> bool:
         return bool(self._to_serve)
 
+    def has_unsent(self) -> bool:
+        """A session changed since the last pump and holds output for it."""
+        sessions = self._sessions
+        return any(
+            (s := sessions.get(p)) is not None and s.has_output for p in self._dirty
+        )
+
+    def offers_held(self) -> bool:
+        """A peer may be READing our blocks (offered, still held: by a live
+        session or orphaned past a lost one). No descriptor announces such
+        a READ, yet over UCX's TCP transport it needs our progress."""
+        return any(s.offering_reads for s in self._sessions.values()) or any(
+            not sv.terminal and sv.held_blocks for _, _, sv in self._orphans
+        )
+
     def waiting_requests(self) -> int:
         """Live consumer requests blocked on us (an unanswered lookup or a
         load in flight): when every live request is, the engine is idle."""

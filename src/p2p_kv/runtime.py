@@ -53,7 +53,13 @@ PARK_MAX_S = 30.0
 #: calling again (a call costs the engine one no-op input).
 REWAKE_S = 0.05
 
-#: The waker's longest sleep while the data plane has nothing in flight.
+#: How often the data plane is looked at while it has work no descriptor
+#: announces: our transfers in flight or settling (their completions), and
+#: blocks offered to a peer that may be READing them (over UCX's TCP
+#: transport its READ moves only as our side makes progress).
+DATA_TICK_S = 0.01
+
+#: The waker's longest sleep while the data plane has no such work.
 #: Frames wake it on their descriptors and deadlines are timed, so this
 #: bounds only a descriptor edge some other call took (none known: sends
 #: and unread input say so on the wake pipe). Its 10 ms tick cost an idle
@@ -202,17 +208,25 @@ class TierRuntime:
         # not held up. With none, the engine is idle: wait the longest.
         cap = self.idle_wait_s if self.live_requests == 0 else self.busy_wait_s
         end = now + min(cap, backoff)
+        # A peer READing what we offered moves (over TCP) only on our
+        # progress, which the wait gives it every DATA_TICK_S.
+        offering = self.manager.offers_held()
         while True:
             due = min(end, self.manager.next_deadline())
+            if offering:
+                due = min(due, self.clock() + DATA_TICK_S)
             if self._receive(max(0.0, due - self.clock())):
                 break
             now = self.clock()
+            if offering:
+                self.data.poll_notifs()
             if now >= self.manager.next_deadline():
                 # Heartbeats and deadlines need no engine step, unless
                 # they produced something the engine must see.
                 self.pump()
                 if self.manager.results_ready():
                     break
+                offering = self.manager.offers_held()
             if now >= end:
                 break
         self._progress()
@@ -489,6 +503,24 @@ class TierRuntime:
         end is)."""
         self.manager.on_request_finished(req_id, self.clock())
         self._live.discard(req_id)
+        self._wake_for_output()
+
+    def submit_store(
+        self, job_id: int, req_id: str, keys: list[bytes], slots: list[int]
+    ) -> None:
+        """A store job: a ``remote_decoder`` request's blocks are parked
+        (and offered to a decoder's waiting Fetch), any other succeeds."""
+        self.manager.submit_store(job_id, req_id, keys, slots, self.clock())
+        self._wake_for_output()
+
+    def _wake_for_output(self) -> None:
+        """A call outside the step's poll queued messages (a Release, an
+        Abort, an offer of parked stores): the next pump carries them, and
+        the wake pipe calls it now. An engine that went to sleep after the
+        call held them until the waker's idle bound (87-102 ms for a
+        Release) or its own next step."""
+        if self.manager.has_unsent():
+            self.control.wake()
 
     def submit_load(
         self, job_id: int, req_id: str, keys: list[bytes], slots: list[int]
@@ -541,7 +573,7 @@ class TierRuntime:
     def start_waker(
         self,
         wake_engine: Callable[[], None],
-        interval_s: float = 0.01,
+        interval_s: float = DATA_TICK_S,
         idle_s: float = WAKER_IDLE_S,
     ) -> None:
         """Keep the tier alive between engine steps, so an idle engine need
@@ -551,9 +583,8 @@ class TierRuntime:
         A daemon thread sleeps until a frame arrives on the control sockets
         (their OS descriptors, :meth:`ControlTransport.readiness_fds`), a
         deadline falls due, or ``interval_s`` passes while the data plane
-        has transfers in flight or settling (their completions wake no
-        descriptor), ``idle_s`` (at least ``interval_s``) while it has
-        none. Then it takes
+        has work no descriptor announces (:data:`DATA_TICK_S`),
+        ``idle_s`` (at least ``interval_s``) while it has none. Then it takes
         :attr:`lock`, polls without waiting (frames, heartbeats, deadlines,
         writes), and when something needs the engine -- a lookup to serve
         against its primary tier, or a result for it -- calls
@@ -619,7 +650,7 @@ class TierRuntime:
         wanted = m.has_lookups_to_serve or m.results_ready()
         fds = self.control.readiness_fds()
         due_s = m.next_deadline() - self.clock()
-        busy = self._xfers or data.in_flight() or data.settling()
+        busy = self._xfers or data.in_flight() or data.settling() or m.offers_held()
         # At least 1 ms: a deadline the poll did not clear must not turn
         # this into a spin.
         return wanted, fds, max(0.001, min(interval_s if busy else idle_s, due_s))

@@ -1258,6 +1258,13 @@ class Session:
     def has_lookups_to_serve(self) -> bool:
         return bool(self._serve_queue)
 
+    @property
+    def offering_reads(self) -> bool:
+        """Blocks of ours told to the peer and still held for it: it may be
+        READing them now, and over UCX's TCP transport a READ moves only
+        when our side makes progress too."""
+        return any(sv.offered and sv.held_blocks for sv in self._serves.values())
+
     def serve_lookups(self, pinner: Pinner, now: float) -> None:
         """Answer queued lookups against the engine (its serve window)."""
         queue, self._serve_queue = self._serve_queue, []

@@ -15,7 +15,6 @@ their failure is reported as a test failure.
 from __future__ import annotations
 
 import contextlib
-import glob
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import sys
@@ -30,6 +29,7 @@ import msgspec
 import numpy as np
 import psutil
 import pytest
+from tests.support.sockets import TCP_ONLY
 
 from p2p_kv.data import RegionInfo
 
@@ -635,12 +635,6 @@ def test_same_host_copy_only_from_the_process_we_talk_to() -> None:
 # ---------------------------------------------------------------------------
 # READs given up on while they run: staging (p2p_kv.staging)
 # ---------------------------------------------------------------------------
-
-
-#: UCX's TCP transport alone. NIXL refuses a UCX_TLS without a CUDA
-#: transport where GPUs are present (the GPU machine), though no GPU memory
-#: is used here.
-TCP_ONLY = "tcp,cuda_copy" if glob.glob("/dev/nvidia[0-9]*") else "tcp"
 
 
 @contextlib.contextmanager

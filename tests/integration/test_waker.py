@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from tests.support.sockets import TCP_ONLY
 
 from p2p_kv.control import ControlTransport, wait_readable
 from p2p_kv.manager import Answer
@@ -186,6 +187,141 @@ def test_the_waker_ticks_fast_only_while_the_data_plane_has_work() -> None:
         assert busy >= 20, f"{busy} passes in half a second with a READ settling"
     finally:
         peer.close()
+
+
+@pytest.mark.parametrize("producer_engine", ["asleep", "stepping"])
+def test_a_read_over_tcp_from_an_idle_producer_moves_on_its_progress(
+    monkeypatch: pytest.MonkeyPatch, producer_engine: str
+) -> None:
+    """Over UCX's TCP transport a consumer's READ moves only as the
+    producer's side progresses, and nothing wakes the producer for it: no
+    frame, no transfer of its own in flight. While it holds blocks it
+    offered, its waker (engine asleep) or its idle wait (engine stepping)
+    progresses every DATA_TICK_S. Both would otherwise sleep on: the
+    waker up to its idle bound (5 s here; at 200 ms a 4-block READ took
+    171 ms, a 128 MiB one 1.4 s), the stepping engine's wait up to 2 s
+    once idle 2 s (its backoff), so 3 s after the answer the READ met the
+    middle of a 2 s wait."""
+    monkeypatch.setenv("UCX_TLS", TCP_ONLY)
+    pid, bs = os.getpid(), 64 * 1024
+    producer = StandalonePeer(
+        16,
+        bs,
+        engine_id=f"tcp-p-{pid}",
+        timeouts=QUIET,
+        same_host=False,
+        idle_wait_s=TICK_S,
+    )
+    consumer = StandalonePeer(
+        16, bs, engine_id=f"tcp-c-{pid}", timeouts=QUIET, same_host=False
+    )
+    keys = [make_key(i) for i in range(4)]
+    producer.fill(keys, [0, 1, 2, 3])
+    stop = threading.Event()
+    engine: SleepingEngine | None = None
+    stepper: threading.Thread | None = None
+    if producer_engine == "asleep":
+        engine = SleepingEngine(producer)
+        producer.runtime.start_waker(engine.wake, idle_s=TICK_S)
+    else:
+
+        def step() -> None:
+            while not stop.is_set():
+                with producer.runtime.lock:
+                    producer.step()
+
+        stepper = threading.Thread(target=step, daemon=True)
+        stepper.start()
+    m, rt = consumer.manager, consumer.runtime
+    idle_s, bound_s = (0.3, IN_TIME_S) if engine else (3.0, 0.5)
+    try:
+        for i in range(2):
+            req = f"r{i}"
+            consumer.open(req, producer.address, f"kv{i}")
+            end = time.monotonic() + 10
+            while Answer.RETRY in (answers := [m.lookup(req, k) for k in keys]):
+                assert time.monotonic() < end, "no lookup answer"
+                rt.flush()
+                consumer.step()
+            assert answers == [Answer.HIT] * 4
+            time.sleep(idle_s)  # the producer is back in its long sleep
+            t0 = time.monotonic()
+            rt.submit_load(100 + i, req, keys, [4, 5, 6, 7])
+            while 100 + i not in consumer.results:
+                assert time.monotonic() - t0 < bound_s, "the READ did not move"
+                consumer.step()
+            assert consumer.results.pop(100 + i).success
+            for j in range(4):
+                assert (consumer.block(4 + j) == producer.block(j)).all()
+            rt.end_request(req)
+            rt.pump()
+    finally:
+        stop.set()
+        if engine is not None:
+            engine.close()
+        if stepper is not None:
+            stepper.join(2 * TICK_S)
+        consumer.close()
+        producer.close()
+
+
+def test_a_release_queued_off_the_step_leaves_at_once() -> None:
+    """vLLM ends a request (an abort) outside the step's poll; the Release
+    it queues must not wait for the waker's idle bound when the engine
+    then sleeps (it waited 87-102 ms at 200 ms, while the producer held
+    the pins for nothing)."""
+    pid = os.getpid()
+    producer = StandalonePeer(16, 4096, engine_id=f"rel-p-{pid}", timeouts=QUIET)
+    consumer = StandalonePeer(16, 4096, engine_id=f"rel-c-{pid}", timeouts=QUIET)
+    keys = [make_key(1), make_key(2)]
+    producer.fill(keys, [1, 2])
+    engine = SleepingEngine(producer)
+    producer.runtime.start_waker(engine.wake, idle_s=TICK_S)
+    rt, m = consumer.runtime, consumer.manager
+    try:
+        consumer.open("r1", producer.address, "kv1")
+        end = time.monotonic() + IN_TIME_S
+        while (answers := [m.lookup("r1", k) for k in keys]).count(Answer.RETRY):
+            assert time.monotonic() < end, "no lookup answer"
+            rt.flush()
+            consumer.step()
+        assert answers == [Answer.HIT, Answer.HIT]
+        assert producer.pinner.pinned
+        # From here the consumer's engine sleeps: only its waker acts.
+        rt.start_waker(lambda: None, idle_s=TICK_S)
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        with rt.lock:
+            rt.end_request("r1")  # the client aborted
+        while producer.pinner.pinned:
+            # 10 ms; 1.7 s without the wake (a lookup deadline woke it)
+            assert time.monotonic() - t0 < 0.5, "the Release waited"
+            time.sleep(0.01)
+    finally:
+        engine.close()
+        consumer.close()
+        producer.close()
+
+
+def test_wait_readable_skips_a_descriptor_closed_under_it() -> None:
+    """The engine's thread may close a session's sockets while the waker
+    sleeps on their descriptors: poll then reports the closed one at once,
+    every time. A frame on another must still end the wait at once."""
+    closed_r, closed_w = os.pipe()
+    r, w = os.pipe()
+    os.close(closed_r)
+    os.close(closed_w)
+    try:
+        timer = threading.Timer(0.1, lambda: os.write(w, b"!"))
+        timer.start()
+        t0 = time.monotonic()
+        wait_readable([closed_r, r], TICK_S)
+        took = time.monotonic() - t0
+        timer.join()
+        assert 0.05 < took < IN_TIME_S, took
+    finally:
+        os.close(r)
+        os.close(w)
 
 
 def test_wait_readable_ends_on_a_readable_fd_and_never_spins_on_a_bad_one() -> None:

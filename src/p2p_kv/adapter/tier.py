@@ -299,13 +299,11 @@ class P2PKVTier(SecondaryTierManager):
 
     @_locked
     def submit_store(self, job_metadata: TransferJob) -> None:
-        rt = self.runtime
-        rt.manager.submit_store(
+        self.runtime.submit_store(
             job_metadata.job_id,
             job_metadata.req_context.req_id,
             list(job_metadata.keys),
             job_metadata.chunk_ids.tolist(),
-            rt.clock(),
         )
 
     @_locked
