@@ -175,7 +175,8 @@ def _check_host(leg: str, host: object) -> str:
         or any(c.isspace() or c in "/\\@?#;*" for c in host)
         or not _utf8(host)
         # "in:<port>" would read as one of our inbound connections' names
-        or host == "in"
+        # (the brackets go: "[in]" is "in" too)
+        or host.strip("[]") == "in"
     ):
         raise ValueError(
             f"kv_transfer_params.{leg}.remote_host must be a host name or an "

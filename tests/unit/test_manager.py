@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from p2p_kv.lifecycle import State
 from p2p_kv.manager import Answer, LoadManager, Roles
 from p2p_kv.protocol import Fetch, decode
-from p2p_kv.session import Timeouts
+from p2p_kv.session import Timeouts, is_inbound
 
 from .memnet import FAST_TIMEOUTS, Net, key, payload
 
@@ -476,6 +476,8 @@ def test_roles_parse_rejects_incomplete_legs() -> None:
         ("[]", 80, "remote_host"),
         ("h\ud800", 80, "remote_host"),
         ("in", 80, "remote_host"),  # would read as an inbound connection
+        ("[in]", 80, "remote_host"),  # so would this, once unbracketed
+        ("[[in]", 80, "remote_host"),
     ],
 )
 def test_roles_parse_refuses_a_clients_bad_address(
@@ -550,9 +552,21 @@ def test_roles_parse_raises_nothing_but_value_error(params: Any) -> None:
     ``kv_transfer_params`` (the offline API takes any Python object), and
     the adapter refuses only ValueError: anything else escaped into
     vLLM's add_request and took the engine down. A leg with an int key
-    did (TypeError from sorting its keys for the message)."""
+    did (TypeError from sorting its keys for the message). What it takes
+    never names one of our inbound connections: ``"[in]"`` did, and its
+    sends and close raised inside the engine's step."""
     with contextlib.suppress(ValueError):
-        Roles.parse(params)
+        roles = Roles.parse(params)
+        assert roles.source is None or not is_inbound(roles.source.peer)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet="[]in:", max_size=8), st.integers(1, 65535))
+def test_no_client_host_names_an_inbound_connection(host: str, port: int) -> None:
+    leg = {"kv_request_id": "x", "remote_host": host, "remote_port": port}
+    with contextlib.suppress(ValueError):
+        roles = Roles.parse({"remote_kv_source": leg})
+        assert roles.source is not None and not is_inbound(roles.source.peer), host
 
 
 def test_roles_parse_takes_a_port_as_a_decimal_string_and_brackets() -> None:
