@@ -816,7 +816,7 @@ class Session:
                 case Lookup():
                     self._on_lookup(msg, now)
                 case LookupResp():
-                    self._on_lookup_resp(msg)
+                    self._on_lookup_resp(msg, now)
                 case Fetch():
                     self._on_fetch(msg, now)
                 case FetchOffer():
@@ -864,7 +864,7 @@ class Session:
         self._contacted.add(probe.gen)
         self._send(Lookup(req=probe.req, gen=probe.gen, seq=probe.seq, keys=probe.keys))
 
-    def _on_lookup_resp(self, msg: LookupResp) -> None:
+    def _on_lookup_resp(self, msg: LookupResp, now: float) -> None:
         probe = self._probes.get((msg.gen, msg.seq))
         if probe is None or probe.req != msg.req:
             # A reply to a probe we gave up on, or to an earlier use of the
@@ -884,13 +884,13 @@ class Session:
         probe.fire(Event.LOOKUP_RESP)
         del self._probes[(msg.gen, msg.seq)]
         if msg.slots and msg.ttl_ms and self.reads:
-            self._take_offer(probe, msg)
+            self._take_offer(probe, msg, now)
         nhit = sum(msg.hits)
         self.counters.hits += nhit
         self.counters.misses += n - nhit
         self._probe_answers.append(ProbeAnswer(msg.gen, probe.keys, msg.hits))
 
-    def _take_offer(self, probe: Probe, msg: LookupResp) -> None:
+    def _take_offer(self, probe: Probe, msg: LookupResp, now: float) -> None:
         if probe.gen not in self._contacted:
             # We already released (or gave up) what the peer holds for this
             # generation: a late answer's pins may go any moment.
@@ -907,7 +907,11 @@ class Session:
             return
         until = probe.created + msg.ttl_ms / 1000.0 * self.timeouts.read_window
         offer = self._offers.get(probe.gen)
-        if offer is None:
+        if offer is None or offer.valid_until <= now:
+            # An offer past its window (not purged yet: no tick since) may
+            # name pins the peer let go: this answer came from a new serve,
+            # which pinned only its own keys. Within the window the serve
+            # that answered is the one that holds them all.
             offer = self._offers[probe.gen] = Offer(probe.req, until)
         # Every lookup answer re-arms all of the generation's pins.
         offer.valid_until = max(offer.valid_until, until)

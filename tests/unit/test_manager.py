@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from p2p_kv.lifecycle import State
 from p2p_kv.manager import Answer, LoadManager, Roles
-from p2p_kv.protocol import Fetch, decode
+from p2p_kv.protocol import Fetch, decode, encode
 from p2p_kv.session import Timeouts, is_inbound
 
 from .memnet import FAST_TIMEOUTS, Net, key, payload
@@ -852,6 +852,47 @@ def test_a_lookup_sent_after_a_read_fetch_leaves_the_offers_hold_alone() -> None
     b.manager.on_request_finished("r1", net.now)
     net.run()
     collect_all(net)
+    assert_drained(net)
+
+
+def test_an_answer_from_a_new_serve_does_not_revive_an_expired_offer() -> None:
+    """The consumer's offer window for a lookup ended (no tick purged it:
+    a long engine step), and its next Lookup reached the producer after the
+    first serve had let its pins go, so a new serve answered, pinning only
+    the new key. Merged into the old offer, that answer re-trusted the
+    released slots: the READ took them and the load reported success with
+    another request's bytes."""
+    net = Net(timeouts=FAST_TIMEOUTS)  # pins 1.5 s, the offer trusted 1.125 s
+    a, b = net.engines["a"], net.engines["b"]
+    keys = [key(i) for i in range(3)]
+    for i, k in enumerate(keys):
+        a.put(k, 10 + 3 * i)
+    b.manager.on_new_request("r1", net.roles("a", "kv1"), net.now)
+    b.manager.lookup("r1", keys[0])
+    b.manager.lookup("r1", keys[1])
+    net.run()
+    net.now = 1.0
+    b.manager.lookup("r1", keys[2])  # a later batch
+    net.step(deliver=False)  # its Lookup leaves b, not yet delivered
+    net.now = 1.55  # b ticks no more from here
+    a.manager.tick(net.now)  # the first serve's pins expire
+    a.manager.end_step(net.now)
+    a.collect(net.now)
+    net.deliver_all()  # the Lookup reaches a: a new serve
+    net.serve()
+    for peer, msgs in a.manager.take_outgoing(net.now):
+        net.queue += [("a", peer, encode(m)) for m in msgs]
+    net.deliver_all()  # its answer reaches b before any tick of b's
+    assert [b.manager.lookup("r1", k) for k in keys] == [Answer.HIT] * 3
+    job = load(net, "r1", [1, 2, 3], keys)
+    net.run()
+    collect_all(net)
+    (result,) = b.results[job]
+    assert not b.wrong_bytes, b.wrong_bytes
+    if result.success:
+        assert [b.block(s) for s in (1, 2, 3)] == [payload(k) for k in keys]
+    b.manager.on_request_finished("r1", net.now)
+    net.settle(3.0, 0.1)
     assert_drained(net)
 
 
