@@ -527,6 +527,9 @@ class NixlDataTransport:
         #: transfers reported failed that were still running when given up
         #: on: their bytes may yet land (see take_unstopped)
         self._unstopped: set[int] = set()
+        #: agents whose data plane broke under their session (see
+        #: take_faulted)
+        self._faulted: set[str] = set()
         self._ids = itertools.count(1)
         self._closed = False
         self._reg_descs: Any = None
@@ -714,8 +717,10 @@ class NixlDataTransport:
                 elif loaded_name in self._peers:
                     # Its metadata may now be the sender's: fence the known
                     # peer's transfers and drop it (its session's loads fail
-                    # and recompute) rather than trust it.
+                    # and recompute) rather than trust it. Its session must
+                    # end too: a new one loads its agent again.
                     self._remove_peer_locked(loaded_name)
+                    self._faulted.add(loaded_name)
                 elif loaded_name != self._name:
                     self._invalidate(loaded_name)
                 raise ValueError(
@@ -1116,9 +1121,17 @@ class NixlDataTransport:
                     exc,
                 )
                 logger.debug("post failure detail", exc_info=True)
-                if handle is not None:
-                    self._release(handle)
-                pool.give(stage)
+                if handle is None:
+                    pool.give(stage)  # nothing was posted
+                else:
+                    # NIXL posts a piece a descriptor at a time and cancels
+                    # the posted ones when one fails: cancelled, not
+                    # stopped. Its staging waits for the peer's agent to be
+                    # dropped, as a READ failed with the endpoint does, and
+                    # the session ends so that it is.
+                    name = read.peer.info.agent_name
+                    self._zombies.append(_Zombie(handle, stage, name, gone=True))
+                    self._faulted.add(name)
                 self._bury(read)
                 return "ERR"
             read.pieces.append(_Piece(handle, stage, lo, state))
@@ -1128,7 +1141,12 @@ class NixlDataTransport:
         """Staging blocks held by ``read``'s peer: its READs' pieces running
         (``read``'s included, posted before it is tracked) and given up on."""
         name = read.peer.info.agent_name
-        held = sum(int(z.stage.size) for z in self._zombies if z.peer == name)
+        # Not the lost ones: their blocks are gone from the pool for
+        # everyone until close, and charged to the peer they would stop its
+        # staged READs for good, a new session's too.
+        held = sum(
+            int(z.stage.size) for z in self._zombies if z.peer == name and not z.lost
+        )
         reads = {id(x.handle): x.handle for x in self._inflight.values()}
         reads[id(read)] = read
         return held + sum(
@@ -1192,6 +1210,9 @@ class NixlDataTransport:
                 try:
                     state = str(self._agent.check_xfer_state(z.handle))
                 except Exception as exc:
+                    # Either way the peer's endpoint is no use to its
+                    # session any more: it ends, and the agent is dropped.
+                    self._faulted.add(z.peer)
                     if _disconnected(exc):
                         # Over, failed with the peer's endpoint. (Taken for
                         # an unknown state, a dead peer's READ held its
@@ -1315,6 +1336,17 @@ class NixlDataTransport:
             for sender, msgs in notifs.items():
                 name = sender.decode() if isinstance(sender, bytes) else str(sender)
                 out.extend((name, bytes(m)) for m in msgs)
+            return out
+
+    def take_faulted(self) -> set[str]:
+        """Agents whose data plane broke under their session (since the
+        last call): a READ of theirs failed with the endpoint, or cannot be
+        checked, or cancelled partly posted; or another peer's metadata
+        took their name. The session must end: its READs would fail (or
+        stall) for as long as it lived, and only a removed agent gives back
+        the staging such READs hold. A new session loads the agent again."""
+        with self._lock:
+            out, self._faulted = self._faulted, set()
             return out
 
     def take_unstopped(self) -> set[int]:

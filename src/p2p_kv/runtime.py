@@ -265,6 +265,15 @@ class TierRuntime:
                 # Its requests recompute; every other peer is dialled.
                 log.warning("p2p_kv: %s", exc)
                 m.on_disconnected(peer, str(exc), now)
+        for broken in self.data.take_faulted():
+            for peer in [p for p, a in self._agents.items() if a == broken]:
+                if m.close_session(peer, "its data plane failed"):
+                    log.warning(
+                        "p2p_kv: closing the session with %s: its data plane "
+                        "failed (a READ failed with or stranded on its "
+                        "endpoint, or its agent's name was taken)",
+                        peer,
+                    )
         cancels = set(m.take_cancels())
         if cancels:
             self.data.cancel(*(x for x, what in self._xfers.items() if what in cancels))

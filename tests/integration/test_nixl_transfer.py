@@ -841,6 +841,68 @@ def test_a_peer_that_dies_during_a_staged_read_gives_its_staging_back(
             victim.proc.kill()
 
 
+def test_a_piece_whose_post_fails_keeps_its_staging_until_its_peer_goes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """NIXL posts a piece a descriptor at a time and, when one fails,
+    cancels the posted ones and raises: cancelled, not stopped. Its staging
+    went straight back to the pool, where another READ took it and the
+    late bytes reached that READ's slots. It is kept until the peer's agent
+    is dropped, and the peer is reported faulted so its session ends."""
+    bs, n = 4 * KIB, 16
+    with _tcp_pair(monkeypatch, bs, n, 4 * bs, "postfail") as (prod, cons, src, got):
+        agent, real = cons._agent, cons._agent.transfer
+
+        def posted_in_part(handle: Any) -> Any:
+            real(handle)  # some descriptors went out...
+            raise RuntimeError("NIXL_ERR_BACKEND: posting a descriptor failed")
+
+        monkeypatch.setattr(agent, "transfer", posted_in_part)
+        tid = cons.post_read(prod.agent_name, [0, 1], [2, 3])
+        assert cons.poll_completions() == [(tid, False)]
+        monkeypatch.setattr(agent, "transfer", real)
+        assert cons.staging_blocks() == (4, 3, 1)  # its first piece: a block
+        assert cons.take_faulted() == {prod.agent_name}
+        assert cons.take_faulted() == set()  # reported once
+        # Another READ meanwhile moves through the rest of the pool.
+        tid = cons.post_read(prod.agent_name, [5, 6, 7], [9, 10, 11])
+        assert _completions(prod, cons) == [(tid, True)]
+        for ll, r in zip([9, 10, 11], [5, 6, 7], strict=True):
+            assert np.array_equal(got[ll], src[r])
+        _progress(prod, cons, rounds=20)
+        assert cons.staging_blocks() == (4, 3, 1)
+        cons.remove_peer(prod.agent_name)  # the session's end drops it
+        assert cons.staging_blocks() == (4, 4, 0)
+
+
+def test_a_read_that_cannot_be_checked_does_not_stop_its_peers_reads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A READ given up on whose state NIXL can no longer report (an error
+    other than the endpoint's loss) keeps its staging until close. Charged
+    to its peer's half of the pool, two such made every later staged READ
+    from that peer post nothing and wait out its deadline, a new session's
+    too (the peer keeps its agent name)."""
+    bs, n = 4 * KIB, 16
+    with _tcp_pair(monkeypatch, bs, n, 4 * bs, "lost") as (prod, cons, src, got):
+        tid = cons.post_read(prod.agent_name, [0, 1], [2, 3])  # prod stalls
+        cons.cancel(tid)
+        assert cons.poll_completions() == [(tid, False)]
+        agent, real = cons._agent, cons._agent.check_xfer_state
+
+        def unreadable(handle: Any) -> Any:
+            raise RuntimeError("NIXL_ERR_BACKEND")
+
+        monkeypatch.setattr(agent, "check_xfer_state", unreadable)
+        cons.poll_completions()
+        monkeypatch.setattr(agent, "check_xfer_state", real)
+        assert cons.staging_blocks() == (4, 2, 2)
+        tid = cons.post_read(prod.agent_name, [5, 6], [9, 10])
+        assert _completions(prod, cons) == [(tid, True)]
+        assert np.array_equal(got[9], src[5]) and np.array_equal(got[10], src[6])
+        assert cons.take_faulted() == {prod.agent_name}  # its session ends
+
+
 def test_a_region_passed_off_under_another_peers_name_is_refused() -> None:
     """A RegionInfo is the sender's word. One naming a known agent with
     other contents used to replace that agent (another session's), and
@@ -863,12 +925,19 @@ def test_a_region_passed_off_under_another_peers_name_is_refused() -> None:
         with pytest.raises(ValueError, match="another region"):
             c.add_peer(msgspec.structs.replace(ib, agent_name=ia.agent_name))
         assert sorted(c.peers()) == sorted([ia.agent_name, ib.agent_name])
+        assert c.take_faulted() == set()  # a kept nothing of the sender's
         assert _read_all(c, ia.agent_name, [1], [2])
         # a's metadata under a new name: a's NIXL state may now be the
         # sender's, so a is dropped (fenced), never left half-invalidated.
         with pytest.raises(ValueError, match="names agent"):
             c.add_peer(msgspec.structs.replace(ia, agent_name="pass-x"))
         assert c.peers() == [ib.agent_name]
+        # a's session must end too (its READs found no peer for as long as
+        # it lived): a new one loads a's agent again.
+        assert c.take_faulted() == {ia.agent_name}
+        c.add_peer(ia)
+        assert _read_all(c, ia.agent_name, [6], [7])
+        assert np.array_equal(bufs[2].reshape(n, bs)[7], bufs[0].reshape(n, bs)[6])
         assert _read_all(c, ib.agent_name, [3], [4])
         got = bufs[2].reshape(n, bs)
         assert np.array_equal(got[2], bufs[0].reshape(n, bs)[1])

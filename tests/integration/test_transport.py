@@ -801,6 +801,65 @@ def test_a_peer_address_libzmq_refuses_costs_only_its_request() -> None:
         peer.close()
 
 
+def test_a_peer_whose_data_plane_failed_is_dialled_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A READ stranded on a peer's endpoint (here a piece whose post failed
+    part way: NIXL cancelled what it had posted, which does not stop it)
+    ends the session. Kept, a failed endpoint failed every later READ of
+    the session, and the staging such READs hold comes back only once the
+    peer's agent is dropped. The next request dials again and loads."""
+    bs, keys = 16 * KIB, [make_key(i) for i in range(4)]
+    pid = os.getpid()
+    prod = StandalonePeer(16, bs, engine_id=f"df-p-{pid}", same_host=False)
+    cons = StandalonePeer(
+        16, bs, engine_id=f"df-c-{pid}", same_host=False, read_staging_bytes=8 * bs
+    )
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            with prod.runtime.lock:
+                prod.step()
+
+    stepper = threading.Thread(target=serve, daemon=True)
+    try:
+        prod.fill(keys, [0, 1, 2, 3])
+        stepper.start()
+        data = cons.runtime.data
+        agent, real = data._agent, data._agent.transfer
+
+        def posted_in_part(handle: Any) -> Any:
+            real(handle)
+            raise RuntimeError("NIXL_ERR_BACKEND: posting a descriptor failed")
+
+        monkeypatch.setattr(agent, "transfer", posted_in_part)
+        out = cons.fetch(prod.address, "kv1", keys, [4, 5, 6, 7])
+        assert out.hits == 4 and out.job_done and not out.ok, out
+        monkeypatch.setattr(agent, "transfer", real)
+        (gone,) = cons.manager.retired_sessions
+        assert "data plane failed" in gone.close_reason, gone.close_reason
+        end = time.monotonic() + 10
+        while True:  # past the reconnect backoff, a new session
+            out = cons.fetch(prod.address, "kv2", keys, [8, 9, 10, 11])
+            if out.ok or time.monotonic() > end:
+                break
+            time.sleep(0.1)
+        assert out.ok, out
+        for i in range(4):
+            assert (cons.block(8 + i) == prod.block(i)).all()
+        end = time.monotonic() + 5
+        while data.staging_blocks() != (8, 8, 0):
+            assert time.monotonic() < end, data.staging_blocks()
+            cons.step(wait=False)
+    finally:
+        stop.set()
+        if stepper.is_alive():
+            stepper.join(5)
+        cons.close()
+        prod.close()
+
+
 def test_a_write_the_producer_cannot_stop_ends_the_session_not_the_load(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -424,6 +424,9 @@ class FaultyData:
         out, self._unstopped = self._unstopped, set()
         return out
 
+    def take_faulted(self) -> set[str]:
+        return set(self.inner.take_faulted())
+
     def cancel(self, *transfer_ids: int) -> None:
         real_ids: list[int] = []
         for transfer_id in transfer_ids:

@@ -155,6 +155,9 @@ class FakeData:
     def take_unstopped(self) -> set[int]:
         return set()
 
+    def take_faulted(self) -> set[str]:
+        return set()
+
     def cancel(self, *tids: int) -> None:
         self.cancelled.extend(tids)
 
