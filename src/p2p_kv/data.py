@@ -1027,7 +1027,14 @@ class NixlDataTransport:
                 )
                 logger.debug("post failure detail", exc_info=True)
                 if handle is not None:
+                    # Maybe posted in part: NIXL cancels the descriptors it
+                    # posted when one fails, which does not stop them. A
+                    # WRITE is reported unstopped (its consumer may not
+                    # reuse the slots on our word), and the session ends.
                     self._release(handle)
+                    self._faulted.add(agent_name)
+                    if op == "WRITE":
+                        self._unstopped.add(tid)
                 self._done.append((tid, False))
                 return tid
             if state == "PROC":
@@ -1141,11 +1148,14 @@ class NixlDataTransport:
         """Staging blocks held by ``read``'s peer: its READs' pieces running
         (``read``'s included, posted before it is tracked) and given up on."""
         name = read.peer.info.agent_name
-        # Not the lost ones: their blocks are gone from the pool for
-        # everyone until close, and charged to the peer they would stop its
-        # staged READs for good, a new session's too.
+        # Only READs that may still run: the lost ones keep their blocks
+        # until close and the gone ones until the peer's agent is dropped
+        # (which a new session that takes the agent back defers), and
+        # charged to the peer they stopped its staged READs for good.
         held = sum(
-            int(z.stage.size) for z in self._zombies if z.peer == name and not z.lost
+            int(z.stage.size)
+            for z in self._zombies
+            if z.peer == name and not (z.lost or z.gone)
         )
         reads = {id(x.handle): x.handle for x in self._inflight.values()}
         reads[id(read)] = read

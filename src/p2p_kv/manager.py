@@ -1094,11 +1094,12 @@ class LoadManager:
             (s := sessions.get(p)) is not None and s.has_output for p in self._dirty
         )
 
-    def offers_held(self) -> bool:
-        """A peer may be READing our blocks (offered, still held: by a live
-        session or orphaned past a lost one). No descriptor announces such
-        a READ, yet over UCX's TCP transport it needs our progress."""
-        return any(s.offering_reads for s in self._sessions.values()) or any(
+    def peer_transfers(self) -> bool:
+        """A peer may be moving bytes to or from our region: READing blocks
+        we offered (held by a live session, or orphaned past a lost one) or
+        WRITing a load of ours. No descriptor announces such a transfer,
+        yet over UCX's TCP transport it needs our progress."""
+        return any(s.peer_transfers for s in self._sessions.values()) or any(
             not sv.terminal and sv.held_blocks for _, _, sv in self._orphans
         )
 

@@ -208,17 +208,18 @@ class TierRuntime:
         # not held up. With none, the engine is idle: wait the longest.
         cap = self.idle_wait_s if self.live_requests == 0 else self.busy_wait_s
         end = now + min(cap, backoff)
-        # A peer READing what we offered moves (over TCP) only on our
-        # progress, which the wait gives it every DATA_TICK_S.
-        offering = self.manager.offers_held()
+        # A peer READing what we offered, or WRITing what we asked for,
+        # moves (over TCP) only on our progress: the wait gives it some
+        # every DATA_TICK_S.
+        peers_moving = self.manager.peer_transfers()
         while True:
             due = min(end, self.manager.next_deadline())
-            if offering:
+            if peers_moving:
                 due = min(due, self.clock() + DATA_TICK_S)
             if self._receive(max(0.0, due - self.clock())):
                 break
             now = self.clock()
-            if offering:
+            if peers_moving:
                 self.data.poll_notifs()
             if now >= self.manager.next_deadline():
                 # Heartbeats and deadlines need no engine step, unless
@@ -226,7 +227,7 @@ class TierRuntime:
                 self.pump()
                 if self.manager.results_ready():
                     break
-                offering = self.manager.offers_held()
+                peers_moving = self.manager.peer_transfers()
             if now >= end:
                 break
         self._progress()
@@ -267,7 +268,9 @@ class TierRuntime:
                 m.on_disconnected(peer, str(exc), now)
         for broken in self.data.take_faulted():
             for peer in [p for p, a in self._agents.items() if a == broken]:
-                if m.close_session(peer, "its data plane failed"):
+                session = m.session(peer)
+                if session is not None and not session.closed:
+                    m.close_session(peer, "its data plane failed")
                     log.warning(
                         "p2p_kv: closing the session with %s: its data plane "
                         "failed (a READ failed with or stranded on its "
@@ -659,7 +662,7 @@ class TierRuntime:
         wanted = m.has_lookups_to_serve or m.results_ready()
         fds = self.control.readiness_fds()
         due_s = m.next_deadline() - self.clock()
-        busy = self._xfers or data.in_flight() or data.settling() or m.offers_held()
+        busy = self._xfers or data.in_flight() or data.settling() or m.peer_transfers()
         # At least 1 ms: a deadline the poll did not clear must not turn
         # this into a spin.
         return wanted, fds, max(0.001, min(interval_s if busy else idle_s, due_s))

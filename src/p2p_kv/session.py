@@ -1263,11 +1263,16 @@ class Session:
         return bool(self._serve_queue)
 
     @property
-    def offering_reads(self) -> bool:
-        """Blocks of ours told to the peer and still held for it: it may be
-        READing them now, and over UCX's TCP transport a READ moves only
-        when our side makes progress too."""
-        return any(sv.offered and sv.held_blocks for sv in self._serves.values())
+    def peer_transfers(self) -> bool:
+        """The peer may be moving bytes to or from our region now: blocks of
+        ours it was told of and that are still held for it (its READ), or a
+        load of ours it may be WRITing (a Fetch sent, not yet answered).
+        Over UCX's TCP transport such a transfer moves only as our side
+        makes progress too."""
+        return any(
+            ld.state is State.FETCH_POSTED or ld.state is State.ABORTING
+            for ld in self._loads.values()
+        ) or any(sv.offered and sv.held_blocks for sv in self._serves.values())
 
     def serve_lookups(self, pinner: Pinner, now: float) -> None:
         """Answer queued lookups against the engine (its serve window)."""

@@ -858,10 +858,13 @@ def test_a_piece_whose_post_fails_keeps_its_staging_until_its_peer_goes(
             raise RuntimeError("NIXL_ERR_BACKEND: posting a descriptor failed")
 
         monkeypatch.setattr(agent, "transfer", posted_in_part)
-        tid = cons.post_read(prod.agent_name, [0, 1], [2, 3])
-        assert cons.poll_completions() == [(tid, False)]
+        for _ in range(2):
+            tid = cons.post_read(prod.agent_name, [0, 1], [2, 3])
+            assert cons.poll_completions() == [(tid, False)]
         monkeypatch.setattr(agent, "transfer", real)
-        assert cons.staging_blocks() == (4, 3, 1)  # its first piece: a block
+        # Their first pieces, a block each: the peer's whole share (half),
+        # yet not charged to it (they stop nothing now).
+        assert cons.staging_blocks() == (4, 2, 2)
         assert cons.take_faulted() == {prod.agent_name}
         assert cons.take_faulted() == set()  # reported once
         # Another READ meanwhile moves through the rest of the pool.
@@ -870,9 +873,31 @@ def test_a_piece_whose_post_fails_keeps_its_staging_until_its_peer_goes(
         for ll, r in zip([9, 10, 11], [5, 6, 7], strict=True):
             assert np.array_equal(got[ll], src[r])
         _progress(prod, cons, rounds=20)
-        assert cons.staging_blocks() == (4, 3, 1)
+        assert cons.staging_blocks() == (4, 2, 2)
         cons.remove_peer(prod.agent_name)  # the session's end drops it
         assert cons.staging_blocks() == (4, 4, 0)
+
+
+def test_a_write_whose_post_fails_is_reported_unstopped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A WRITE posted in part and cancelled by NIXL (one descriptor failed)
+    is not stopped: the producer must not tell its consumer the slots are
+    free (unstopped: the session ends instead)."""
+    bs, n = 4 * KIB, 16
+    with _tcp_pair(monkeypatch, bs, n, 0, "wfail") as (prod, cons, _, _):
+        agent, real = prod._agent, prod._agent.transfer
+
+        def posted_in_part(handle: Any) -> Any:
+            real(handle)
+            raise RuntimeError("NIXL_ERR_BACKEND: posting a descriptor failed")
+
+        monkeypatch.setattr(agent, "transfer", posted_in_part)
+        tid = prod.post_write(cons.agent_name, [0, 1], [2, 3], b"w")
+        monkeypatch.setattr(agent, "transfer", real)
+        assert prod.poll_completions() == [(tid, False)]
+        assert prod.take_unstopped() == {tid}
+        assert prod.take_faulted() == {cons.agent_name}
 
 
 def test_a_read_that_cannot_be_checked_does_not_stop_its_peers_reads(

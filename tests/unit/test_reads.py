@@ -91,6 +91,37 @@ def test_reads_off_uses_fetch_and_write() -> None:
     assert [b.block(s) for s in SLOTS] == [payload(k) for k in KEYS]
 
 
+def test_peers_move_bytes_while_an_offer_is_held_or_a_write_is_awaited() -> None:
+    """What keeps the data plane progressed without a descriptor to wake
+    on (``LoadManager.peer_transfers``): on the producer, blocks offered and
+    held for a READ; on the consumer, a load the producer may be WRITing,
+    also once aborted (over UCX's TCP transport both move only as the
+    other side progresses)."""
+    net = make_net()
+    a, b = net.engines["a"].manager, net.engines["b"].manager
+    assert not a.peer_transfers() and not b.peer_transfers()
+    probe(net, "r1", "kv1")
+    assert a.peer_transfers()  # offered pins, held for b's READ
+    b.on_request_finished("r1", net.now)  # released unread
+    net.run()
+    assert not a.peer_transfers()
+    net = make_net(reads=False)
+    a, b = net.engines["a"].manager, net.engines["b"].manager
+    probe(net, "r1", "kv1")
+    assert not a.peer_transfers()  # nothing offered: a will WRITE
+    net.hold_writes = True
+    load(net, "r1", SLOTS)
+    net.run(2)
+    assert b.peer_transfers()  # the Fetch sent, the WRITE awaited
+    b.on_request_finished("r1", net.now)
+    net.run(1)
+    assert b.peer_transfers()  # aborting: the WRITE may still be moving
+    net.hold_writes = False
+    net.run()
+    collect_all(net)
+    assert not b.peer_transfers()
+
+
 def test_a_fetch_is_kept_only_until_it_is_sent() -> None:
     """A load's Fetch holds its keys and slots: a load in flight keeps it
     only while the handshake has not ended, never after it is sent."""
