@@ -46,7 +46,10 @@ def _bench(name: str, rest: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="p2p-kv", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
-    bench = sub.add_parser("bench", help="run a benchmark (table, or --json)")
+    # No help of its own: "bench fallback --help" is the benchmark's.
+    bench = sub.add_parser(
+        "bench", help="run a benchmark (table, or --json)", add_help=False
+    )
     bench.add_argument("name", choices=BENCHES)
     model = sub.add_parser(
         "model", help="build the local test model and print its path"
@@ -61,6 +64,10 @@ def main(argv: list[str] | None = None) -> int:
         "demo", help="two local engines sharing KV (p2p-kv demo --help)", add_help=False
     )
     args, rest = parser.parse_known_args(argv)
+    if rest and args.cmd not in ("demo", "bench"):
+        # Only those pass arguments on; elsewhere a typo ("--presets")
+        # must not run with the defaults.
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.cmd == "demo":
         from p2p_kv import demo
 
@@ -73,8 +80,6 @@ def main(argv: list[str] | None = None) -> int:
         print(ensure_model(TINY if args.preset == "tiny" else BENCH))
         return 0
     if args.cmd == "doctor":
-        if rest:
-            parser.error(f"unrecognized arguments: {' '.join(rest)}")
         return doctor.run(args)
     return 2
 

@@ -106,7 +106,9 @@ class TierConfig:
                 value = env[source]
             else:
                 continue
-            values[name] = _coerce(name, f.type, value, source)
+            values[name] = _coerce(
+                name, f.type, value, source, from_env=source.startswith(ENV_PREFIX)
+            )
         cfg = cls(**values)
         cfg._check()
         return cfg
@@ -138,10 +140,16 @@ class TierConfig:
                 f"p2p_kv: pin_ttl_s {self.pin_ttl_s} is over 3600: the protocol "
                 "announces pin lifetimes of at most an hour"
             )
-        if self.read_staging_mib < 0:
+        if not (self.read_staging_mib >= 0 and math.isfinite(self.read_staging_mib)):
             raise ConfigError(
-                f"p2p_kv: read_staging_mib {self.read_staging_mib} is negative "
-                "(0 turns staging off)"
+                f"p2p_kv: read_staging_mib {self.read_staging_mib} must be >= 0 "
+                "and finite (0 turns staging off)"
+            )
+        if self.secret is not None and not self.secret:
+            raise ConfigError(
+                "p2p_kv: secret is empty, which authenticates nothing: set the "
+                "fleet's shared secret, or leave the key (and "
+                f"{ENV_PREFIX}SECRET) unset for none"
             )
         if not 1 <= self.max_peers <= MAX_PEERS:
             raise ConfigError(
@@ -193,27 +201,43 @@ def check_nixl() -> None:
         ) from None
 
 
-def _coerce(name: str, kind: Any, value: Any, source: str) -> Any:
+def _coerce(name: str, kind: Any, value: Any, source: str, *, from_env: bool) -> Any:
+    """The key's value as its type. A config file's JSON carries types, and
+    a value of the wrong one is refused, not cast: ``"5800"`` for a port,
+    ``2.9`` peers, ``true`` milliseconds, or ``false`` as the secret (cast,
+    it became the secret "False"). An environment variable is a string and
+    is parsed."""
     kind = str(kind)
+    what = kind if kind in ("int", "float", "bool") else "string"
     try:
-        if kind in ("int",):
-            if isinstance(value, bool):
+        if from_env:
+            text = str(value).strip()
+            if kind == "int":
+                return int(text)
+            if kind == "float":
+                return float(text)
+            if kind == "bool":
+                if text.lower() in ("1", "true", "yes"):
+                    return True
+                if text.lower() in ("0", "false", "no"):
+                    return False
                 raise ValueError
-            return int(value)
-        if kind in ("float",):
-            return float(value)
-        if kind in ("bool",):
-            if isinstance(value, bool):
+            return text
+        if isinstance(value, bool):
+            if kind == "bool":
                 return value
-            if str(value).lower() in ("1", "true", "yes"):
-                return True
-            if str(value).lower() in ("0", "false", "no"):
-                return False
-            raise ValueError
-        if kind.startswith("str"):
-            return None if value is None else str(value)
-    except (TypeError, ValueError):
+        elif kind == "int":
+            if isinstance(value, int):
+                return value
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+        elif kind == "float":
+            if isinstance(value, int | float):
+                return float(value)
+        elif kind.startswith("str") and (isinstance(value, str) or value is None):
+            return value
+        raise ValueError
+    except (TypeError, ValueError, OverflowError):
         raise ConfigError(
-            f"p2p_kv: {source}={value!r} is not a valid {kind} for {name!r}"
+            f"p2p_kv: {source}={value!r} is not a valid {what} for {name!r}"
         ) from None
-    return value

@@ -66,9 +66,17 @@ def resolve_bind_host(host: str) -> str:
         pass
     if host == "*":
         return host
-    infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        infos, why = [], f": {exc}"
+    else:
+        why = ""
     if not infos:
-        raise ValueError(f"cannot resolve bind host {host!r}")
+        raise ValueError(
+            f"p2p_kv: cannot resolve the host {host!r} to bind{why}; set the "
+            "tier's 'host' key to an address or a name of this machine"
+        )
     return str(infos[0][4][0])
 
 
@@ -129,11 +137,16 @@ class ControlTransport:
         heartbeat_s: float = 0.5,
         ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
     ) -> None:
+        if not 0 <= port <= 65535:
+            # libzmq would bind it modulo 65536, and peers could not dial
+            # the port we advertise.
+            raise ValueError(f"p2p_kv: control port {port} is not in 0..65535")
+        host = host.strip("[]")  # an IPv6 literal as written beside a port
+        bind_host = resolve_bind_host(host)
         self._ctx = ctx or zmq.Context.instance()
         self._heartbeat_ms = max(1, int(heartbeat_s * 1000))
         self._router = self._socket(zmq.ROUTER)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        bind_host = resolve_bind_host(host)
         try:
             if port == 0:
                 port = self._router.bind_to_random_port(zmq_endpoint(bind_host, 0)[:-2])

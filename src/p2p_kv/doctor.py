@@ -421,19 +421,12 @@ def check_config(
     raw: Mapping[str, Any], env: Mapping[str, str] | None = None
 ) -> tuple[CheckResult, TierConfig | None]:
     """Validate a secondary_tiers entry as the tier does at engine start."""
-    body = {k: v for k, v in raw.items() if k not in _FACTORY_KEYS}
+    # vLLM passes "backpressure" (its own, or the top level's it copied)
+    # as an argument of its own, which the tier ignores with a warning.
+    body = {
+        k: v for k, v in raw.items() if k not in _FACTORY_KEYS and k != "backpressure"
+    }
     fix = "fix the key named above in the tier's secondary_tiers entry"
-    if "backpressure" in body:
-        return (
-            CheckResult(
-                "config",
-                False,
-                "p2p_kv: remove 'backpressure' from the tier config: a peer "
-                "tier's stores are parked for a decoder, not written to a device",
-                fix,
-            ),
-            None,
-        )
     try:
         cfg = TierConfig.from_dict(body, env)
     except ConfigError as exc:
@@ -739,9 +732,10 @@ engine's layout string, exactly (model name, dtype, KV groups, bytes per
 block, blocks per chunk, TP, PP, joined by '|', as the tier states it in
 its handshake), --block-bytes the tier's block size in bytes, --hash-seed
 its PYTHONHASHSEED, --hash-algo its prefix_caching_hash_algo, --secret the
-tier's 'secret' key. A refusal names the field that differs. The tier does
-not log its layout string at start yet: leave --layout out and the layout
-refusal quotes the peer's (hash seed and algorithm must match first).
+tier's 'secret' key. A refusal names the field that differs. The tier logs
+its layout string in its "p2p_kv identity" line (at its first handshake);
+or leave --layout out and the layout refusal quotes the peer's (hash seed
+and algorithm must match first).
 """
 
 

@@ -342,6 +342,9 @@ class LoadManager:
         #: dropped, and counted once. Insertion-ordered, the oldest go first.
         self._refused_inbound: dict[str, None] = {}
         self.refusals: dict[tuple[str, str], int] = {}
+        #: Refusals of ours no session counts (``max_peers``,
+        #: ``max_inbound_peers``): by reason, for the metrics.
+        self.limit_refusals: dict[str, int] = {}
         self.protocol_errors: dict[str, int] = {}
         self.fallbacks: dict[str, int] = {}
         self.double_results = 0
@@ -646,6 +649,7 @@ class LoadManager:
             # Clients choose the peers; each dial costs sockets the engine
             # cannot run out of. This request recomputes.
             tally(self.refusals, ("other", "too_many_peers"), ("other", "other"))
+            tally(self.limit_refusals, "too_many_peers", "other")
             self.dials_refused += 1
             return None
         self._to_connect.append(peer)
@@ -723,6 +727,7 @@ class LoadManager:
 
     def _refuse_inbound(self, session: Session, reason: str, why: str) -> None:
         tally(self.refusals, ("other", reason), ("other", "other"))
+        tally(self.limit_refusals, reason, "other")
         session.close(f"refused: {why}, max_inbound_peers")
         self._touch(session)
         self._refused_inbound[session.peer] = None

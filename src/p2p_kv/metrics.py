@@ -127,7 +127,8 @@ DEFINITIONS: dict[str, MetricDef] = {
     ),
     LOAD_TIME: MetricDef(
         "histogram",
-        "Time from a load's Fetch to its successful completion, in seconds.",
+        "Time from a load's submission (its READ or Fetch) to its successful "
+        "completion, in seconds.",
         _PEER,
         TIME_BUCKETS,
     ),
@@ -234,9 +235,11 @@ _BAD_CHARS = re.compile(r"[^A-Za-z0-9_:.\-\[\]]")
 
 
 def session_peer(session: Session) -> str:
-    """The raw peer label of a session (before the cardinality cap)."""
+    """The raw peer label of a session (before the cardinality cap). A
+    dialled peer's is the address a client named, cut as an inbound one's
+    engine id is."""
     if not is_inbound(session.peer):
-        return session.peer
+        return session.peer[:128]
     hello = session.peer_hello
     if hello is None or not session.proven:
         # Anyone may connect and name itself: a party without the secret
@@ -256,6 +259,7 @@ class MetricsExporter:
         self._reasons: dict[str, set[str]] = {}
         self._seen: dict[Session, SessionCounters] = {}
         self._manager_errors: dict[str, int] = {}
+        self._limit_refusals: dict[str, int] = {}
         self._same_host_reads = 0
         self._gauges: dict[tuple[str, tuple[str, ...]], float] = {}
 
@@ -354,20 +358,29 @@ class MetricsExporter:
                 sink.observe_histogram(FALLBACK_TIME, o.waited_s, (peer,))
 
     def _manager_errors_deltas(self, manager: LoadManager, sink: StatsSink) -> None:
-        """Frames that did not decode (no session knows them) and malformed
-        request parameters: peer ``unknown``."""
-        table = manager.protocol_errors
-        if not table or table == self._manager_errors:
-            return
+        """What the manager counts outside any session, peer ``unknown``:
+        frames that did not decode and malformed request parameters
+        (protocol errors); peers refused at ``max_peers`` or
+        ``max_inbound_peers`` (refusals: the peer is a client's choice)."""
+        self._manager_errors = self._table_deltas(
+            manager.protocol_errors, self._manager_errors, PROTOCOL_ERRORS, sink
+        )
+        self._limit_refusals = self._table_deltas(
+            manager.limit_refusals, self._limit_refusals, REFUSALS, sink
+        )
+
+    def _table_deltas(
+        self, table: dict[str, int], seen: dict[str, int], metric: str, sink: StatsSink
+    ) -> dict[str, int]:
+        if not table or table == seen:
+            return seen
         for raw, n in table.items():
-            d = n - self._manager_errors.get(raw, 0)
+            d = n - seen.get(raw, 0)
             if d > 0:
                 sink.increase_counter(
-                    PROTOCOL_ERRORS,
-                    d,
-                    (self.peer(UNKNOWN), self.reason(PROTOCOL_ERRORS, raw)),
+                    metric, d, (self.peer(UNKNOWN), self.reason(metric, raw))
                 )
-        self._manager_errors = dict(table)
+        return dict(table)
 
     def _gauges_now(
         self,

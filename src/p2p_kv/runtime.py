@@ -201,7 +201,7 @@ class TierRuntime:
             self._idle_streak = 0
             self._sweep()
             return
-        backoff = 0.002 * (2 ** min(self._idle_streak, 10))
+        backoff = 0.002 * (2 ** min(self._idle_streak, 20))
         self._idle_streak += 1
         # With live requests every one of them waits on a peer whose
         # reply wakes us anyway; keep the cap short so a new request is

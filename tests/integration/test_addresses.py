@@ -289,3 +289,33 @@ def test_a_dial_that_gets_through_on_libzmq_s_retry_is_not_lost() -> None:
         dialler.close()
         if listener is not None:
             listener.close()
+
+
+@pytest.mark.parametrize(
+    ("host", "port", "says"),
+    [
+        ("no-such-host.invalid", 0, "cannot resolve the host 'no-such-host.invalid'"),
+        ("127.0.0.1", 65537, "control port 65537 is not in 0..65535"),
+        ("127.0.0.1", -1, "control port -1 is not in 0..65535"),
+    ],
+)
+def test_a_bad_bind_address_is_refused_naming_it(
+    host: str, port: int, says: str
+) -> None:
+    """An unresolvable host raised a bare ``gaierror`` naming neither host
+    nor key; a port past 65535 was bound modulo 65536 (65537: port 1) while
+    peers were told the port nobody can dial."""
+    from p2p_kv.control import ControlTransport
+
+    with pytest.raises(ValueError, match=says):
+        ControlTransport(host, port)
+
+
+def test_an_ipv6_host_may_be_written_in_brackets() -> None:
+    from p2p_kv.control import ControlTransport
+
+    control = ControlTransport("[::1]", 0)
+    try:
+        assert control.address == f"[::1]:{control.port}"
+    finally:
+        control.close()

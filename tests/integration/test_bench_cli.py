@@ -57,3 +57,19 @@ def test_the_waker_benchmark_measures_all_three_producers(tmp_path: Path) -> Non
     rows = json.loads(out.stdout)
     assert set(rows) == {"stepping", "waker", "tick"}, rows
     assert all(r["lookups"] == 5 and r["median_ms"] > 0 for r in rows.values()), rows
+
+
+def test_the_cli_refuses_a_mistyped_flag_and_passes_help_to_a_benchmark() -> None:
+    """``p2p-kv model --presets bench`` built the tiny model (exit 0);
+    ``p2p-kv bench waker --help`` printed the bench command's usage, not
+    the benchmark's options."""
+    exe = str(Path(sys.executable).with_name("p2p-kv"))
+    out = subprocess.run(
+        [exe, "model", "--presets", "bench"], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 2 and "unrecognized arguments: --presets" in out.stderr
+    out = subprocess.run(
+        [exe, "bench", "waker", "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "--lookups" in out.stdout, out.stdout

@@ -303,6 +303,28 @@ def test_a_release_queued_off_the_step_leaves_at_once() -> None:
         producer.close()
 
 
+def test_an_idle_engines_wait_grows_to_idle_wait_ms() -> None:
+    """The idle wait doubles from 2 ms up to ``idle_wait_ms``; the doubling
+    stopped at 2.048 s, so a larger setting was accepted and did nothing.
+    Timed on a clock of our own: the receive returns at once and moves it."""
+    peer = StandalonePeer(4, 4096, engine_id=f"idle-cap-{os.getpid()}", idle_wait_s=5.0)
+    try:
+        rt, waits, now = peer.runtime, [], [1000.0]
+
+        def receive(timeout: float) -> bool:
+            waits.append(timeout)
+            now[0] += timeout
+            return False
+
+        rt.clock = lambda: now[0]
+        rt._receive = receive  # type: ignore[method-assign]
+        for _ in range(16):
+            rt.poll(wait=True)
+        assert max(waits) == pytest.approx(5.0), waits
+    finally:
+        peer.close()
+
+
 def test_wait_readable_skips_a_descriptor_closed_under_it() -> None:
     """The engine's thread may close a session's sockets while the waker
     sleeps on their descriptors: poll then reports the closed one at once,

@@ -65,7 +65,47 @@ def test_a_wait_must_end(name: str, value: str) -> None:
     old ``> 0`` check) made a cache reset's drain wait forever for a job
     stuck past it, under the tier's lock."""
     with pytest.raises(ConfigError, match=f"{name} must be > 0 and finite"):
-        TierConfig.from_dict({name: value}, env={})
+        TierConfig.from_dict({name: float(value)}, env={})  # JSON's Infinity, NaN
+    env = {"VLLM_P2P_KV_" + name.upper(): value}
+    with pytest.raises(ConfigError, match=f"{name} must be > 0 and finite"):
+        TierConfig.from_dict({}, env=env)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("port", "5800"),  # a string where JSON carries a number
+        ("port", 5800.9),
+        ("port", float("inf")),  # raised OverflowError past the tier
+        ("max_peers", 2.9),  # was 2
+        ("idle_wait_ms", True),  # was 1 ms
+        ("read_path", "true"),
+        ("secret", False),  # became the secret "False"
+        ("secret", {"a": 1}),
+        ("host", ["10.0.0.1"]),
+    ],
+)
+def test_a_value_of_the_wrong_type_is_refused_not_cast(key: str, value: object) -> None:
+    """A config file's JSON carries types: a value of the wrong one is a
+    mistake the engine must stop on, naming the key, not a guess."""
+    with pytest.raises(ConfigError, match=rf"is not a valid .* for '{key}'"):
+        TierConfig.from_dict({key: value}, env={})
+
+
+def test_whole_floats_and_environment_strings_are_taken() -> None:
+    assert TierConfig.from_dict({"port": 5801.0}, env={}).port == 5801
+    env = {"VLLM_P2P_KV_PORT": "6000", "VLLM_P2P_KV_READ_PATH": "no"}
+    cfg = TierConfig.from_dict({}, env=env)
+    assert cfg.port == 6000 and cfg.read_path is False
+
+
+def test_an_empty_secret_is_refused() -> None:
+    """It authenticated nothing (no MAC is made with an empty key) while
+    the tier reported itself authenticated."""
+    with pytest.raises(ConfigError, match="secret is empty"):
+        TierConfig.from_dict({"secret": ""}, env={})
+    with pytest.raises(ConfigError, match="secret is empty"):
+        TierConfig.from_dict({}, env={"VLLM_P2P_KV_SECRET": ""})
 
 
 def test_missing_hash_seed_says_how_to_fix_it() -> None:
@@ -85,8 +125,9 @@ def test_read_staging_size() -> None:
     assert TierConfig.from_dict({}, env={}).read_staging_mib == 64.0
     env = {"VLLM_P2P_KV_READ_STAGING_MIB": "0"}
     assert TierConfig.from_dict({}, env=env).read_staging_mib == 0.0
-    with pytest.raises(ConfigError, match=r"read_staging_mib -1\.0 is negative"):
-        TierConfig.from_dict({"read_staging_mib": -1}, env={})
+    for bad in (-1, float("nan"), float("inf")):  # NaN crashed the tier's start
+        with pytest.raises(ConfigError, match=r"read_staging_mib .* must be >= 0"):
+            TierConfig.from_dict({"read_staging_mib": bad}, env={})
 
 
 @pytest.mark.parametrize("n", [0, 321])

@@ -265,6 +265,25 @@ def test_undecodable_frames_count_as_protocol_errors() -> None:
     }
 
 
+def test_peers_refused_at_max_peers_reach_the_refusals_counter() -> None:
+    """The refusals the docs promise for ``max_peers`` (and its inbound
+    twins) are counted by the manager, outside any session: the exporter
+    read only sessions' counters, and they never appeared."""
+    net = Net(names=("a", "b", "c"))
+    exp = MetricsExporter()
+    b = net.engines["b"].manager
+    b.max_peers = 1
+    b.on_new_request("r1", net.roles("a", "kv1"), net.now)
+    b.on_new_request("r2", net.roles("c", "kv2"), net.now)
+    b.lookup("r1", key(1))
+    b.lookup("r2", key(1))
+    net.run()
+    assert collect(exp, net, "b").counters[REFUSALS] == {
+        ("unknown", "too_many_peers"): 1
+    }
+    assert REFUSALS not in collect(exp, net, "b").counters  # sent once
+
+
 def test_same_host_reads_are_sent_as_increments_of_the_data_planes_count() -> None:
     net = make_net()
     exp = MetricsExporter()

@@ -185,10 +185,14 @@ class P2PKVTier(SecondaryTierManager):
         **config: Any,
     ) -> None:
         if backpressure_detector is not None:
-            raise ConfigError(
-                "p2p_kv: remove 'backpressure' from the tier config: a peer "
-                "tier's stores are parked for a decoder, not written to a "
-                "device, so store latency is no pressure signal"
+            # vLLM copies a top-level "backpressure" (meant for a storage
+            # tier beside us) into every tier's entry: refusing it stopped
+            # such engines, blaming an entry the user never wrote it in.
+            log.warning(
+                "p2p_kv: ignoring 'backpressure' (from the tier's entry or the "
+                "top level of kv_connector_extra_config): a peer tier's stores "
+                "are parked for a decoder, not written to a device, so store "
+                "latency is no pressure signal"
             )
         super().__init__(offloading_spec, primary_kv_view, tier_type)
         self.cfg = TierConfig.from_dict(config)
@@ -205,7 +209,16 @@ class P2PKVTier(SecondaryTierManager):
         block_bytes = self.block_size_bytes
         port = self.cfg.port
         if port:
-            port += offloading_spec.config.parallel.data_parallel_index
+            rank = offloading_spec.config.parallel.data_parallel_index
+            port += rank
+            if port > 65535:
+                # libzmq binds the port modulo 65536 and we would advertise
+                # one nobody can dial.
+                raise ConfigError(
+                    f"p2p_kv: port {self.cfg.port} + data-parallel rank {rank} "
+                    "is past 65535; pick a lower port (each rank binds port + "
+                    "its rank)"
+                )
         data = NixlDataTransport(
             region,
             block_bytes,
