@@ -36,7 +36,7 @@ from typing import Any
 
 from p2p_kv.handshake import FrameRefused, Identity
 from p2p_kv.lifecycle import Event, State
-from p2p_kv.protocol import MAX_REQ_ID_CHARS, Message
+from p2p_kv.protocol import MAX_KEYS, MAX_REQ_ID_CHARS, Message
 from p2p_kv.session import (
     KeyCount,
     Limits,
@@ -441,7 +441,11 @@ class LoadManager:
                 consumer.keys.update(dict.fromkeys(keys, False))
                 consumer.asked.difference_update(keys)
                 continue
-            session.send_lookup(consumer.source.kv_id, consumer.gen, keys, now)
+            # A peer refuses a Lookup of more keys than a frame may list
+            # (a 1M-token prompt in 16-token chunks): several, then.
+            for i in range(0, len(keys), MAX_KEYS):
+                batch = keys[i : i + MAX_KEYS]
+                session.send_lookup(consumer.source.kv_id, consumer.gen, batch, now)
             self._touch(session)
         self._unsent.clear()
 

@@ -23,7 +23,7 @@ __all__ = [
     "loaded_library",
     "mapping_of",
     "process_dir",
-    "process_uid",
+    "process_uids",
     "shm_devices",
     "socket_inode",
 ]
@@ -170,10 +170,10 @@ def holds_connection(proc: int | None, ours: str) -> bool:
     return False
 
 
-def process_uid(proc: int | None) -> int | None:
-    """The effective uid of the process of ``proc`` (a :func:`process_dir`),
-    or None once it has exited (``fstat`` of the directory would still
-    answer then, with root's uid)."""
+def process_uids(proc: int | None) -> tuple[int, int] | None:
+    """The real and effective uids of the process of ``proc`` (a
+    :func:`process_dir`), or None once it has exited (``fstat`` of the
+    directory would still answer then, with root's uid)."""
     if proc is None:
         return None
     try:
@@ -181,7 +181,8 @@ def process_uid(proc: int | None) -> int | None:
         with os.fdopen(fd) as f:
             for line in f:
                 if line.startswith("Uid:"):
-                    return int(line.split()[2])
+                    real, effective = line.split()[1:3]
+                    return int(real), int(effective)
     except (OSError, ValueError, IndexError):
         pass
     return None

@@ -43,6 +43,13 @@ Slot = Annotated[int, msgspec.Meta(ge=0, lt=2**40)]
 Slots = Annotated[list[Slot], msgspec.Meta(max_length=MAX_KEYS)]
 Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT_CHARS)]
 Blob = Annotated[bytes, msgspec.Meta(max_length=MAX_BLOB_BYTES)]
+#: Digests, MACs and nonces: a SHA-512's worth at most. Each handshake
+#: field is bounded by what it carries, not by the frame: a Hello of a
+#: million 2-byte hashes decoded to 42.8 MiB, held by a session that never
+#: proved the secret (and by the 1,024 closed ones kept for metrics).
+Digest = Annotated[bytes, msgspec.Meta(max_length=64)]
+#: Canonical block hashes a Hello carries (we send 3).
+MAX_CANONICAL_HASHES: Final = 16
 
 
 class ProtocolError(ValueError):
@@ -60,19 +67,21 @@ class Hello(_Msg, tag="hello", frozen=True):
     version: int
     engine_id: Text
     hash_algo: Text
-    seed_digest: Blob
-    canonical_hashes: list[Blob]
+    seed_digest: Digest
+    canonical_hashes: Annotated[
+        list[Key], msgspec.Meta(max_length=MAX_CANONICAL_HASHES)
+    ]
     layout: Text
     block_bytes: Annotated[int, msgspec.Meta(gt=0)]
     num_blocks: Annotated[int, msgspec.Meta(ge=0)]
     authenticated: bool
-    nonce: Blob
+    nonce: Digest
 
 
 class HelloAck(_Msg, tag="hello_ack", frozen=True):
     """Proof of the shared secret (HMAC over both hellos); empty if none."""
 
-    mac: Blob
+    mac: Digest
 
 
 class Region(_Msg, tag="region", frozen=True):
@@ -276,4 +285,9 @@ def decode(frame: bytes | bytearray | memoryview) -> Message:
             )
         if len(set(msg.slots)) != len(msg.slots):
             raise ProtocolError(f"fetch {msg.req!r}: duplicate destination slots")
+        if len(set(msg.keys)) != len(msg.keys):
+            # A load asks for each block once. Repeated, one pinned key made
+            # a Fetch of 65,536 entries (7 MiB kept per request, and a hold
+            # as long as that many blocks' READ).
+            raise ProtocolError(f"fetch {msg.req!r}: duplicate keys")
     return msg

@@ -312,7 +312,11 @@ class TierRuntime:
             self.control.close_conn(peer)
             session = m.session(peer)
             if session is not None and session.close_reason:
-                log.info("p2p_kv: session %s closed: %s", peer, session.close_reason)
+                # %r, cut: a Goodbye's reason is the peer's text, newlines
+                # and all (any party could write forged log lines).
+                log.info(
+                    "p2p_kv: session %s closed: %.300r", peer, session.close_reason
+                )
             m.on_invalidated(peer, now)
         m.end_step(now)
 
@@ -555,7 +559,9 @@ class TierRuntime:
                 # One line per fallback: the operator's (and a failed
                 # test's) answer to "why did this request recompute".
                 log.info(
-                    "p2p_kv: load job %d failed (%s): recomputing", r.job_id, r.reason
+                    "p2p_kv: load job %d failed (%.300r): recomputing",
+                    r.job_id,
+                    r.reason,
                 )
         return results
 

@@ -39,6 +39,7 @@ import ctypes
 import logging
 import mmap
 import os
+import stat
 import weakref
 from bisect import bisect_left
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -56,7 +57,7 @@ from p2p_kv.procfs import (
     holds_connection,
     mapping_of,
     process_dir,
-    process_uid,
+    process_uids,
     shm_devices,
 )
 
@@ -158,12 +159,18 @@ class PeerMapping:
         saying why not."""
         with process_dir(info.pid) as proc:
             check_peer(info, conn_inode, proc)
-            # Its uid while it holds our connection: after it exits the
+            # Its uids while it holds our connection: after it exits the
             # read fails, where a later process given its pid would answer.
-            owner = process_uid(proc)
-            fd = os.open(f"fd/{info.fd}", os.O_RDONLY | os.O_CLOEXEC, dir_fd=proc)
+            uids = process_uids(proc)
+            # A handle on the file, not an open of it: whatever it names (a
+            # FIFO with no writer blocked the open for good, a device would
+            # be opened with our rights) is checked before it is opened.
+            path = os.open(f"fd/{info.fd}", os.O_PATH | os.O_CLOEXEC, dir_fd=proc)
+        fd = -1
         try:
-            st = os.fstat(fd)
+            st = os.fstat(path)
+            if not stat.S_ISREG(st.st_mode):
+                raise ValueError("peer's region is not a regular file")
             if (st.st_dev, st.st_ino) != (info.dev, info.ino):
                 raise ValueError(
                     f"/proc/{info.pid}/fd/{info.fd} is not the peer's region "
@@ -171,25 +178,35 @@ class PeerMapping:
                 )
             if st.st_dev not in shm_devices():
                 raise ValueError("peer's region is not in shared memory (tmpfs)")
-            if owner is None:
+            if uids is None:
                 raise ValueError(f"pid {info.pid} exited while proving itself")
-            if owner != 0 and st.st_uid != owner:
-                # We reopened its fd with our own rights: a peer that holds
-                # a file it may not read (an O_PATH fd to a root-only file)
+            real, effective = uids
+            if st.st_uid != real and (real, effective) != (0, 0):
+                # We open its file with our own rights: a peer that holds a
+                # file it may not read (an O_PATH fd to a root-only file)
                 # must not get us, running as root, to read it for it. A
                 # file of its own it could read itself; root reads anything.
+                # Its real uid, not its effective one: a setuid-root
+                # program that inherited the handle (su at its prompt)
+                # runs as root for a user who is not.
                 raise ValueError(
                     f"peer's region file belongs to uid {st.st_uid}, and the "
-                    f"peer runs as uid {owner}: not a file of its own"
+                    f"peer runs for uid {real}: not a file of its own"
                 )
             if st.st_size < info.offset + info.length:
                 raise ValueError(
                     f"peer's file holds {st.st_size} bytes, region ends at "
                     f"{info.offset + info.length}"
                 )
+            fd = os.open(
+                f"/proc/self/fd/{path}", os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK
+            )
         except BaseException:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
             raise
+        finally:
+            os.close(path)
         self.info = info
         self.fd: int | None = fd
         self._mmap: mmap.mmap | None = None

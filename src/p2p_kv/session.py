@@ -55,6 +55,7 @@ from p2p_kv.lifecycle import (
     Tracked,
 )
 from p2p_kv.protocol import (
+    MAX_KEYS,
     MAX_TTL_MS,
     Abort,
     AbortAck,
@@ -969,6 +970,15 @@ class Session:
             initial, read_until = State.READ_QUEUED, offer.valid_until
             self.counters.loads_read += 1
         else:
+            if len(keys) > MAX_KEYS or len(set(keys)) != len(keys):
+                # A Fetch asks for each block once, at most MAX_KEYS of them
+                # (a peer refuses the frame): recompute now, not at the
+                # deadline.
+                self.counters.bump(self.counters.failures, "unsendable_keys")
+                self._load_results.append(
+                    LoadResult(job_id, gen, False, "unsendable_keys")
+                )
+                return
             fetch = Fetch(
                 req=req,
                 gen=gen,

@@ -775,6 +775,30 @@ def test_a_flood_of_bad_frames_is_counted_each_and_logged_once(
         peer.close()
 
 
+def test_a_goodbye_cannot_write_lines_into_our_log(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A plain Goodbye is taken before any proof, and its reason became
+    the logged close reason as it came: newlines and all, any party could
+    write forged lines into the engine's log."""
+    peer = StandalonePeer(4, 4096, engine_id=f"bye-{os.getpid()}")
+    raw = Raw(peer.address)
+    forged = "ok\n2099-01-01 ERROR p2p_kv: forged line"
+    try:
+        with caplog.at_level(logging.INFO, logger="vllm.p2p_kv"):
+            raw.send(encode(Goodbye(reason=forged)))
+            end = time.monotonic() + 10
+            while not peer.manager.retired_sessions and time.monotonic() < end:
+                peer.step(wait=False)
+        (gone,) = peer.manager.retired_sessions
+        assert "forged line" in gone.close_reason
+        said = [r.getMessage() for r in caplog.records if "closed" in r.getMessage()]
+        assert said and all("\n" not in line for line in said), said
+    finally:
+        raw.close()
+        peer.close()
+
+
 def test_oversized_frames_are_dropped_and_pickles_never_loaded(
     producer: PeerProc, victim: tuple[StandalonePeer, FaultyData], tmp_path: Path
 ) -> None:

@@ -855,6 +855,50 @@ def test_a_lookup_sent_after_a_read_fetch_leaves_the_offers_hold_alone() -> None
     assert_drained(net)
 
 
+def test_a_lookup_of_more_keys_than_a_frame_lists_goes_in_several(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Lookup lists at most MAX_KEYS keys (the peer refuses more): one
+    step's keys past that went out in one frame, the peer dropped it, and
+    the request waited for its lookup deadline to recompute."""
+    import p2p_kv.manager as manager_module
+    import p2p_kv.session as session_module
+
+    monkeypatch.setattr(manager_module, "MAX_KEYS", 3)
+    monkeypatch.setattr(session_module, "MAX_KEYS", 3)
+    net = make_net(reads=False)
+    b = net.engines["b"]
+    b.manager.on_new_request("r1", net.roles("a", "kv1"), net.now)
+    for k in KEYS:
+        b.manager.lookup("r1", k)
+    net.run()
+    assert [b.manager.lookup("r1", k) for k in KEYS] == [Answer.HIT] * 4
+    (session,) = list(b.manager.sessions())
+    assert session.counters.lookups == 2
+    job = load(net, "r1", [5, 6, 7, 8])
+    (result,) = b.collect(net.now)  # a Fetch could not list them: at once
+    assert result.job_id == job and not result.success
+    b.manager.on_request_finished("r1", net.now)
+    net.run()
+    collect_all(net)
+    assert_drained(net)
+
+
+def test_a_load_repeating_a_key_recomputes_at_once() -> None:
+    """A peer refuses a Fetch that repeats a key (the protocol asks for each
+    block once): such a load must not wait for its deadline."""
+    net = make_net(reads=False)
+    probe(net, "r1", "kv1")
+    job = load(net, "r1", [5, 6], [KEYS[0], KEYS[0]])
+    b = net.engines["b"]
+    (result,) = b.collect(net.now)
+    assert result.job_id == job and not result.success
+    b.manager.on_request_finished("r1", net.now)
+    net.run()
+    collect_all(net)
+    assert_drained(net)
+
+
 def test_an_answer_from_a_new_serve_does_not_revive_an_expired_offer() -> None:
     """The consumer's offer window for a lookup ended (no tick purged it:
     a long engine step), and its next Lookup reached the producer after the

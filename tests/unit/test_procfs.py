@@ -13,7 +13,7 @@ from p2p_kv.procfs import (
     holds_connection,
     loaded_library,
     process_dir,
-    process_uid,
+    process_uids,
     shm_devices,
     socket_inode,
 )
@@ -101,11 +101,11 @@ def test_a_proof_is_of_the_process_it_began_with() -> None:
     try:
         with process_dir(child.pid) as proc:
             assert holds_connection(proc, inode)
-            assert process_uid(proc) == os.geteuid()
+            assert process_uids(proc) == (os.getuid(), os.geteuid())
             child.kill()
             child.wait()
             assert not holds_connection(proc, inode)
-            assert process_uid(proc) is None
+            assert process_uids(proc) is None
             with pytest.raises(OSError):
                 os.open("fd/0", os.O_RDONLY, dir_fd=proc)
     finally:
@@ -115,7 +115,7 @@ def test_a_proof_is_of_the_process_it_began_with() -> None:
         for sock in (listener, ours, far):
             sock.close()
     assert holds_connection(None, inode) is False
-    assert process_uid(None) is None
+    assert process_uids(None) is None
 
 
 def test_shm_devices_are_the_hosts() -> None:

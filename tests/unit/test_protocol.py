@@ -270,9 +270,10 @@ def test_fetch_keys_slots_mismatch() -> None:
 def test_fetch_duplicate_slots() -> None:
     msg = Fetch(req="r", gen=1, job=1, keys=[K1, K2, K3], slots=[4, 9, 4])
     refused(encode(msg), "duplicate")
-    # duplicate *keys* into distinct slots are legal (the same block twice)
-    ok = Fetch(req="r", gen=1, job=1, keys=[K1, K1], slots=[4, 9])
-    assert decode(encode(ok)) == ok
+    # nor duplicate keys: a load asks for each block once, and one pinned
+    # key repeated 65,536 times made a Fetch whose keys (7 MiB a request)
+    # and hold the producer kept
+    refused(encode(Fetch(req="r", gen=1, job=1, keys=[K1, K1], slots=[4, 9])), "keys")
 
 
 def test_encode_refuses_oversize_message() -> None:
@@ -293,6 +294,38 @@ def test_encode_refuses_oversize_message() -> None:
     )
     with pytest.raises(ProtocolError, match="Hello frame"):
         encode(blob)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("canonical_hashes", [b"h"] * 17),  # a million made 42.8 MiB held
+        ("canonical_hashes", [b"h" * 65]),
+        ("nonce", b"n" * 65),
+        ("seed_digest", b"d" * 65),
+    ],
+)
+def test_a_hellos_fields_are_bounded_by_what_they_carry(
+    field: str, value: object
+) -> None:
+    """Anyone may send a Hello, and a session keeps it (also a closed one,
+    for metrics): each field holds at most what ours sends, not a frame's
+    worth of small items."""
+    good = Hello(
+        version=1,
+        engine_id="e",
+        hash_algo="h",
+        seed_digest=b"d" * 32,
+        canonical_hashes=[b"h" * 32] * 16,
+        layout="l",
+        block_bytes=1,
+        num_blocks=1,
+        authenticated=False,
+        nonce=b"n" * 64,
+    )
+    assert decode(encode(good)) == good
+    bad = msgspec.structs.replace(good, **{field: value})
+    refused(msgspec.msgpack.encode(bad), r"length <= (16|64)")
 
 
 # ---------------------------------------------------------------------------

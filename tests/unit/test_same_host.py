@@ -277,8 +277,53 @@ def test_blocks_side_by_side_at_the_peer_take_one_read_each_stretch(
         peer.close()
 
 
+def test_a_region_that_is_not_a_regular_file_is_refused_without_opening_it(
+    tmp_path: Path,
+) -> None:
+    """The peer names any descriptor it holds. A FIFO with no writer (held
+    through ``O_PATH``) blocked our open of it for good, on the engine's
+    thread; a device would have been opened with our rights. Its handle is
+    checked first, and nothing but a regular file is opened."""
+    import threading
+
+    fifo = Path("/dev/shm") / f"p2p_kv-test-fifo-{os.getpid()}"
+    os.mkfifo(fifo, 0o600)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    ours = socket.create_connection(listener.getsockname())
+    far, _ = listener.accept()
+    held = os.open(fifo, os.O_PATH)
+    try:
+        st = os.stat(fifo)
+        inode = socket_inode(ours.fileno())
+        assert inode is not None
+        info = ShmRegion(boot_id(), os.getpid(), held, st.st_dev, st.st_ino, 0, BB)
+        out: dict[str, BaseException | None] = {}
+
+        def open_it() -> None:
+            try:
+                PeerMapping(info, inode).close()
+                out["error"] = None
+            except BaseException as exc:
+                out["error"] = exc
+
+        opener = threading.Thread(target=open_it, daemon=True)
+        opener.start()
+        opener.join(5)
+        assert not opener.is_alive(), "the open of a FIFO blocked"
+        assert isinstance(out["error"], ValueError), out
+        assert "not a regular file" in str(out["error"])
+    finally:
+        os.close(held)
+        fifo.unlink()
+        for sock in (ours, far, listener):
+            sock.close()
+
+
+@pytest.mark.parametrize("setuid", [False, True], ids=["dropped", "setuid"])
 def test_a_peer_cannot_have_us_read_a_file_it_may_not_read(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, setuid: bool
 ) -> None:
     """We reopen the peer's fd through ``/proc`` with our own rights. An
     unprivileged peer holding an ``O_PATH`` fd to a root-only file (which
@@ -317,10 +362,16 @@ def test_a_peer_cannot_have_us_read_a_file_it_may_not_read(
         fd = int(os.read(ready_r, 64))
         inode = socket_inode(ours.fileno())
         assert inode is not None
-        if os.geteuid() != 0:
+        if setuid:
+            # The handle passed on to a setuid-root program (su at its
+            # prompt): root in effect, for a user who may not read the file.
+            other = st.st_uid + 1
+            monkeypatch.setattr(same_host, "process_uids", lambda _pid: (other, 0))
+        elif os.geteuid() != 0:
             # Not root here: the peer keeps our uid, so stand in for the
             # uid it would have dropped to.
-            monkeypatch.setattr(same_host, "process_uid", lambda _pid: os.getuid() + 1)
+            other = os.getuid() + 1
+            monkeypatch.setattr(same_host, "process_uids", lambda _pid: (other, other))
         info = ShmRegion(boot_id(), pid, fd, st.st_dev, st.st_ino, 0, BB)
         with pytest.raises(ValueError, match="not a file of its own"):
             PeerMapping(info, inode)
