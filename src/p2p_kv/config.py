@@ -211,18 +211,18 @@ def _coerce(name: str, kind: Any, value: Any, source: str, *, from_env: bool) ->
     what = kind if kind in ("int", "float", "bool") else "string"
     try:
         if from_env:
+            if kind.startswith("str"):
+                return str(value)  # as set: a secret's spaces are the secret's
             text = str(value).strip()
             if kind == "int":
                 return int(text)
             if kind == "float":
                 return float(text)
-            if kind == "bool":
-                if text.lower() in ("1", "true", "yes"):
-                    return True
-                if text.lower() in ("0", "false", "no"):
-                    return False
-                raise ValueError
-            return text
+            if text.lower() in ("1", "true", "yes"):
+                return True
+            if text.lower() in ("0", "false", "no"):
+                return False
+            raise ValueError
         if isinstance(value, bool):
             if kind == "bool":
                 return value
@@ -238,6 +238,12 @@ def _coerce(name: str, kind: Any, value: Any, source: str, *, from_env: bool) ->
             return value
         raise ValueError
     except (TypeError, ValueError, OverflowError):
+        # Never the secret's value: the message reaches logs and the doctor.
+        shown = (
+            f"{source} (a {type(value).__name__})"
+            if name == "secret"
+            else (f"{source}={value!r}")
+        )
         raise ConfigError(
-            f"p2p_kv: {source}={value!r} is not a valid {what} for {name!r}"
+            f"p2p_kv: {shown} is not a valid {what} for {name!r}"
         ) from None

@@ -1077,7 +1077,11 @@ class Session:
         if load.gen in self._contacted:
             # Nothing of ours reads the pins any more: the peer may drop them.
             self._contacted.discard(load.gen)
-            self._send(Release(load.req, load.gen, load.blocks if ok else 0))
+            # (A count, for the peer's bytes-served total: a frame carries
+            # at most MAX_KEYS; a larger one was dropped, and with it the
+            # Release, so the pins stayed to their deadline.)
+            read = min(load.blocks, MAX_KEYS) if ok else 0
+            self._send(Release(load.req, load.gen, read))
         if load.state is State.DONE:
             self.counters.bytes_loaded += load.nbytes
             self._load_results.append(self._result(load, True, "", now))

@@ -99,6 +99,18 @@ def test_whole_floats_and_environment_strings_are_taken() -> None:
     assert cfg.port == 6000 and cfg.read_path is False
 
 
+def test_a_secret_is_never_shown_and_kept_as_set() -> None:
+    """A secret of the wrong type is refused without its value (the
+    message reaches logs and the doctor's output); one from the
+    environment keeps its spaces (a mounted secret's newline is part of
+    it, as it is in a config key)."""
+    with pytest.raises(ConfigError) as info:
+        TierConfig.from_dict({"secret": 123456}, env={})
+    assert "123456" not in str(info.value) and "'secret'" in str(info.value)
+    cfg = TierConfig.from_dict({}, env={"VLLM_P2P_KV_SECRET": " s3cret\n"})
+    assert cfg.secret == " s3cret\n"
+
+
 def test_an_empty_secret_is_refused() -> None:
     """It authenticated nothing (no MAC is made with an empty key) while
     the tier reported itself authenticated."""

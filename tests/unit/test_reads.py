@@ -122,6 +122,41 @@ def test_peers_move_bytes_while_an_offer_is_held_or_a_write_is_awaited() -> None
     assert not b.peer_transfers()
 
 
+def test_a_read_of_more_blocks_than_a_frame_counts_is_released(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past MAX_KEYS blocks (lookups go in several frames) the READ's
+    Release carried a count the peer's decoder refuses: the frame was
+    dropped, and the peer held every pin to its deadline."""
+    from p2p_kv.protocol import MAX_KEYS
+
+    from . import memnet
+
+    n = MAX_KEYS + 1
+    monkeypatch.setattr(memnet, "NBLOCKS", n + 8)
+    net = Net()
+    a, b = net.engines["a"], net.engines["b"]
+    keys = [key(i) for i in range(n)]
+    for i, k in enumerate(keys):
+        a.put(k, i)
+    b.manager.on_new_request("r1", net.roles("a", "kv1"), net.now)
+    for k in keys:
+        b.manager.lookup("r1", k)
+    net.run()
+    assert all(b.manager.lookup("r1", k) is Answer.HIT for k in keys)
+    job = load(net, "r1", list(range(n)), keys)
+    net.run()
+    collect_all(net)
+    (result,) = b.results[job]
+    assert result.success
+    assert not any(a.pin_count.values()), "the pins outlived the Release"
+    assert a.manager.protocol_errors == {}
+    b.manager.on_request_finished("r1", net.now)
+    net.run()
+    collect_all(net)
+    assert_drained(net)
+
+
 def test_a_fetch_is_kept_only_until_it_is_sent() -> None:
     """A load's Fetch holds its keys and slots: a load in flight keeps it
     only while the handshake has not ended, never after it is sent."""
