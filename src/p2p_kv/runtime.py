@@ -101,6 +101,7 @@ class TierRuntime:
         #: end_request: a set, as the manager keys them (see start_request)
         self._live: set[str] = set()
         self._idle_streak = 0
+        self._me_ready = False
         #: manager.dials_refused when last logged, and when to log again
         self._dials_log = _Throttle()
         #: undecodable frames dropped (anyone who reaches the port may send
@@ -359,10 +360,28 @@ class TierRuntime:
         self._xfers[xfer] = (peer, kind, ident)
         return True
 
+    def _identity_ready(self) -> bool:
+        """Whether our Hello can be made. vLLM seeds its block hashes after
+        the tier is built, and the waker starts with the tier: a peer that
+        dialled in meanwhile made the waker's pass raise, and the pass's
+        other frames were lost. Until then frames wait in the sockets."""
+        if self._me_ready:
+            return True
+        try:
+            self.manager.me  # noqa: B018  (resolves it, once)
+        except Exception as exc:
+            log.debug("p2p_kv: identity not ready yet: %s", exc)
+            return False
+        self._me_ready = True
+        return True
+
     def _receive(self, timeout: float) -> bool:
         """Feed whatever arrives within ``timeout`` to the manager; True if
         any of it is work (anything but a heartbeat) or a wake-up."""
         work = False
+        if not self._identity_ready():
+            time.sleep(timeout)
+            return False
         inbound_frames = self.control.poll(timeout)
         if self.control.take_woken():
             work = True

@@ -17,6 +17,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from tests.support.sockets import TCP_ONLY
@@ -323,6 +324,37 @@ def test_an_idle_engines_wait_grows_to_idle_wait_ms() -> None:
         assert max(waits) == pytest.approx(5.0), waits
     finally:
         peer.close()
+
+
+def test_a_peer_dialling_in_before_our_identity_is_ready_is_answered_after() -> None:
+    """vLLM seeds its block hashes (``NONE_HASH``) after the tier is built,
+    and the waker starts with the tier: a peer's Hello arriving meanwhile
+    made the waker's pass raise (our Hello could not be made), the frame
+    was lost, and the peer waited out its handshake. The frames now wait
+    in the sockets until the identity resolves."""
+    pid = os.getpid()
+    producer = StandalonePeer(16, 4096, engine_id=f"early-p-{pid}", timeouts=QUIET)
+    consumer = StandalonePeer(16, 4096, engine_id=f"early-c-{pid}")
+    keys = [make_key(1), make_key(2)]
+    producer.fill(keys, [1, 2])
+    real, ready = producer.manager.me, threading.Event()
+
+    def identity() -> Any:
+        if not ready.is_set():
+            raise NameError("name 'NONE_HASH' is not defined")
+        return real
+
+    producer.manager._me = identity
+    engine = SleepingEngine(producer)
+    producer.runtime.start_waker(engine.wake)
+    try:
+        threading.Timer(0.5, ready.set).start()
+        out = consumer.fetch(producer.address, "kv1", keys, [4, 9])
+        assert out.ok and out.hits == 2, out
+    finally:
+        engine.close()
+        consumer.close()
+        producer.close()
 
 
 def test_wait_readable_skips_a_descriptor_closed_under_it() -> None:
