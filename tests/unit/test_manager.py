@@ -867,16 +867,18 @@ def test_a_lookup_of_more_keys_than_a_frame_lists_goes_in_several(
     monkeypatch.setattr(manager_module, "MAX_KEYS", 3)
     monkeypatch.setattr(session_module, "MAX_KEYS", 3)
     net = make_net(reads=False)
-    b = net.engines["b"]
-    b.manager.on_new_request("r1", net.roles("a", "kv1"), net.now)
-    for k in KEYS:
-        b.manager.lookup("r1", k)
-    net.run()
-    assert [b.manager.lookup("r1", k) for k in KEYS] == [Answer.HIT] * 4
-    (session,) = list(b.manager.sessions())
+    assert probe(net, "r1", "kv1") == [Answer.HIT] * 4
+    (session,) = list(net.engines["b"].manager.sessions())
     assert session.counters.lookups == 2
-    job = load(net, "r1", [5, 6, 7, 8])
-    (result,) = b.collect(net.now)  # a Fetch could not list them: at once
+    # A Fetch could not list the four: the load fails at once.
+    fails_at_once_and_drains(net, load(net, "r1", [5, 6, 7, 8]))
+
+
+def fails_at_once_and_drains(net: Net, job: int) -> None:
+    """``job`` (of request r1 on b) ended failed without a step, and once r1
+    finishes nothing is left anywhere."""
+    b = net.engines["b"]
+    (result,) = b.collect(net.now)
     assert result.job_id == job and not result.success
     b.manager.on_request_finished("r1", net.now)
     net.run()
@@ -889,14 +891,7 @@ def test_a_load_repeating_a_key_recomputes_at_once() -> None:
     block once): such a load must not wait for its deadline."""
     net = make_net(reads=False)
     probe(net, "r1", "kv1")
-    job = load(net, "r1", [5, 6], [KEYS[0], KEYS[0]])
-    b = net.engines["b"]
-    (result,) = b.collect(net.now)
-    assert result.job_id == job and not result.success
-    b.manager.on_request_finished("r1", net.now)
-    net.run()
-    collect_all(net)
-    assert_drained(net)
+    fails_at_once_and_drains(net, load(net, "r1", [5, 6], [KEYS[0], KEYS[0]]))
 
 
 def test_an_answer_from_a_new_serve_does_not_revive_an_expired_offer() -> None:
