@@ -55,8 +55,9 @@ REWAKE_S = 0.05
 
 #: How often the data plane is looked at while it has work no descriptor
 #: announces: our transfers in flight or settling (their completions), and
-#: blocks offered to a peer that may be READing them (over UCX's TCP
-#: transport its READ moves only as our side makes progress).
+#: a peer's that may be moving bytes to or from us (a READ of blocks we
+#: offered, a WRITE of a load of ours: over UCX's TCP transport either
+#: moves only as our side makes progress too).
 DATA_TICK_S = 0.01
 
 #: The waker's longest sleep while the data plane has no such work.
