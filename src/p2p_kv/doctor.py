@@ -69,8 +69,10 @@ if TYPE_CHECKING:
 VLLM_DEFAULT_SEED = "vllm-none-hash"
 HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 PEER_KINDS = ("engine", "standalone")
-#: Keys of a secondary_tiers entry that vLLM's tier factory consumes itself.
-_FACTORY_KEYS = ("type", "module_path")
+#: Keys of a secondary_tiers entry that vLLM's tier factory consumes itself
+#: ("backpressure", its own or the top level's it copied, reaches the tier
+#: as an argument the tier ignores with a warning).
+_FACTORY_KEYS = ("type", "module_path", "backpressure")
 
 _NIXL_FIX = (
     "install the lean pair 'pip install --no-deps nixl==1.5.1 nixl-cu13==1.5.1' "
@@ -421,11 +423,7 @@ def check_config(
     raw: Mapping[str, Any], env: Mapping[str, str] | None = None
 ) -> tuple[CheckResult, TierConfig | None]:
     """Validate a secondary_tiers entry as the tier does at engine start."""
-    # vLLM passes "backpressure" (its own, or the top level's it copied)
-    # as an argument of its own, which the tier ignores with a warning.
-    body = {
-        k: v for k, v in raw.items() if k not in _FACTORY_KEYS and k != "backpressure"
-    }
+    body = {k: v for k, v in raw.items() if k not in _FACTORY_KEYS}
     fix = "fix the key named above in the tier's secondary_tiers entry"
     try:
         cfg = TierConfig.from_dict(body, env)

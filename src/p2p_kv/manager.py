@@ -32,7 +32,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, Final
 
 from p2p_kv.handshake import FrameRefused, Identity
 from p2p_kv.lifecycle import Event, State
@@ -61,6 +61,10 @@ MAX_FINISHED_KV = 65_536
 #: The longest a cache reset's drain waits (an offered READ of 1 TB is held
 #: about 45 minutes at the default deadlines).
 MAX_DRAIN_S = 3600.0
+#: Refusal reasons of the bounds on peers (never a handshake's).
+LIMIT_REFUSALS: Final = frozenset(
+    {"too_many_peers", "too_many_inbound", "too_many_handshaking"}
+)
 #: Dials past ``max_peers`` while idle sessions closed for room still hold
 #: their sockets (``p2p_kv.config.MAX_PEERS`` leaves room for 20 there).
 CLOSING_ROOM = 16
@@ -342,9 +346,6 @@ class LoadManager:
         #: dropped, and counted once. Insertion-ordered, the oldest go first.
         self._refused_inbound: dict[str, None] = {}
         self.refusals: dict[tuple[str, str], int] = {}
-        #: Refusals of ours no session counts (``max_peers``,
-        #: ``max_inbound_peers``): by reason, for the metrics.
-        self.limit_refusals: dict[str, int] = {}
         self.protocol_errors: dict[str, int] = {}
         self.fallbacks: dict[str, int] = {}
         self.double_results = 0
@@ -503,19 +504,21 @@ class LoadManager:
         keys: Sequence[bytes],
         slots: Sequence[int],
         now: float,
-    ) -> None:
-        """Park a ``remote_decoder`` request's blocks for its decoder; any
-        other store has nothing to do in a peer tier and succeeds at once."""
+    ) -> bool:
+        """Park a ``remote_decoder`` request's blocks for its decoder (True:
+        a waiting Fetch may have been answered); any other store has
+        nothing to do in a peer tier and succeeds at once (False)."""
         self._register_job(job_id, "store", req_id)
         kv_id = self._producers.get(req_id)
         if kv_id is None:
             self._results.append(StoreResult(job_id, True))
-            return
+            return False
         store = ParkedStore(job_id, kv_id, keys, slots, now + self.parked_ttl_s)
         entry = self._parked.setdefault(kv_id, ParkedEntry())
         entry.stores.append(store)
         heapq.heappush(self._parked_heap, (store.deadline, job_id, store))
         self._feed_waiting(kv_id, now)
+        return True
 
     def on_request_finished(self, req_id: str, now: float) -> None:
         """Finish both legs of a request. Idempotent for unknown ids."""
@@ -653,7 +656,6 @@ class LoadManager:
             # Clients choose the peers; each dial costs sockets the engine
             # cannot run out of. This request recomputes.
             tally(self.refusals, ("other", "too_many_peers"), ("other", "other"))
-            tally(self.limit_refusals, "too_many_peers", "other")
             self.dials_refused += 1
             return None
         self._to_connect.append(peer)
@@ -731,7 +733,6 @@ class LoadManager:
 
     def _refuse_inbound(self, session: Session, reason: str, why: str) -> None:
         tally(self.refusals, ("other", reason), ("other", "other"))
-        tally(self.limit_refusals, reason, "other")
         session.close(f"refused: {why}, max_inbound_peers")
         self._touch(session)
         self._refused_inbound[session.peer] = None
@@ -1096,6 +1097,16 @@ class LoadManager:
     def has_lookups_to_serve(self) -> bool:
         return bool(self._to_serve)
 
+    @property
+    def limit_refusals(self) -> dict[str, int]:
+        """Refusals of ours no session counts (``max_peers``,
+        ``max_inbound_peers``), by reason: the metrics export them."""
+        return {
+            reason: n
+            for (peer, reason), n in self.refusals.items()
+            if peer == "other" and reason in LIMIT_REFUSALS
+        }
+
     def has_unsent(self) -> bool:
         """A session changed since the last pump and holds output for it."""
         sessions = self._sessions
@@ -1109,7 +1120,7 @@ class LoadManager:
         WRITing a load of ours. No descriptor announces such a transfer,
         yet over UCX's TCP transport it needs our progress."""
         return any(s.peer_transfers for s in self._sessions.values()) or any(
-            not sv.terminal and sv.held_blocks for _, _, sv in self._orphans
+            not sv.terminal and sv.exposed for _, _, sv in self._orphans
         )
 
     def waiting_requests(self) -> int:

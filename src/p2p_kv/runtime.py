@@ -253,14 +253,13 @@ class TierRuntime:
         """Carry the manager's outputs to the transports."""
         m, now = self.manager, self.clock()
         m.tick(now)
-        refused = self._dials_log.due(m.dials_refused, now)
-        if refused:
-            log.warning(
-                "p2p_kv: %d requests named a peer past max_peers (%d dialled): "
-                "they recompute",
-                refused,
-                m.max_peers,
-            )
+        self._dials_log.warn(
+            m.dials_refused,
+            now,
+            "p2p_kv: %d requests named a peer past max_peers (%d dialled): "
+            "they recompute",
+            m.max_peers,
+        )
         for peer in m.take_connects():
             try:
                 self.control.connect(peer)
@@ -409,15 +408,14 @@ class TierRuntime:
             except ProtocolError as exc:
                 self.manager.on_bad_frame(inbound.conn, "decode")
                 self._bad_frames += 1
-                dropped = self._bad_frames_log.due(self._bad_frames, now)
-                if dropped:
-                    log.warning(
-                        "p2p_kv: dropped %d bad frames (protocol_errors"
-                        '{reason="decode"}), the last from %s: %s',
-                        dropped,
-                        inbound.conn,
-                        exc,
-                    )
+                self._bad_frames_log.warn(
+                    self._bad_frames,
+                    now,
+                    'p2p_kv: dropped %d bad frames (protocol_errors{reason="decode"}), '
+                    "the last from %s: %s",
+                    inbound.conn,
+                    exc,
+                )
                 continue
             except FrameRefused as exc:
                 self._refuse_frame(inbound.conn, exc)
@@ -546,8 +544,8 @@ class TierRuntime:
     ) -> None:
         """A store job: a ``remote_decoder`` request's blocks are parked
         (and offered to a decoder's waiting Fetch), any other succeeds."""
-        self.manager.submit_store(job_id, req_id, keys, slots, self.clock())
-        self._wake_for_output()
+        if self.manager.submit_store(job_id, req_id, keys, slots, self.clock()):
+            self._wake_for_output()
 
     def _wake_for_output(self) -> None:
         """A call outside the step's poll queued messages (a Release, an
@@ -725,12 +723,13 @@ class _Throttle:
         self._logged = 0
         self._next_at = 0.0
 
-    def due(self, total: int, now: float) -> int:
-        """What to log now (and then count as logged), or 0."""
+    def warn(self, total: int, now: float, msg: str, *args: object) -> None:
+        """Log ``msg`` (its first ``%d`` the rise since the last line) if the
+        total rose and a minute has passed since that line."""
         if total == self._logged or now < self._next_at:
-            return 0
+            return
         rise, self._logged, self._next_at = total - self._logged, total, now + 60.0
-        return rise
+        log.warning(msg, rise, *args)
 
 
 class _FailureLog:

@@ -412,6 +412,13 @@ class Serve(Tracked):
         """Pins and bound parked stores: blocks a peer may be told of."""
         return self.pinned_blocks + sum(len(p.slots) for p in self.parked)
 
+    @property
+    def exposed(self) -> bool:
+        """Blocks held and told to the peer: it may be READing them now, so
+        they outlive a reset (REVOKE) or the session (ORPHAN) to their
+        deadline, and over UCX's TCP transport the READ needs our progress."""
+        return self.offered and self.held_blocks > 0
+
     def let_go(self, event: Event | None, ok: bool, reason: str) -> list[StoreResult]:
         """Everything held goes back to the engine: the pins' jobs (which
         only held blocks, so they succeed) and the bound parked stores
@@ -759,7 +766,7 @@ class Session:
         self._writes.clear()
         self.cancelled_reads.clear()
         for serve in list(self._serves.values()):
-            if serve.offered and serve.held_blocks and serve.can(Event.ORPHAN):
+            if serve.exposed and serve.can(Event.ORPHAN):
                 # The peer may not know yet and READ on inside its window:
                 # the pins outlive us, owned by the manager to their deadline.
                 serve.fire(Event.ORPHAN)
@@ -1280,13 +1287,13 @@ class Session:
     def peer_transfers(self) -> bool:
         """The peer may be moving bytes to or from our region now: blocks of
         ours it was told of and that are still held for it (its READ), or a
-        load of ours it may be WRITing (a Fetch sent, not yet answered).
+        load of ours a transfer may still land in (its WRITE; our own READ
+        is in the data plane's flight anyway).
         Over UCX's TCP transport such a transfer moves only as our side
         makes progress too."""
-        return any(
-            ld.state is State.FETCH_POSTED or ld.state is State.ABORTING
-            for ld in self._loads.values()
-        ) or any(sv.offered and sv.held_blocks for sv in self._serves.values())
+        return any(ld.fenced for ld in self._loads.values()) or any(
+            sv.exposed for sv in self._serves.values()
+        )
 
     def serve_lookups(self, pinner: Pinner, now: float) -> None:
         """Answer queued lookups against the engine (its serve window)."""
@@ -1617,7 +1624,7 @@ class Session:
         Pins offered for READ are revoked instead: they go back when the
         peer's Release says no read is in flight (or at their deadline)."""
         for serve in list(self._serves.values()):
-            if serve.offered and serve.held_blocks and serve.can(Event.REVOKE):
+            if serve.exposed and serve.can(Event.REVOKE):
                 for lookup in self._drop_pending(serve):
                     self._send(
                         LookupResp(

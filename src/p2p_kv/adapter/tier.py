@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import msgspec
 
-from p2p_kv.config import ConfigError, TierConfig, check_hash_seed, check_nixl
+from p2p_kv.config import TierConfig, check_hash_seed, check_nixl
 from p2p_kv.handshake import Identity
 from p2p_kv.manager import Answer, LoadManager, Roles
 from p2p_kv.metrics import DEFINITIONS, MetricsExporter
@@ -209,16 +209,8 @@ class P2PKVTier(SecondaryTierManager):
         block_bytes = self.block_size_bytes
         port = self.cfg.port
         if port:
-            rank = offloading_spec.config.parallel.data_parallel_index
-            port += rank
-            if port > 65535:
-                # libzmq binds the port modulo 65536 and we would advertise
-                # one nobody can dial.
-                raise ConfigError(
-                    f"p2p_kv: port {self.cfg.port} + data-parallel rank {rank} "
-                    "is past 65535; pick a lower port (each rank binds port + "
-                    "its rank)"
-                )
+            # Each rank its own port (past 65535: ControlTransport refuses).
+            port += offloading_spec.config.parallel.data_parallel_index
         data = NixlDataTransport(
             region,
             block_bytes,
