@@ -385,6 +385,9 @@ def _copy_always(mapping: PeerMapping | CudaIpcMapping) -> bool:
 class _Xfer:
     handle: Any  # nixl_xfer_handle, CopyInFlight or _StagedRead
     peer: str
+    #: Given up on (cancelled): released once it ends or at this time,
+    #: whichever comes first (see NixlDataTransport.cancel).
+    give_up_at: float | None = None
 
 
 #: Staging bytes of transports closed while READs into them still ran
@@ -1317,12 +1320,12 @@ class NixlDataTransport:
             out = self._done
             self._done = []
             if self._inflight:
+                now = time.monotonic()
                 finished: list[int] = []
                 for tid, xfer in self._inflight.items():
-                    state = self._state(xfer.handle)
-                    if state != "PROC":
-                        self._release(xfer.handle)
-                        out.append((tid, state == "DONE"))
+                    ok = self._ended(tid, xfer, now)
+                    if ok is not None:
+                        out.append((tid, ok))
                         finished.append(tid)
                 for tid in finished:
                     del self._inflight[tid]
@@ -1370,19 +1373,38 @@ class NixlDataTransport:
             out, self._unstopped = self._unstopped, set()
             return out
 
-    def cancel(self, *transfer_ids: int) -> None:
-        """Stop tracking these transfers; no-op for one already finished.
+    def cancel(self, *transfer_ids: int, wait: bool = False) -> None:
+        """Give up on these transfers; no-op for one already finished.
 
         Each is still reported once by :meth:`poll_completions`: as ``ok``
-        if it had in fact completed, as failed otherwise. A staged READ is
-        not waited for: it keeps its staging until UCX ends it. The rest
-        are drained together, so the caller's thread waits one drain at
-        most however many are stuck (one call per transfer waited one
-        drain each). An unstaged READ still running after the drain is not
-        stopped by this: over TCP it lands when a stalled peer resumes.
+        if it had in fact completed, as failed otherwise. A staged READ
+        ends at once: it keeps its staging, not the caller's slots, until
+        UCX ends it. Any other is reported when it ends, or failed and
+        unstopped (:meth:`take_unstopped`) when the drain bound passes
+        while it still runs; releasing it then does not stop it (over TCP
+        it lands when a stalled peer resumes).
+
+        The caller's thread does not wait for that unless ``wait`` (a
+        fence before the caller reuses the slots at once): a WRITE to a
+        stalled consumer, or an in-place READ from a stalled producer, held
+        the engine's thread for the whole bound (1 s) when a request was
+        aborted. Polling meanwhile keeps checking them, which also gives
+        UCX the progress that lets most of them end.
         """
         with self._lock:
-            self._finish([t for t in transfer_ids if t in self._inflight])
+            tids = [t for t in transfer_ids if t in self._inflight]
+            if wait:
+                self._finish(tids)
+                return
+            now = time.monotonic()
+            for tid in tids:
+                xfer = self._inflight[tid]
+                if xfer.give_up_at is None:
+                    xfer.give_up_at = now + self._drain_timeout_s
+                ok = self._ended(tid, xfer, now)
+                if ok is not None:
+                    del self._inflight[tid]
+                    self._done.append((tid, ok))
 
     def close(self) -> None:
         """Release every handle, peer and registration; idempotent."""
@@ -1467,42 +1489,53 @@ class NixlDataTransport:
             # agent teardown; nothing more we can do here.
             logger.warning("releasing a NIXL transfer handle failed", exc_info=True)
 
-    def _finish(self, tids: list[int]) -> None:
-        """End tracked transfers, fencing them: wait briefly, then cancel.
+    def _ended(self, tid: int, xfer: _Xfer, now: float) -> bool | None:
+        """Whether a tracked transfer succeeded, once it has ended (its
+        handle then released); None while it runs.
 
-        Waiting first (with progress) turns most cancellations on loopback
-        into plain completions, and a completed or failed UCX request can no
-        longer write. What is still running at the deadline is cancelled by
-        releasing its handle, which makes UCX cancel and free its requests,
+        One given up on ends when UCX ends it, since a completed or failed
+        request can no longer write, or at its drain bound: then its
+        handle is released, which makes UCX cancel and free its requests
         but does not stop bytes already on their way (:meth:`take_unstopped`).
         """
+        given_up = xfer.give_up_at is not None
+        # Given up on: a staged READ's next pieces are not started (they
+        # would only become zombies holding staging).
+        state = self._state(xfer.handle, post=not given_up)
+        if state != "PROC" or (given_up and isinstance(xfer.handle, _StagedRead)):
+            # A staged READ is not waited for: its staging, not the
+            # engine's slots, holds what may still land.
+            self._release(xfer.handle)
+            return state == "DONE"
+        if xfer.give_up_at is None or now < xfer.give_up_at:
+            return None
+        logger.warning(
+            "transfer %d to %s still running after %.1fs: cancelling",
+            tid,
+            xfer.peer,
+            self._drain_timeout_s,
+        )
+        self._release(xfer.handle)
+        self._unstopped.add(tid)
+        return False
+
+    def _finish(self, tids: list[int]) -> None:
+        """End tracked transfers, fencing them: give them up and wait (with
+        progress) until each has ended or met its drain bound. Waiting
+        turns most cancellations on loopback into plain completions."""
+        now = time.monotonic()
         pending = {
             tid: self._inflight.pop(tid) for tid in tids if tid in self._inflight
         }
-        deadline = time.monotonic() + self._drain_timeout_s
+        for xfer in pending.values():
+            if xfer.give_up_at is None:
+                xfer.give_up_at = now + self._drain_timeout_s
         while pending:
+            now = time.monotonic()
             for tid, xfer in list(pending.items()):
-                # Given up on: a staged READ's next pieces are not started
-                # (they would only become zombies holding staging).
-                state = self._state(xfer.handle, post=False)
-                if state != "PROC" or isinstance(xfer.handle, _StagedRead):
-                    # A staged READ is not waited for: its staging, not the
-                    # engine's slots, holds what may still land.
-                    self._release(xfer.handle)
-                    self._done.append((tid, state == "DONE"))
+                ok = self._ended(tid, xfer, now)
+                if ok is not None:
+                    self._done.append((tid, ok))
                     del pending[tid]
-            if not pending:
-                break
-            if time.monotonic() >= deadline:
-                for tid, xfer in pending.items():
-                    logger.warning(
-                        "transfer %d to %s still running after %.1fs: cancelling",
-                        tid,
-                        xfer.peer,
-                        self._drain_timeout_s,
-                    )
-                    self._release(xfer.handle)
-                    self._done.append((tid, False))
-                    self._unstopped.add(tid)
-                break
-            time.sleep(0.0002)
+            if pending:
+                time.sleep(0.0002)

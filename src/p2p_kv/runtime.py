@@ -170,14 +170,20 @@ class TierRuntime:
         m = self.manager
         if (
             not m.jobs_in_flight()
-            or self._xfers
-            or self.data.in_flight()
             or m.has_lookups_to_serve
             or m.results_ready()
+            or any(kind == "write" for _, kind, _ in self._xfers.values())
         ):
             # Nothing of ours keeps it stepping (whatever does is vLLM's
-            # own), or it has something to do for us or a waiting peer.
+            # own), or it has something to do for us or a waiting peer (a
+            # WRITE of ours: its TransferDone leaves on the step that
+            # sees it end, not at the waker's next tick).
             return 0.0
+        # A READ still in flight is a finished request's (none is live):
+        # nobody waits for it, and the waker takes its completion (every
+        # DATA_TICK_S) and calls the engine in for the result. Stepping
+        # for it spun the engine until it ended (a cancelled one up to
+        # the data plane's drain bound).
         return PARK_MAX_S
 
     def park_engine(self, queue: Queue[Any]) -> None:
@@ -304,8 +310,9 @@ class TierRuntime:
                 if agent in self._agents.values():
                     # The same engine, other direction (its inbound and our
                     # outbound session share one NIXL agent): end only this
-                    # session's transfers; the agent stays for the other.
-                    self.data.cancel(*mine)
+                    # session's transfers, fenced as remove_peer's are (the
+                    # session's slots are freed below); the agent stays.
+                    self.data.cancel(*mine, wait=True)
                 else:
                     self.data.remove_peer(agent)  # fences: nothing lands after
                 for xfer_id in mine:

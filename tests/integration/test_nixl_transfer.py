@@ -675,6 +675,16 @@ def _completions(prod: Any, cons: Any) -> list[tuple[int, bool]]:
     return done
 
 
+def _reported_alone(t: Any) -> list[tuple[int, bool]]:
+    """``t``'s first completions, polled while its peer stays stalled."""
+    end = time.monotonic() + STEP_TIMEOUT_S
+    while time.monotonic() < end:
+        if done := t.poll_completions():
+            return list(done)
+        time.sleep(0.005)
+    return []
+
+
 def _progress(*transports: Any, rounds: int = 100) -> None:
     """The stalled peer wakes up: everyone progresses UCX a while."""
     for _ in range(rounds):
@@ -706,10 +716,18 @@ def test_a_read_given_up_on_while_it_runs_lands_only_in_staging(
         else:
             cons.remove_peer(prod.agent_name)  # what a dead session's fence does
         took = time.monotonic() - t0
-        assert cons.poll_completions() == [(tid, False)]
-        if staged:
-            # The engine's slots come back at once: nothing to drain.
+        if staged or how == "cancel":
+            # The caller does not wait: a staged READ ends at once (the
+            # engine's slots are not what it can write), an in-place one
+            # is reported failed (and unstopped) at its drain bound.
             assert took < 0.1, took
+        reported = cons.poll_completions()
+        if not staged and how == "cancel":
+            assert reported == []
+            reported = _reported_alone(cons)
+            assert cons.take_unstopped() == {tid}
+        assert reported == [(tid, False)]
+        if staged:
             assert cons.staging_blocks() == (8, 4, 4)
             if how == "remove_peer":
                 assert cons.peers() == []
@@ -1006,8 +1024,11 @@ def test_a_write_cancelled_while_it_runs_is_reported_unstopped(
         tid = prod.post_write(cons.agent_name, list(range(n)), list(range(n)), b"x")
         time.sleep(0.3)
         assert prod.poll_completions() == [] and prod.in_flight() == 1
+        t0 = time.monotonic()
         prod.cancel(tid)
-        assert prod.poll_completions() == [(tid, False)]
+        assert time.monotonic() - t0 < 0.1, "the producer's thread waited it out"
+        assert _reported_alone(prod) == [(tid, False)]
+        assert time.monotonic() - t0 >= 1.0  # its drain bound (the default)
         assert prod.take_unstopped() == {tid}
         assert prod.take_unstopped() == set()  # reported once
         _progress(cons, prod)
@@ -1015,12 +1036,15 @@ def test_a_write_cancelled_while_it_runs_is_reported_unstopped(
         assert landed == list(range(n)), landed  # what the report warns of
 
 
+@pytest.mark.parametrize("wait", [False, True], ids=["given-up", "fenced"])
 def test_stuck_transfers_cancelled_together_cost_one_drain(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, wait: bool
 ) -> None:
-    """The engine's thread waits out a cancel's drain: three READs stuck
-    on a peer that makes no NIXL call (over TCP a READ needs its progress)
-    used to cost three drains, one call each."""
+    """Three READs stuck on a peer that makes no NIXL call (over TCP a READ
+    needs its progress), cancelled together: a fence (``wait``) waits one
+    drain for all three (one call each used to wait three); a plain
+    cancel does not wait at all (it held the engine's thread a drain when
+    a request was aborted), and polling reports all three at its bound."""
     from p2p_kv.data import NixlDataTransport
 
     monkeypatch.setenv("UCX_TLS", TCP_ONLY)
@@ -1041,7 +1065,15 @@ def test_stuck_transfers_cancelled_together_cost_one_drain(
         tids = [cons.post_read(prod.agent_name, [i], [i]) for i in range(3)]
         assert cons.in_flight() == 3
         t0 = time.monotonic()
-        cons.cancel(*tids)
+        cons.cancel(*tids, wait=wait)
         took = time.monotonic() - t0
-        assert drain <= took < 2 * drain, took
-        assert sorted(cons.poll_completions()) == [(t, False) for t in tids]
+        if wait:
+            assert drain <= took < 2 * drain, took
+            reported = cons.poll_completions()
+        else:
+            assert took < 0.1, took
+            reported = _reported_alone(cons)
+            took = time.monotonic() - t0
+            assert drain <= took < 2 * drain, took
+        assert sorted(reported) == [(t, False) for t in tids]
+        assert cons.take_unstopped() == set(tids)

@@ -442,9 +442,13 @@ class EngineCoreLoop:
         self._thread.start()
 
     def _has_work(self) -> bool:
+        # vLLM's connector: any job of its tiering manager in flight (a
+        # pin is a store job; a finished request's load stays one until
+        # its result), or the tier's own pending work.
         with self.peer.runtime.lock:
-            return bool(self.peer.pinner.pinned) or (
-                self.peer.manager.has_pending_work()
+            m = self.peer.manager
+            return bool(self.peer.pinner.pinned or m.jobs_in_flight()) or (
+                m.has_pending_work()
             )
 
     def _run(self) -> None:
@@ -532,5 +536,78 @@ def test_pins_held_for_a_peer_do_not_keep_an_idle_engine_stepping() -> None:
             time.sleep(0.01)
     finally:
         engine.close()
+        consumer.close()
+        producer.close()
+
+
+def test_an_aborted_read_neither_holds_nor_spins_the_idle_engine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A request ends while its in-place READ is stuck on a stalled
+    producer (over TCP a READ needs the producer's progress). The READ is
+    given up on, but it is reported only when UCX ends it or at the data
+    plane's drain bound. The cancel waited out that bound holding the
+    tier's lock, so the engine's thread could not step for its other
+    requests; and then, with no live request, the engine stepped ~1,000
+    times a second for a job nobody waits on."""
+    monkeypatch.setenv("UCX_TLS", TCP_ONLY)
+    pid, bs = os.getpid(), 64 * 1024
+    producer = StandalonePeer(
+        16, bs, engine_id=f"ab-p-{pid}", timeouts=QUIET, same_host=False
+    )
+    consumer = StandalonePeer(
+        16,
+        bs,
+        engine_id=f"ab-c-{pid}",
+        timeouts=QUIET,
+        same_host=False,
+        read_staging_bytes=0,  # in place: a given-up READ waits its bound
+    )
+    consumer.runtime.data._drain_timeout_s = 3.0  # past this test's window
+    keys = [make_key(i) for i in range(4)]
+    producer.fill(keys, [0, 1, 2, 3])
+    m, rt = consumer.manager, consumer.runtime
+    engine: EngineCoreLoop | None = None
+    try:
+        consumer.open("r", producer.address, "kv")
+        end = time.monotonic() + IN_TIME_S
+        while Answer.RETRY in (answers := [m.lookup("r", k) for k in keys]):
+            assert time.monotonic() < end, "no lookup answer"
+            rt.flush()
+            consumer.step()
+            producer.step(wait=False)
+        assert answers == [Answer.HIT] * 4
+        # From here the producer makes no NIXL call: the READ stalls.
+        engine = EngineCoreLoop(consumer)
+        rt.start_waker(lambda: engine.queue.put_nowait("wake"), idle_s=TICK_S)
+        with rt.lock:
+            rt.submit_load(7, "r", keys, [4, 5, 6, 7])
+            assert rt.transfers_in_flight == 1
+            rt.end_request("r")  # the client aborted
+        steps = engine.steps
+        for _ in range(10):
+            time.sleep(0.1)
+            t0 = time.monotonic()
+            assert rt.lock.acquire(timeout=0.5), "the cancel held the tier's lock"
+            rt.lock.release()
+            waited = time.monotonic() - t0
+            assert waited < 0.1, f"the engine's thread waited {waited:.2f} s"
+        held = engine.steps - steps
+        assert held <= 3, f"the idle engine stepped {held} times in 1 s"
+        assert 7 not in consumer.results and rt.transfers_in_flight == 1
+        # The producer resumes: the READ ends, and the waker calls the
+        # engine in for the job's result.
+        t0 = time.monotonic()
+        while 7 not in consumer.results:
+            assert time.monotonic() - t0 < IN_TIME_S, "the result never came"
+            producer.step(wait=False)
+            time.sleep(0.005)
+        assert not consumer.results.pop(7).success  # aborted: never a hit
+        with rt.lock:
+            assert rt.transfers_in_flight == 0
+            assert not any(m.state_report().values()), m.state_report()
+    finally:
+        if engine is not None:
+            engine.close()
         consumer.close()
         producer.close()

@@ -427,7 +427,7 @@ class FaultyData:
     def take_faulted(self) -> set[str]:
         return set(self.inner.take_faulted())
 
-    def cancel(self, *transfer_ids: int) -> None:
+    def cancel(self, *transfer_ids: int, wait: bool = False) -> None:
         real_ids: list[int] = []
         for transfer_id in transfer_ids:
             if self._held.pop(transfer_id, None) is not None:
@@ -435,7 +435,7 @@ class FaultyData:
                 continue
             real_ids.extend(r for r, tid in self._real.items() if tid == transfer_id)
         if real_ids:
-            self.inner.cancel(*real_ids)
+            self.inner.cancel(*real_ids, wait=wait)
 
     def remove_peer(self, agent_name: str) -> None:
         for tid, h in list(self._held.items()):

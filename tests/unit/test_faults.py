@@ -158,7 +158,7 @@ class FakeData:
     def take_faulted(self) -> set[str]:
         return set()
 
-    def cancel(self, *tids: int) -> None:
+    def cancel(self, *tids: int, wait: bool = False) -> None:
         self.cancelled.extend(tids)
 
     def remove_peer(self, agent: str) -> None:
