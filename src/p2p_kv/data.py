@@ -401,11 +401,13 @@ _KEPT_STAGING: list[Any] = []
 PIECES_IN_FLIGHT = 2
 
 #: One peer's staged READs, running or given up on, hold at most this share
-#: of the staging (pieces are this share over :data:`PIECES_IN_FLIGHT`). A
-#: peer that stalls mid-READ, alive and connected, keeps its READs' staging
-#: until it resumes or dies (UCX does not end them); with no share, one
-#: such READ held all of it, and every other peer's READs waited out their
-#: deadlines for as long as the stall lasted.
+#: of the staging the other peers leave (pieces are this share over
+#: :data:`PIECES_IN_FLIGHT`). A peer that stalls mid-READ, alive and
+#: connected, keeps its READs' staging until it resumes or dies (UCX does
+#: not end them); with no share, one such READ held all of it, and every
+#: other peer's READs waited out their deadlines for as long as the stall
+#: lasted. A share of the whole pool (session 14) let two stalled peers take
+#: it all; of what is left, k stalled peers leave 1/2**k of it to the rest.
 PEER_STAGING_SHARE = 0.5
 
 
@@ -1112,9 +1114,12 @@ class NixlDataTransport:
                 return "PROC" if read.pieces else "DONE"
             if not post or len(read.pieces) >= PIECES_IN_FLIGHT:
                 return "PROC"
-            share = max(1, int(pool.size * PEER_STAGING_SHARE))
+            mine = self._staging_held(read)
+            # A share of what the other peers leave, not of the whole pool:
+            # two stalled peers with half each took all of it.
+            share = max(1, int((pool.free + mine) * PEER_STAGING_SHARE))
             most = max(1, share // PIECES_IN_FLIGHT)
-            stage = pool.take(min(left, most, share - self._staging_held(read)))
+            stage = pool.take(min(left, most, share - mine))
             if not stage.size:
                 return "PROC"  # the peer's share or the pool is taken: wait
             lo, handle = read.posted, None

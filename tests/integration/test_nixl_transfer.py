@@ -805,6 +805,53 @@ def test_a_staged_read_given_up_on_starts_no_more_pieces(
         assert cons.staging_blocks() == (8, 8, 0)
 
 
+def test_stalled_peers_leave_staging_to_the_others(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each peer's READs take at most half of the staging the other peers
+    leave. Two producers stalled mid-READ (alive, no NIXL call) took half
+    of the whole pool each, and every READ from any other peer waited out
+    its deadline for as long as they stalled; now they hold 4 and 2 of 8
+    blocks, and a third peer's READ moves through the rest."""
+    from p2p_kv.data import NixlDataTransport
+
+    monkeypatch.setenv("UCX_TLS", TCP_ONLY)  # a READ needs the peer's progress
+    bs, n = 4 * KIB, 16
+    rng = np.random.default_rng(9)
+    srcs = [rng.integers(1, 256, n * bs, dtype=np.uint8) for _ in range(3)]
+    got = np.zeros(4 * n * bs, dtype=np.uint8)
+    with contextlib.ExitStack() as stack:
+        prods = [
+            stack.enter_context(
+                NixlDataTransport(src, bs, name=f"stall{i}-prod", same_host=False)
+            )
+            for i, src in enumerate(srcs)
+        ]
+        cons = stack.enter_context(
+            NixlDataTransport(
+                got, bs, name="stall-cons", same_host=False, read_staging_bytes=8 * bs
+            )
+        )
+        for prod in prods:
+            cons.add_peer(prod.local_region())
+        stalled = [
+            cons.post_read(
+                prods[i].agent_name, list(range(n)), [*range(i * n, (i + 1) * n)]
+            )
+            for i in (0, 1)
+        ]
+        time.sleep(0.1)
+        assert cons.poll_completions() == []
+        assert cons.staging_blocks()[1] == 2, "the stalled peers took it all"
+        tid = cons.post_read(prods[2].agent_name, [3, 1, 4, 5, 9], [*range(32, 37)])
+        assert _completions(prods[2], cons) == [(tid, True)]
+        rows = got.reshape(-1, bs)
+        for dst, src in zip(range(32, 37), [3, 1, 4, 5, 9], strict=True):
+            assert np.array_equal(rows[dst], srcs[2].reshape(-1, bs)[src])
+        cons.cancel(*stalled)
+        assert sorted(cons.poll_completions()) == [(t, False) for t in stalled]
+
+
 def test_a_peer_that_dies_during_a_staged_read_gives_its_staging_back(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
