@@ -779,8 +779,10 @@ class Session:
         # Nothing here fires again, and a closed session is kept for its
         # counters (LoadManager.retired_sessions): its timer heap would keep
         # every probe, load and serve it armed (5 MB for 2,000 lookups of
-        # 256 keys, up to 1,024 sessions kept).
+        # 256 keys, up to 1,024 sessions kept), as its peer's region would
+        # (up to 1 MiB, sent by anyone who completes a handshake).
         self._timers.clear()
+        self._peer_region = None
 
     def confirm_invalidated(self) -> None:
         """The peer's data agent is gone: its writes can no longer land."""
@@ -1617,6 +1619,9 @@ class Session:
         if serve.write_id in self._writing:
             del self._writing[serve.write_id]
         self._store_results.extend(serve.let_go(event, ok, reason))
+        # Its timer entry may outlive it (see _arm): not the peer's keys and
+        # slots (8 MiB for 60,000 keys, outside every per-peer bound).
+        serve.fetch = None
 
     def release_unwritten(self) -> None:
         """Release every serve with no write in flight (cache reset). A later
@@ -1686,9 +1691,22 @@ class Session:
         return max(held, default=float("-inf"))
 
     def _arm(self, item: Probe | Load | Serve, deadline: float) -> None:
-        """Set ``item``'s deadline; the old timer entry goes stale."""
+        """Set ``item``'s deadline; the old timer entry goes stale.
+
+        Stale entries (re-armed or ended items) leave the heap only as they
+        reach its top, so one live item with an early deadline kept every
+        later one, and what it references, until its own turn: a peer's
+        Fetch + Abort a frame apart piled up 30 s of them. Rebuilt when
+        they dominate."""
         item.deadline = deadline
-        heapq.heappush(self._timers, (deadline, next(self._timer_ids), item))
+        timers = self._timers
+        heapq.heappush(timers, (deadline, next(self._timer_ids), item))
+        live = len(self._probes) + len(self._loads) + len(self._serves)
+        if len(timers) > 4 * max(16, live):
+            self._timers = [
+                t for t in timers if not t[2].terminal and t[2].deadline == t[0]
+            ]
+            heapq.heapify(self._timers)
 
     def tick(self, now: float) -> None:
         """Fire every deadline that has passed. Each failure costs one

@@ -590,6 +590,31 @@ def test_fetches_waiting_for_stores_cannot_hold_unbounded_keys() -> None:
     assert_drained(net)
 
 
+def test_fetches_aborted_while_waiting_leave_nothing_behind() -> None:
+    """A Fetch waiting for stores, then its Abort, a frame apart: the serve
+    left every bound at once, but its timer entry, and with it the Fetch's
+    keys and slots, stayed in the session's heap behind one earlier
+    waiting Fetch until parked_wait_s passed (60 such pairs of 60,000 keys
+    held 500 MiB, against a waiting-keys bound of 58 MB)."""
+    net = make_net(timeouts=Timeouts(parked_wait_s=30.0))
+    probe(net, "r1", "kv1")  # brings the link up
+    finish(net, "r1")
+    sa = session(net, "a")
+    inject(net, "a", Fetch("anchor", 1, 9000, KEYS[:1], [1]))  # waits 30 s
+    many = [key(100 + i) for i in range(NBLOCKS)]
+    for i in range(200):
+        inject(net, "a", Fetch(f"p{i}", 1, i, many, list(range(NBLOCKS))))
+        inject(net, "a", Abort(f"p{i}", 1))
+    assert errors(net, "a") == {}
+    assert sa.sizes()["serves"] == 1
+    live = [t for t in sa._timers if not t[2].terminal]
+    assert len(live) == 1 and len(sa._timers) <= 4 * 16, len(sa._timers)
+    kept = [t[2] for t in sa._timers if t[2].fetch is not None]
+    assert [sv.req for sv in kept] == ["anchor"], "an ended serve kept its Fetch"
+    net.settle(31.0, 1.0)
+    assert_drained(net)
+
+
 def test_an_engine_that_cannot_pin_costs_one_lookup_not_the_window() -> None:
     """The engine's pin raising (vLLM's parent manager failed) answers that
     lookup all-miss and the serve window goes on: the exception used to

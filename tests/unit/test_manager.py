@@ -288,7 +288,9 @@ def test_a_request_that_outlives_its_session_asks_again_through_a_new_one() -> N
 def test_a_lost_session_keeps_none_of_what_it_had_armed() -> None:
     """A session that ends is kept for its last counts (up to 1,024 of them,
     until metrics collect them); its timer heap kept every probe, load and
-    serve it had armed with it: 5 MB for 2,000 lookups of 256 keys."""
+    serve it had armed with it: 5 MB for 2,000 lookups of 256 keys; and the
+    peer's region, up to 1 MiB that anyone who completes a handshake sends
+    (1 GiB for the 1,024 kept)."""
     net = make_net()
     b = net.engines["b"].manager
     for i in range(50):
@@ -297,10 +299,13 @@ def test_a_lost_session_keeps_none_of_what_it_had_armed() -> None:
     net.run(1)
     (session,) = b.sessions()
     assert len(session._timers) >= 50
+    net.run(3)
+    assert session.ready and session.peer_region is not None
     net.cut("a", "b")
     net.run()
     assert session in b.retired_sessions
     assert session._timers == []
+    assert session.peer_region is None
 
 
 def test_reused_id_gets_a_real_remote_lookup() -> None:
