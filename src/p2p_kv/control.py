@@ -33,10 +33,19 @@ from p2p_kv.procfs import socket_inode
 from p2p_kv.protocol import MAX_FRAME_BYTES
 
 HWM: Final = 10_000
+#: Frames libzmq queues for us per inbound connection (the ROUTER's pipes).
+#: Anyone who reaches the port may open connections and send frames of up
+#: to 4 MiB before any handshake: at HWM that queued 40 GiB a connection.
+#: A peer past it is held back by TCP, and its own SNDHWM (HWM) queues the
+#: rest, so a healthy peer's burst is not lost; only memory moves to it.
+INBOUND_HWM: Final = 256
 #: Frames taken from one socket in one poll. A peer sending faster than we
 #: read held the engine's step inside poll (5.5 s and 1.7 M frames for one
 #: flood of 8-byte frames); the rest waits for the next poll.
 MAX_FRAMES_PER_POLL: Final = 4096
+#: Bytes taken in one poll, over all sockets: 4,096 frames of 4 MiB were
+#: 16 GiB held in one list before any of it was looked at.
+MAX_BYTES_PER_POLL: Final = 64 * 1024 * 1024
 
 
 def parse_peer(peer: str) -> tuple[str, int]:
@@ -147,6 +156,7 @@ class ControlTransport:
         self._heartbeat_ms = max(1, int(heartbeat_s * 1000))
         self._router = self._socket(zmq.ROUTER)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._router.setsockopt(zmq.RCVHWM, INBOUND_HWM)
         try:
             if port == 0:
                 port = self._router.bind_to_random_port(zmq_endpoint(bind_host, 0)[:-2])
@@ -284,8 +294,12 @@ class ControlTransport:
             with contextlib.suppress(BlockingIOError):
                 os.read(self._wake_r, 4096)
         more = False
+        budget = MAX_BYTES_PER_POLL
         if self._router in events:
             for _ in range(MAX_FRAMES_PER_POLL):
+                if budget <= 0:
+                    more = True
+                    break
                 try:
                     parts = self._router.recv_multipart(flags=zmq.NOBLOCK)
                 except zmq.Again:
@@ -293,6 +307,7 @@ class ControlTransport:
                 if len(parts) != 2:
                     continue
                 ident, frame = parts
+                budget -= len(frame)
                 new = ident not in self._known_inbound
                 if new:
                     self._known_inbound.add(ident)
@@ -330,10 +345,14 @@ class ControlTransport:
             if sock not in events:
                 continue
             for _ in range(MAX_FRAMES_PER_POLL):
+                if budget <= 0:
+                    more = True
+                    break
                 try:
                     frame = sock.recv(flags=zmq.NOBLOCK)
                 except zmq.Again:
                     break
+                budget -= len(frame)
                 out.append(Inbound(peer, frame, False))
             else:
                 more = True

@@ -735,7 +735,17 @@ class LoadManager:
         tally(self.refusals, ("other", reason), ("other", "other"))
         session.close(f"refused: {why}, max_inbound_peers")
         self._touch(session)
-        self._refused_inbound[session.peer] = None
+        self._remember_refused(session.peer)
+
+    def _remember_refused(self, peer: str) -> None:
+        """An inbound connection refused for good: its later frames are
+        dropped unread. A refused handshake or seal used to end only the
+        session, and the connection's next frame opened a new one (a log
+        line and a session per few frames from one connection). A peer
+        that means well dials a new connection for a new session."""
+        if not is_inbound(peer):
+            return
+        self._refused_inbound[peer] = None
         if len(self._refused_inbound) > MAX_REFUSED_INBOUND:
             del self._refused_inbound[next(iter(self._refused_inbound))]
 
@@ -748,6 +758,8 @@ class LoadManager:
         session.receive(msg, now)
         if not refused:
             self._tally_refusal(peer, session)
+            if session.refusal is not None:
+                self._remember_refused(peer)
         if greeting and session.ready and is_inbound(peer):
             # Every per-peer bound holds per session: without this one, a
             # party with the secret opening connections multiplied them
@@ -791,6 +803,7 @@ class LoadManager:
             session.refuse_frame(exc)
             self._tally_refusal(peer, session)
             self._touch(session)
+            self._remember_refused(peer)
 
     def on_disconnected(self, peer: str, reason: str, now: float) -> None:
         session = self._sessions.get(peer)

@@ -16,7 +16,7 @@ generation, since its end releases every pin the producer holds for it.
 
 from __future__ import annotations
 
-from typing import Annotated, Final
+from typing import Annotated, Final, get_args
 
 import msgspec
 
@@ -53,7 +53,12 @@ MAX_CANONICAL_HASHES: Final = 16
 
 
 class ProtocolError(ValueError):
-    """A frame from a peer that we refuse: malformed, oversized or illegal."""
+    """A frame from a peer that we refuse: malformed, oversized or illegal.
+    ``reason``: its label in the protocol-errors metric."""
+
+    def __init__(self, message: str, reason: str = "decode") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class _Msg(msgspec.Struct, frozen=True, array_like=True, tag_field="t"):
@@ -239,8 +244,34 @@ Message = (
     | Error
 )
 
+#: What a peer may send before its session is ready. Anything else is
+#: refused by its tag alone, before its body is parsed: a 4 MiB Fetch
+#: from anyone who reaches the port took 16 ms to decode (for the session
+#: to refuse it), under the lock the engine's step waits on.
+Greeting = Hello | HelloAck | Region | Heartbeat | Goodbye | Error
+#: The largest greeting frame: a Region's blob, sealed, with room.
+MAX_GREETING_BYTES: Final = MAX_BLOB_BYTES + 4096
+
 _encoder = msgspec.msgpack.Encoder()
 _decoder: msgspec.msgpack.Decoder[Message] = msgspec.msgpack.Decoder(Message)
+_greeting_decoder: msgspec.msgpack.Decoder[Greeting] = msgspec.msgpack.Decoder(Greeting)
+
+
+class _Tag(msgspec.Struct, array_like=True):
+    """A frame's first field alone: the rest is skipped, not built."""
+
+    t: str
+
+
+_tag_decoder: msgspec.msgpack.Decoder[_Tag] = msgspec.msgpack.Decoder(_Tag)
+_GREETING_TAGS = frozenset(t.__struct_config__.tag for t in get_args(Greeting))
+
+
+def _tag_of(frame: bytes | bytearray | memoryview) -> str | None:
+    try:
+        return _tag_decoder.decode(frame).t
+    except msgspec.MsgspecError:
+        return None
 
 
 def encode(msg: Message) -> bytes:
@@ -259,8 +290,10 @@ def encode(msg: Message) -> bytes:
     return frame
 
 
-def decode(frame: bytes | bytearray | memoryview) -> Message:
-    """Parse one frame from a peer; any defect raises :class:`ProtocolError`."""
+def decode(frame: bytes | bytearray | memoryview, *, greeting: bool = False) -> Message:
+    """Parse one frame from a peer; any defect raises :class:`ProtocolError`.
+    ``greeting``: the session is not ready, so only a :data:`Greeting` is
+    taken."""
     size = len(frame)
     if size > MAX_FRAME_BYTES:
         raise ProtocolError(
@@ -269,8 +302,13 @@ def decode(frame: bytes | bytearray | memoryview) -> Message:
     if size == 0:
         raise ProtocolError("empty frame")
     try:
-        msg = _decoder.decode(frame)
+        msg = (_greeting_decoder if greeting else _decoder).decode(frame)
     except msgspec.ValidationError as exc:
+        tag = _tag_of(frame) if greeting else None
+        if tag is not None and tag not in _GREETING_TAGS:
+            raise ProtocolError(
+                f"a {tag[:64]!r} frame before the handshake", "before_handshake"
+            ) from None
         raise ProtocolError(f"invalid message: {exc}") from None
     except msgspec.DecodeError as exc:
         raise ProtocolError(f"undecodable frame: {exc}") from None

@@ -36,7 +36,14 @@ from p2p_kv.control import ControlTransport, wait_readable
 from p2p_kv.data import NixlDataTransport, RegionInfo
 from p2p_kv.handshake import FrameRefused
 from p2p_kv.manager import JobResult, LoadManager, Roles
-from p2p_kv.protocol import Heartbeat, Message, ProtocolError, decode, encode
+from p2p_kv.protocol import (
+    MAX_GREETING_BYTES,
+    Heartbeat,
+    Message,
+    ProtocolError,
+    decode,
+    encode,
+)
 from p2p_kv.session import Pinner, is_inbound
 
 log = logging.getLogger("vllm.p2p_kv")
@@ -109,6 +116,8 @@ class TierRuntime:
         #: them: a line each let a party without the secret flood the log)
         self._bad_frames = 0
         self._bad_frames_log = _Throttle()
+        self._refused_frames = 0
+        self._refused_log = _Throttle()
         #: Held by whoever is inside the runtime: the engine's thread or the
         #: waker (vLLM 0.33 also calls from its tier-poll thread).
         self.lock = threading.RLock()
@@ -408,17 +417,28 @@ class TierRuntime:
                 if is_inbound(inbound.conn):
                     self.control.close_conn(inbound.conn)
                 continue
+            if session.closed:
+                # Ended in this poll (the pump retires it): the rest of its
+                # frames go unread. Each was refused and logged again, up
+                # to 4,096 lines a poll from a party without the secret.
+                continue
             frame, sealed = inbound.frame, False
+            greeting = not session.ready
             try:
+                if greeting and len(frame) > MAX_GREETING_BYTES:
+                    raise ProtocolError(
+                        f"a {len(frame)}-byte frame before the handshake",
+                        "before_handshake",
+                    )
                 frame, sealed = session.unseal(frame)
-                msg = decode(frame)
+                msg = decode(frame, greeting=greeting)
             except ProtocolError as exc:
-                self.manager.on_bad_frame(inbound.conn, "decode")
+                self.manager.on_bad_frame(inbound.conn, exc.reason)
                 self._bad_frames += 1
                 self._bad_frames_log.warn(
                     self._bad_frames,
                     now,
-                    'p2p_kv: dropped %d bad frames (protocol_errors{reason="decode"}), '
+                    "p2p_kv: dropped %d bad frames (counted in protocol_errors), "
                     "the last from %s: %s",
                     inbound.conn,
                     exc,
@@ -445,8 +465,18 @@ class TierRuntime:
     def _refuse_frame(self, conn: str, exc: FrameRefused) -> None:
         """A frame that failed its seal ends its session: a party without
         the secret is speaking (or a frame was lost, which over one ZeroMQ
-        connection only a dropped session does)."""
-        log.warning("p2p_kv: refusing %s: %s", conn, exc)
+        connection only a dropped session does). Logged at most once a
+        minute (a line each let such a party, opening connection after
+        connection, write the log); the refusals metric counts them all."""
+        self._refused_frames += 1
+        self._refused_log.warn(
+            self._refused_frames,
+            self.clock(),
+            "p2p_kv: refused %d frames (failed seals end their sessions), "
+            "the last from %s: %s",
+            conn,
+            exc,
+        )
         self.manager.on_frame_refused(conn, exc)
 
     def _send(self, peer: str, msgs: list[Message], now: float) -> None:

@@ -264,6 +264,44 @@ def test_a_flooding_peer_cannot_hold_the_poll() -> None:
         ctl.close()
 
 
+def test_one_poll_holds_a_bounded_number_of_bytes() -> None:
+    """Frames of up to 4 MiB, from anyone who reaches the port: one poll
+    held up to 4,096 of them (16 GiB) before any was looked at. A poll
+    takes at most MAX_BYTES_PER_POLL (and one frame more), the rest the
+    next; and libzmq queues at most INBOUND_HWM frames per connection."""
+    import zmq
+
+    from p2p_kv.control import (
+        INBOUND_HWM,
+        MAX_BYTES_PER_POLL,
+        ControlTransport,
+        zmq_endpoint,
+    )
+    from p2p_kv.protocol import MAX_FRAME_BYTES
+
+    ctl = ControlTransport("127.0.0.1", 0, heartbeat_s=1.0)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        assert ctl._router.getsockopt(zmq.RCVHWM) == INBOUND_HWM
+        sock.connect(zmq_endpoint("127.0.0.1", ctl.port))
+        sent = 2 * MAX_BYTES_PER_POLL // MAX_FRAME_BYTES + 4
+        for i in range(sent):
+            sock.send(i.to_bytes(8, "little") * (MAX_FRAME_BYTES // 8))
+        got: list[int] = []
+        end = time.monotonic() + 20.0
+        while len(got) < sent and time.monotonic() < end:
+            batch = ctl.poll(0.05)
+            assert (
+                sum(len(b.frame) for b in batch) < MAX_BYTES_PER_POLL + MAX_FRAME_BYTES
+            )
+            got.extend(int.from_bytes(b.frame[:8], "little") for b in batch)
+        assert got == list(range(sent))
+    finally:
+        sock.close()
+        ctl.close()
+
+
 def test_a_dial_that_gets_through_on_libzmq_s_retry_is_not_lost() -> None:
     """A dial nothing accepted yet ends its session (libzmq would retry
     quietly, and the request waited out the handshake); but a peer that

@@ -423,3 +423,31 @@ def test_fuzz_tagged_arrays(tag: Any, seed: int) -> None:
     rng = random.Random(seed)
     fields = [random_value(rng) for _ in range(rng.randrange(13))]
     decodes_or_refuses(raw(tag, *fields))
+
+
+# ---------------------------------------------------------------------------
+# before the handshake
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
+def test_before_the_handshake_only_a_greeting_is_taken(msg: Any) -> None:
+    """A session that is not ready takes the handshake's messages alone.
+    Anything else is refused by its tag, its body never built: a 65,536-key
+    Fetch from anyone who reaches the port cost a full decode (16 ms) under
+    the lock the engine's step waits on, only for the session to refuse it."""
+    frame = encode(msg)
+    if isinstance(msg, Hello | HelloAck | Region | Heartbeat | Goodbye | Error):
+        assert decode(frame, greeting=True) == msg
+        return
+    with pytest.raises(ProtocolError, match="before the handshake") as info:
+        decode(frame, greeting=True)
+    assert info.value.reason == "before_handshake"
+    assert decode(frame) == msg  # once the session is ready
+
+
+def test_a_malformed_greeting_is_a_plain_decode_error() -> None:
+    for frame in (raw("hello", "not a version"), raw(7), b"\xc1junk"):
+        with pytest.raises(ProtocolError) as info:
+            decode(frame, greeting=True)
+        assert info.value.reason == "decode", frame
