@@ -95,6 +95,7 @@ __all__ = [
     "build_descs",
     "check_ucx_error_handling_mode",
     "describe_region",
+    "drain_timeout_for",
     "ucx_tls_allows_peer_mode",
 ]
 
@@ -133,11 +134,21 @@ _UCX_PEER_CAPABLE_TLS: Final = frozenset(
     }
 )
 
-# How long remove_peer/cancel/close wait, by default, for a posted transfer to
-# reach a terminal state before cancelling it outright. Loopback CMA writes
-# finish inside the post call, so this only matters for a peer that stopped
-# answering on a network transport; it bounds how long such a call blocks.
+# How long, by default, a transfer given up on may take to reach a terminal
+# state before it is released outright (cancel polls for it; remove_peer and
+# close block on it). Loopback CMA writes finish inside the post call, so
+# this only matters for a peer that stopped answering on a network
+# transport.
 DEFAULT_DRAIN_TIMEOUT_S: Final = 1.0
+
+
+def drain_timeout_for(abort_ack_s: float) -> float:
+    """The drain bound for a session whose abort-ack deadline is
+    ``abort_ack_s``: a transfer given up on must be reported before the
+    session's own timer for it runs out, or that timer takes the peer for
+    unhealthy and ends the session (every load on it failed, with an
+    ``abort_ack_timeout_s`` of 1 s or less)."""
+    return min(DEFAULT_DRAIN_TIMEOUT_S, abort_ack_s / 2)
 
 
 # --------------------------------------------------------------------------
@@ -407,7 +418,8 @@ PIECES_IN_FLIGHT = 2
 #: not end them); with no share, one such READ held all of it, and every
 #: other peer's READs waited out their deadlines for as long as the stall
 #: lasted. A share of the whole pool (session 14) let two stalled peers take
-#: it all; of what is left, k stalled peers leave 1/2**k of it to the rest.
+#: it all; of what is left, k stalled peers leave about 1/2**k of it to the
+#: rest (one block at least each: 32 blocks last 6 stalled peers).
 PEER_STAGING_SHARE = 0.5
 
 

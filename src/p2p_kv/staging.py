@@ -16,9 +16,10 @@ wait out) and keeps its staging blocks, quarantined, until UCX ends it: a
 peer that resumes lands its bytes there, a dead one errors it. One
 peer's READs, running or given up on, hold at most half of the staging
 the other peers leave (a peer stalled mid-READ keeps its share for the
-stall, and only its share; k stalled peers leave 1/2**k to the rest), so
-a load larger than that moves in pieces of half its share, two in
-flight: one lands and is copied out while the next runs.
+stall, and only its share; k stalled peers leave about 1/2**k to the
+rest, one block at least each), so a load larger than that moves in
+pieces of half its share, two in flight: one lands and is copied out
+while the next runs.
 
 :class:`StagingPool` is the allocator (pure); :class:`StagingMemory` owns
 the bytes and the copy out of them. ``p2p_kv.data`` drives both.

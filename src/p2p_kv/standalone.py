@@ -19,7 +19,7 @@ import msgspec
 import numpy as np
 
 from p2p_kv.control import ControlTransport
-from p2p_kv.data import NixlDataTransport
+from p2p_kv.data import NixlDataTransport, drain_timeout_for
 from p2p_kv.handshake import Identity
 from p2p_kv.manager import Answer, JobResult, LoadManager, Roles
 from p2p_kv.runtime import TierRuntime, fresh_nonce
@@ -95,6 +95,7 @@ class StandalonePeer:
             name=engine_id,
             same_host=same_host,
             read_staging_bytes=read_staging_bytes,
+            drain_timeout_s=drain_timeout_for((timeouts or Timeouts()).abort_ack_s),
         )
         control = ControlTransport(
             host, port, heartbeat_s=(timeouts or Timeouts()).heartbeat_interval_s

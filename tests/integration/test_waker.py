@@ -611,3 +611,54 @@ def test_an_aborted_read_neither_holds_nor_spins_the_idle_engine(
             engine.close()
         consumer.close()
         producer.close()
+
+
+def test_a_short_abort_ack_deadline_does_not_end_the_session(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A load whose in-place READ is stuck on a stalled producer passes its
+    deadline and is given up on; its session then waits ``abort_ack_s`` for
+    the data plane to report it. The data plane's drain bound was a fixed
+    1 s: with ``abort_ack_timeout_s`` of 1 s or less the session's timer
+    ran out first and ended the session, failing every load on it. The
+    bound now stays under the session's deadline."""
+    monkeypatch.setenv("UCX_TLS", TCP_ONLY)
+    pid, bs = os.getpid(), 64 * 1024
+    short = Timeouts(
+        heartbeat_interval_s=10.0, silence_s=30.0, fetch_floor_s=0.3, abort_ack_s=0.5
+    )
+    producer = StandalonePeer(
+        16, bs, engine_id=f"aa-p-{pid}", timeouts=QUIET, same_host=False
+    )
+    consumer = StandalonePeer(
+        16,
+        bs,
+        engine_id=f"aa-c-{pid}",
+        timeouts=short,
+        same_host=False,
+        read_staging_bytes=0,  # in place: a given-up READ waits its bound
+    )
+    keys = [make_key(i) for i in range(4)]
+    producer.fill(keys, [0, 1, 2, 3])
+    m, rt = consumer.manager, consumer.runtime
+    try:
+        consumer.open("r", producer.address, "kv")
+        end = time.monotonic() + IN_TIME_S
+        while Answer.RETRY in (answers := [m.lookup("r", k) for k in keys]):
+            assert time.monotonic() < end, "no lookup answer"
+            rt.flush()
+            consumer.step()
+            producer.step(wait=False)
+        assert answers == [Answer.HIT] * 4
+        (session,) = m.sessions()
+        rt.submit_load(7, "r", keys, [4, 5, 6, 7])  # the producer stalls now
+        end = time.monotonic() + 5.0
+        while 7 not in consumer.results:
+            assert time.monotonic() < end, "the load never ended"
+            consumer.step(wait=False)
+            time.sleep(0.005)
+        assert not consumer.results.pop(7).success
+        assert not session.closed, session.close_reason
+    finally:
+        consumer.close()
+        producer.close()

@@ -200,7 +200,7 @@ class P2PKVTier(SecondaryTierManager):
             check_hash_seed()
         check_nixl()
         from p2p_kv.control import ControlTransport
-        from p2p_kv.data import NixlDataTransport
+        from p2p_kv.data import NixlDataTransport, drain_timeout_for
         from p2p_kv.runtime import TierRuntime, fresh_nonce
 
         region = (
@@ -217,6 +217,7 @@ class P2PKVTier(SecondaryTierManager):
             name="p2p_kv",
             same_host=self.cfg.same_host_copy,
             read_staging_bytes=int(self.cfg.read_staging_mib * (1 << 20)),
+            drain_timeout_s=drain_timeout_for(self.cfg.abort_ack_timeout_s),
         )
         control = ControlTransport(
             self.cfg.host, port, heartbeat_s=self.cfg.heartbeat_ms / 1000
