@@ -319,8 +319,9 @@ class TierRuntime:
                 if agent in self._agents.values():
                     # The same engine, other direction (its inbound and our
                     # outbound session share one NIXL agent): end only this
-                    # session's transfers, fenced as remove_peer's are (the
-                    # session's slots are freed below); the agent stays.
+                    # session's transfers, waited for (the session's slots
+                    # are freed below); the agent stays, so one still running
+                    # at the drain bound is not fenced (docs: Known limits).
                     self.data.cancel(*mine, wait=True)
                 else:
                     self.data.remove_peer(agent)  # fences: nothing lands after
