@@ -538,11 +538,12 @@ class LoadManager:
         if kv_id is not None:
             entry = self._parked[kv_id]
             entry.live_producers -= 1
-            self._feed_waiting(kv_id, now)
-            self._gc_parked(kv_id)
-            if kv_id not in self._parked:
+            if not entry.live_producers:
                 # vLLM ends a request at the tier after its last store: no
-                # more can come for this id.
+                # more can come for this id (but from a retry under it).
+                # Noted whether or not stores stay parked: a first decoder
+                # may take them, and a retry's Fetch then waited out its
+                # whole deadline instead of the grace.
                 self._finished_kv.pop(kv_id, None)
                 self._finished_kv[kv_id] = now + self.parked_ttl_s
                 while self._finished_kv and (
@@ -550,6 +551,8 @@ class LoadManager:
                     or next(iter(self._finished_kv.values())) <= now
                 ):
                     del self._finished_kv[next(iter(self._finished_kv))]
+            self._feed_waiting(kv_id, now)
+            self._gc_parked(kv_id)
 
     # ------------------------------------------------------------------
     # vLLM-facing: results
@@ -1038,6 +1041,15 @@ class LoadManager:
                     heapq.heappush(
                         self._late_fetches, (now + LATE_FETCH_GRACE_S, serve.req)
                     )
+            elif entry.producer_seen and not entry.live_producers:
+                # Its producer ended with some stores parked (an attempt
+                # aborted mid-prefill): what they lack may still come from
+                # a retry under the same id, so the same grace applies.
+                # The Fetch was refused at once ("blocks not stored").
+                entry.producer_seen = False
+                heapq.heappush(
+                    self._late_fetches, (now + LATE_FETCH_GRACE_S, serve.req)
+                )
             entry.waiting.append((session.peer, serve))
             self._waiting_kv.add(serve.req)
             self._feed_waiting(serve.req, now)
