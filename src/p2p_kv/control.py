@@ -24,7 +24,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -33,18 +33,21 @@ from p2p_kv.procfs import socket_inode
 from p2p_kv.protocol import MAX_FRAME_BYTES
 
 HWM: Final = 10_000
-#: Frames libzmq queues for us per inbound connection (the ROUTER's pipes).
-#: Anyone who reaches the port may open connections and send frames of up
-#: to 4 MiB before any handshake: at HWM that queued 40 GiB a connection.
-#: A peer past it is held back by TCP, and its own SNDHWM (HWM) queues the
-#: rest, so a healthy peer's burst is not lost; only memory moves to it.
-INBOUND_HWM: Final = 256
+#: Frames libzmq queues for us per connection, inbound (anyone who reaches
+#: the port may open connections and send frames of up to 4 MiB before any
+#: handshake: at HWM that queued 40 GiB a connection) or dialled (clients
+#: name the peers we dial). A peer past it is held back by TCP, and its own
+#: SNDHWM (HWM) queues the rest, so a healthy peer's burst is not lost;
+#: only the memory moves to it.
+RCV_HWM: Final = 256
 #: Frames taken from one socket in one poll. A peer sending faster than we
 #: read held the engine's step inside poll (5.5 s and 1.7 M frames for one
 #: flood of 8-byte frames); the rest waits for the next poll.
 MAX_FRAMES_PER_POLL: Final = 4096
 #: Bytes taken in one poll, over all sockets: 4,096 frames of 4 MiB were
-#: 16 GiB held in one list before any of it was looked at.
+#: 16 GiB held in one list before any of it was looked at. The peers we
+#: dialled are read first, each to a quarter of it, so a flood on the port
+#: cannot starve the replies and heartbeats our own sessions wait for.
 MAX_BYTES_PER_POLL: Final = 64 * 1024 * 1024
 
 
@@ -64,6 +67,30 @@ def zmq_endpoint(host: str, port: int) -> str:
     except ValueError:
         return f"tcp://{host}:{port}"
     return f"tcp://[{ip}]:{port}" if ip.version == 6 else f"tcp://{ip}:{port}"
+
+
+def _drain(
+    sock: zmq.Socket[bytes], budget: int, multipart: bool = False
+) -> tuple[list[Any], int, bool]:
+    """What ``sock`` holds, up to :data:`MAX_FRAMES_PER_POLL` messages or
+    ``budget`` bytes (the message that crosses it included): the messages,
+    their bytes, and whether any were left unread."""
+    got: list[Any] = []
+    used = 0
+    for _ in range(MAX_FRAMES_PER_POLL):
+        if used >= budget:
+            return got, used, True
+        try:
+            msg: Any = (
+                sock.recv_multipart(flags=zmq.NOBLOCK)
+                if multipart
+                else sock.recv(flags=zmq.NOBLOCK)
+            )
+        except zmq.Again:
+            return got, used, False
+        used += len(msg[-1]) if multipart else len(msg)
+        got.append(msg)
+    return got, used, True
 
 
 def resolve_bind_host(host: str) -> str:
@@ -156,7 +183,6 @@ class ControlTransport:
         self._heartbeat_ms = max(1, int(heartbeat_s * 1000))
         self._router = self._socket(zmq.ROUTER)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._router.setsockopt(zmq.RCVHWM, INBOUND_HWM)
         try:
             if port == 0:
                 port = self._router.bind_to_random_port(zmq_endpoint(bind_host, 0)[:-2])
@@ -191,7 +217,7 @@ class ControlTransport:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IPV6, 1)
         sock.setsockopt(zmq.SNDHWM, HWM)
-        sock.setsockopt(zmq.RCVHWM, HWM)
+        sock.setsockopt(zmq.RCVHWM, RCV_HWM)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 64)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
@@ -295,25 +321,26 @@ class ControlTransport:
                 os.read(self._wake_r, 4096)
         more = False
         budget = MAX_BYTES_PER_POLL
+        for sock, peer in list(self._by_socket.items()):
+            if sock in events:
+                frames, used, left = _drain(sock, min(budget, MAX_BYTES_PER_POLL // 4))
+                budget -= used
+                more |= left
+                out.extend(Inbound(peer, f, False) for f in frames)
         if self._router in events:
-            for _ in range(MAX_FRAMES_PER_POLL):
-                if budget <= 0:
-                    more = True
-                    break
-                try:
-                    parts = self._router.recv_multipart(flags=zmq.NOBLOCK)
-                except zmq.Again:
-                    break
+            # What the peers we dialled left, and at least their share.
+            frames, _, left = _drain(
+                self._router, max(budget, MAX_BYTES_PER_POLL // 4), multipart=True
+            )
+            more |= left
+            for parts in frames:
                 if len(parts) != 2:
                     continue
                 ident, frame = parts
-                budget -= len(frame)
                 new = ident not in self._known_inbound
                 if new:
                     self._known_inbound.add(ident)
                 out.append(Inbound(f"in:{ident.hex()}", frame, new))
-            else:
-                more = True
         for monitor, peer in list(self._monitors.items()):
             if monitor not in events:
                 continue
@@ -341,21 +368,6 @@ class ControlTransport:
                     lost = lost or UNREACHABLE
             if lost:
                 out.append(Inbound(peer, b"", False, lost=True, why=lost))
-        for sock, peer in list(self._by_socket.items()):
-            if sock not in events:
-                continue
-            for _ in range(MAX_FRAMES_PER_POLL):
-                if budget <= 0:
-                    more = True
-                    break
-                try:
-                    frame = sock.recv(flags=zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                budget -= len(frame)
-                out.append(Inbound(peer, frame, False))
-            else:
-                more = True
         if more:
             # Left unread: the next poll must not wait (and a waker asleep
             # on the edge-triggered ZMQ_FD would not see them).

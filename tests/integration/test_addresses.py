@@ -7,6 +7,7 @@ import os
 import socket
 import threading
 import time
+from typing import Any
 
 import msgspec
 import nixl._api  # noqa: F401  (fail, not skip, without NIXL)
@@ -268,12 +269,12 @@ def test_one_poll_holds_a_bounded_number_of_bytes() -> None:
     """Frames of up to 4 MiB, from anyone who reaches the port: one poll
     held up to 4,096 of them (16 GiB) before any was looked at. A poll
     takes at most MAX_BYTES_PER_POLL (and one frame more), the rest the
-    next; and libzmq queues at most INBOUND_HWM frames per connection."""
+    next; and libzmq queues at most RCV_HWM frames per connection."""
     import zmq
 
     from p2p_kv.control import (
-        INBOUND_HWM,
         MAX_BYTES_PER_POLL,
+        RCV_HWM,
         ControlTransport,
         zmq_endpoint,
     )
@@ -283,7 +284,7 @@ def test_one_poll_holds_a_bounded_number_of_bytes() -> None:
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
-        assert ctl._router.getsockopt(zmq.RCVHWM) == INBOUND_HWM
+        assert ctl._router.getsockopt(zmq.RCVHWM) == RCV_HWM
         sock.connect(zmq_endpoint("127.0.0.1", ctl.port))
         sent = 2 * MAX_BYTES_PER_POLL // MAX_FRAME_BYTES + 4
         for i in range(sent):
@@ -300,6 +301,42 @@ def test_one_poll_holds_a_bounded_number_of_bytes() -> None:
     finally:
         sock.close()
         ctl.close()
+
+
+def test_a_flood_on_the_port_does_not_starve_the_peers_we_dialled() -> None:
+    """One poll's byte budget was spent on the port's connections first:
+    a flood of 4 MiB frames there (anyone may send them) left a peer we
+    dialled unread, its replies and heartbeats waiting, poll after poll.
+    The peers we dialled are read first, each to a share of the budget."""
+    import zmq
+
+    from p2p_kv.control import ControlTransport, zmq_endpoint
+    from p2p_kv.protocol import MAX_FRAME_BYTES
+
+    ours = ControlTransport("127.0.0.1", 0, heartbeat_s=1.0)
+    theirs = ControlTransport("127.0.0.1", 0, heartbeat_s=1.0)
+    flood = zmq.Context.instance().socket(zmq.DEALER)
+    flood.setsockopt(zmq.LINGER, 0)
+    try:
+        ours.connect(theirs.address)
+        assert ours.send(theirs.address, [b"hello"])
+        end = time.monotonic() + 5.0
+        inbound: list[Any] = []
+        while not inbound and time.monotonic() < end:
+            inbound = [x for x in theirs.poll(0.05) if x.frame == b"hello"]
+        assert inbound, "the dial never arrived"
+        flood.connect(zmq_endpoint("127.0.0.1", ours.port))
+        for _ in range(40):  # 160 MiB, queued at our port
+            flood.send(b"\x00" * (MAX_FRAME_BYTES - 64))
+        time.sleep(1.0)
+        assert theirs.send(inbound[0].conn, [b"reply"])
+        time.sleep(0.2)
+        batch = ours.poll(0.05)
+        assert any(x.frame == b"reply" for x in batch), "the reply waited"
+    finally:
+        flood.close()
+        ours.close()
+        theirs.close()
 
 
 def test_a_dial_that_gets_through_on_libzmq_s_retry_is_not_lost() -> None:
