@@ -1041,15 +1041,6 @@ class LoadManager:
                     heapq.heappush(
                         self._late_fetches, (now + LATE_FETCH_GRACE_S, serve.req)
                     )
-            elif entry.producer_seen and not entry.live_producers:
-                # Its producer ended with some stores parked (an attempt
-                # aborted mid-prefill): what they lack may still come from
-                # a retry under the same id, so the same grace applies.
-                # The Fetch was refused at once ("blocks not stored").
-                entry.producer_seen = False
-                heapq.heappush(
-                    self._late_fetches, (now + LATE_FETCH_GRACE_S, serve.req)
-                )
             entry.waiting.append((session.peer, serve))
             self._waiting_kv.add(serve.req)
             self._feed_waiting(serve.req, now)

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from p2p_kv.lifecycle import State
-from p2p_kv.manager import Answer, LoadManager, Roles
+from p2p_kv.manager import Answer, JobResult, LoadManager, Roles
 from p2p_kv.protocol import Fetch, decode, encode
 from p2p_kv.session import Timeouts, is_inbound
 
@@ -51,6 +51,20 @@ def load(net: Net, req: str, slots: list[int], keys: list[bytes] = KEYS) -> int:
     eng.expect[job] = (list(keys), list(slots))  # a success must hold them
     eng.manager.submit_load(job, req, keys, slots, net.now)
     return job
+
+
+def pd_load(net: Net, req: str, kv_id: str, slots: list[int]) -> JobResult:
+    """Decoder request ``req`` on b loads ``kv_id``'s parked blocks from a
+    into ``slots`` (a Fetch, no lookup); the result, once its job ends."""
+    b = net.engines["b"]
+    b.manager.on_new_request(req, net.roles("a", kv_id, probe=False), net.now)
+    job = load(net, req, slots)
+    net.run()
+    while job not in b.results:
+        wait(net, 0.1)
+        collect_all(net)
+    (result,) = b.results[job]
+    return result
 
 
 def assert_drained(net: Net) -> None:
@@ -593,13 +607,7 @@ def test_a_fetch_after_its_producer_ended_with_nothing_parked_fails_at_once() ->
     dec = Roles.parse({"remote_decoder": {"kv_request_id": "kvW"}})
     a.manager.on_new_request("p1", dec, net.now)
     a.manager.on_request_finished("p1", net.now)  # nothing was stored
-    b.manager.on_new_request("d1", net.roles("a", "kvW", probe=False), net.now)
-    job = load(net, "d1", [1, 2, 3, 4])
-    net.run()
-    while job not in b.results:
-        wait(net, 0.1)
-        collect_all(net)
-    (result,) = b.results[job]
+    result = pd_load(net, "d1", "kvW", [1, 2, 3, 4])
     assert not result.success and net.now < 1.5, (result, net.now)
     b.manager.on_request_finished("d1", net.now)
     # A retry under the same id whose decoder is quicker than its producer.
@@ -623,42 +631,6 @@ def test_a_fetch_after_its_producer_ended_with_nothing_parked_fails_at_once() ->
     assert_drained(net)
 
 
-@pytest.mark.parametrize("parked", [0, 2], ids=["nothing-parked", "some-parked"])
-def test_a_retry_under_the_same_id_serves_a_quicker_decoder(parked: int) -> None:
-    """A disaggregated prefill whose first attempt ended part way (some of
-    its stores parked, or none) is retried under the same kv id, and the
-    retry's decoder Fetches before the retry's producer starts. With
-    nothing parked the Fetch waited the grace for it; with some parked the
-    entry read as complete (its producer seen, none live) and the Fetch
-    was refused at once: the retry recomputed the whole prompt."""
-    net = make_net()
-    a, b = net.engines["a"], net.engines["b"]
-    dec = Roles.parse({"remote_decoder": {"kv_request_id": "kvW"}})
-    a.manager.on_new_request("p1", dec, net.now)
-    if parked:
-        a.store(a.new_job(), "p1", KEYS[:parked], [20, 21][:parked], net.now)
-    a.manager.on_request_finished("p1", net.now)
-    net.run()
-    collect_all(net)
-    b.manager.on_new_request("d2", net.roles("a", "kvW", probe=False), net.now)
-    job = load(net, "d2", [1, 2, 3, 4])
-    net.run()
-    wait(net, 0.3)
-    collect_all(net)
-    assert job not in b.results, b.results[job]
-    a.manager.on_new_request("p2", dec, net.now)  # the retry's producer
-    a.store(a.new_job(), "p2", KEYS, [20, 21, 22, 23], net.now)
-    a.manager.on_request_finished("p2", net.now)
-    net.run()
-    collect_all(net)
-    assert b.results[job][0].success, b.results[job]
-    b.manager.on_request_finished("d2", net.now)
-    net.run()
-    wait(net, 1.5)
-    collect_all(net)
-    assert_drained(net)
-
-
 def test_a_retry_after_a_decoder_took_the_stores_fails_after_the_grace() -> None:
     """A producer that ended with its stores parked, read by a first
     decoder: a second Fetch under that id (a decoder's retry) waited out
@@ -670,23 +642,11 @@ def test_a_retry_after_a_decoder_took_the_stores_fails_after_the_grace() -> None
     a.manager.on_new_request("p1", dec, net.now)
     a.store(a.new_job(), "p1", KEYS, [20, 21, 22, 23], net.now)
     a.manager.on_request_finished("p1", net.now)
-    b.manager.on_new_request("d1", net.roles("a", "kvW", probe=False), net.now)
-    job = load(net, "d1", [1, 2, 3, 4])
-    net.run()
-    while job not in b.results:
-        wait(net, 0.1)
-        collect_all(net)
-    assert b.results[job][0].success
+    assert pd_load(net, "d1", "kvW", [1, 2, 3, 4]).success
     b.manager.on_request_finished("d1", net.now)
     net.run()
     start = net.now
-    b.manager.on_new_request("d2", net.roles("a", "kvW", probe=False), net.now)
-    job = load(net, "d2", [5, 6, 7, 8])
-    net.run()
-    while job not in b.results:
-        wait(net, 0.1)
-        collect_all(net)
-    assert not b.results[job][0].success
+    assert not pd_load(net, "d2", "kvW", [5, 6, 7, 8]).success
     assert net.now - start < 1.5, net.now - start
     b.manager.on_request_finished("d2", net.now)
     net.run()
