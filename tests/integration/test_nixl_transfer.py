@@ -1121,6 +1121,6 @@ def test_stuck_transfers_cancelled_together_cost_one_drain(
             assert took < 0.1, took
             reported = _reported_alone(cons)
             took = time.monotonic() - t0
-            assert drain <= took < 2 * drain, took
+            assert drain <= took < 3 * drain, took
         assert sorted(reported) == [(t, False) for t in tids]
         assert cons.take_unstopped() == set(tids)

@@ -540,6 +540,44 @@ def test_pins_held_for_a_peer_do_not_keep_an_idle_engine_stepping() -> None:
         producer.close()
 
 
+def _hits_to_read_in_place(
+    tag: str, timeouts: Timeouts
+) -> tuple[StandalonePeer, StandalonePeer, list[bytes]]:
+    """A producer holding 4 blocks and a consumer (``timeouts``) whose
+    request "r" has looked them all up, its NIXL READs landing in place.
+    Over UCX's TCP transport (the caller sets UCX_TLS) a READ then stalls
+    for as long as the producer makes no NIXL call."""
+    pid, bs = os.getpid(), 64 * 1024
+    producer = StandalonePeer(
+        16, bs, engine_id=f"{tag}-p-{pid}", timeouts=QUIET, same_host=False
+    )
+    consumer = StandalonePeer(
+        16,
+        bs,
+        engine_id=f"{tag}-c-{pid}",
+        timeouts=timeouts,
+        same_host=False,
+        read_staging_bytes=0,  # in place: a given-up READ waits its bound
+    )
+    keys = [make_key(i) for i in range(4)]
+    producer.fill(keys, [0, 1, 2, 3])
+    m, rt = consumer.manager, consumer.runtime
+    try:
+        consumer.open("r", producer.address, "kv")
+        end = time.monotonic() + IN_TIME_S
+        while Answer.RETRY in (answers := [m.lookup("r", k) for k in keys]):
+            assert time.monotonic() < end, "no lookup answer"
+            rt.flush()
+            consumer.step()
+            producer.step(wait=False)
+        assert answers == [Answer.HIT] * 4
+    except BaseException:
+        consumer.close()
+        producer.close()
+        raise
+    return producer, consumer, keys
+
+
 def test_an_aborted_read_neither_holds_nor_spins_the_idle_engine(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -551,32 +589,15 @@ def test_an_aborted_read_neither_holds_nor_spins_the_idle_engine(
     requests; and then, with no live request, the engine stepped ~1,000
     times a second for a job nobody waits on."""
     monkeypatch.setenv("UCX_TLS", TCP_ONLY)
-    pid, bs = os.getpid(), 64 * 1024
-    producer = StandalonePeer(
-        16, bs, engine_id=f"ab-p-{pid}", timeouts=QUIET, same_host=False
+    producer, consumer, keys = _hits_to_read_in_place(
+        "ab", Timeouts(heartbeat_interval_s=10.0, silence_s=30.0, abort_ack_s=8.0)
     )
-    consumer = StandalonePeer(
-        16,
-        bs,
-        engine_id=f"ab-c-{pid}",
-        timeouts=QUIET,
-        same_host=False,
-        read_staging_bytes=0,  # in place: a given-up READ waits its bound
-    )
-    consumer.runtime.data._drain_timeout_s = 3.0  # past this test's window
-    keys = [make_key(i) for i in range(4)]
-    producer.fill(keys, [0, 1, 2, 3])
+    # Past this test's window, and under the session's own wait for the
+    # READ (abort_ack_s, 8 s here), as drain_timeout_for would keep it.
+    consumer.runtime.data._drain_timeout_s = 3.0
     m, rt = consumer.manager, consumer.runtime
     engine: EngineCoreLoop | None = None
     try:
-        consumer.open("r", producer.address, "kv")
-        end = time.monotonic() + IN_TIME_S
-        while Answer.RETRY in (answers := [m.lookup("r", k) for k in keys]):
-            assert time.monotonic() < end, "no lookup answer"
-            rt.flush()
-            consumer.step()
-            producer.step(wait=False)
-        assert answers == [Answer.HIT] * 4
         # From here the producer makes no NIXL call: the READ stalls.
         engine = EngineCoreLoop(consumer)
         rt.start_waker(lambda: engine.queue.put_nowait("wake"), idle_s=TICK_S)
@@ -591,7 +612,7 @@ def test_an_aborted_read_neither_holds_nor_spins_the_idle_engine(
             assert rt.lock.acquire(timeout=0.5), "the cancel held the tier's lock"
             rt.lock.release()
             waited = time.monotonic() - t0
-            assert waited < 0.1, f"the engine's thread waited {waited:.2f} s"
+            assert waited < 0.3, f"the engine's thread waited {waited:.2f} s"
         held = engine.steps - steps
         assert held <= 3, f"the idle engine stepped {held} times in 1 s"
         assert 7 not in consumer.results and rt.transfers_in_flight == 1
@@ -623,33 +644,17 @@ def test_a_short_abort_ack_deadline_does_not_end_the_session(
     ran out first and ended the session, failing every load on it. The
     bound now stays under the session's deadline."""
     monkeypatch.setenv("UCX_TLS", TCP_ONLY)
-    pid, bs = os.getpid(), 64 * 1024
-    short = Timeouts(
-        heartbeat_interval_s=10.0, silence_s=30.0, fetch_floor_s=0.3, abort_ack_s=0.5
+    producer, consumer, keys = _hits_to_read_in_place(
+        "aa",
+        Timeouts(
+            heartbeat_interval_s=10.0,
+            silence_s=30.0,
+            fetch_floor_s=0.3,
+            abort_ack_s=0.5,
+        ),
     )
-    producer = StandalonePeer(
-        16, bs, engine_id=f"aa-p-{pid}", timeouts=QUIET, same_host=False
-    )
-    consumer = StandalonePeer(
-        16,
-        bs,
-        engine_id=f"aa-c-{pid}",
-        timeouts=short,
-        same_host=False,
-        read_staging_bytes=0,  # in place: a given-up READ waits its bound
-    )
-    keys = [make_key(i) for i in range(4)]
-    producer.fill(keys, [0, 1, 2, 3])
     m, rt = consumer.manager, consumer.runtime
     try:
-        consumer.open("r", producer.address, "kv")
-        end = time.monotonic() + IN_TIME_S
-        while Answer.RETRY in (answers := [m.lookup("r", k) for k in keys]):
-            assert time.monotonic() < end, "no lookup answer"
-            rt.flush()
-            consumer.step()
-            producer.step(wait=False)
-        assert answers == [Answer.HIT] * 4
         (session,) = m.sessions()
         rt.submit_load(7, "r", keys, [4, 5, 6, 7])  # the producer stalls now
         end = time.monotonic() + 5.0

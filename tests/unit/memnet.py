@@ -282,8 +282,14 @@ class Net:
         other = self._other(name, peer)
         if other is None:
             return
-        msg: Message = decode(frame)
-        self.engines[other[0]].manager.on_message(other[1], msg, self.now)
+        manager = self.engines[other[0]].manager
+        session = manager.session(other[1])
+        # As the runtime decodes: before its session is ready a peer may
+        # send only a greeting (a well-behaved one never sends more, so a
+        # refusal here fails the test).
+        greeting = session is not None and not session.ready
+        msg: Message = decode(frame, greeting=greeting)
+        manager.on_message(other[1], msg, self.now)
 
     def complete_writes(self, ok: bool = True) -> None:
         """End every transfer in flight: writes and reads."""
