@@ -105,6 +105,9 @@ class TierRuntime:
         self._unproven: set[str] = set()
         #: nixl id -> (peer, "write" | "read", write id or job id)
         self._xfers: dict[int, tuple[str, str, int]] = {}
+        #: ids of _xfers given up on (cancelled, not yet reported): nobody
+        #: waits for them, so they keep no idle engine stepping
+        self._given_up: set[int] = set()
         #: ids of the engine's requests between start_request and
         #: end_request: a set, as the manager keys them (see start_request)
         self._live: set[str] = set()
@@ -181,18 +184,21 @@ class TierRuntime:
             not m.jobs_in_flight()
             or m.has_lookups_to_serve
             or m.results_ready()
-            or any(kind == "write" for _, kind, _ in self._xfers.values())
+            or any(
+                kind == "write" and x not in self._given_up
+                for x, (_, kind, _) in self._xfers.items()
+            )
         ):
             # Nothing of ours keeps it stepping (whatever does is vLLM's
             # own), or it has something to do for us or a waiting peer (a
             # WRITE of ours: its TransferDone leaves on the step that
             # sees it end, not at the waker's next tick).
             return 0.0
-        # A READ still in flight is a finished request's (none is live):
-        # nobody waits for it, and the waker takes its completion (every
-        # DATA_TICK_S) and calls the engine in for the result. Stepping
-        # for it spun the engine until it ended (a cancelled one up to
-        # the data plane's drain bound).
+        # A READ still in flight is a finished request's (none is live),
+        # and a WRITE given up on is waited for by nobody: the waker takes
+        # their completions (every DATA_TICK_S) and calls the engine in
+        # for what results they make. Stepping for them spun the engine
+        # until they ended (a given-up one up to the drain bound).
         return PARK_MAX_S
 
     def park_engine(self, queue: Queue[Any]) -> None:
@@ -295,7 +301,9 @@ class TierRuntime:
                     )
         cancels = set(m.take_cancels())
         if cancels:
-            self.data.cancel(*(x for x, what in self._xfers.items() if what in cancels))
+            ids = [x for x, what in self._xfers.items() if what in cancels]
+            self._given_up.update(ids)
+            self.data.cancel(*ids)
         # Reads first: they need nothing from the peer, so they start the
         # moment the engine asks, ahead of this step's messages.
         posted = self._post_reads()
@@ -327,6 +335,7 @@ class TierRuntime:
                     self.data.remove_peer(agent)  # fences: nothing lands after
                 for xfer_id in mine:
                     del self._xfers[xfer_id]
+                    self._given_up.discard(xfer_id)
             self.control.close_conn(peer)
             session = m.session(peer)
             if session is not None and session.close_reason:
@@ -501,6 +510,7 @@ class TierRuntime:
         unstopped = self.data.take_unstopped()
         for xfer_id, ok in done:
             what = self._xfers.pop(xfer_id, None)
+            self._given_up.discard(xfer_id)
             if what is None:
                 continue
             peer, kind, ident = what

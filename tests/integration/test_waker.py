@@ -667,3 +667,76 @@ def test_a_short_abort_ack_deadline_does_not_end_the_session(
     finally:
         consumer.close()
         producer.close()
+
+
+def test_a_write_given_up_on_does_not_keep_the_idle_producer_stepping(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A producer with no request of its own WRITEs a peer's Fetch into a
+    consumer that stalls (over TCP a WRITE needs the consumer's progress).
+    Past the write's deadline it is given up on, and waits for the data
+    plane's report (up to the drain bound) with nobody waiting on it; the
+    producer's engine stepped ~1,000 times a second all that while."""
+    monkeypatch.setenv("UCX_TLS", TCP_ONLY)
+    pid, bs = os.getpid(), 64 * 1024
+    producer = StandalonePeer(
+        16,
+        bs,
+        engine_id=f"gw-p-{pid}",
+        timeouts=Timeouts(
+            heartbeat_interval_s=10.0,
+            silence_s=30.0,
+            fetch_floor_s=0.3,
+            abort_ack_s=8.0,
+        ),
+        same_host=False,
+    )
+    producer.runtime.data._drain_timeout_s = 3.0  # past the window below
+    consumer = StandalonePeer(
+        16, bs, engine_id=f"gw-c-{pid}", timeouts=QUIET, same_host=False, reads=False
+    )
+    keys = [make_key(i) for i in range(4)]
+    for i, k in enumerate(keys):
+        producer.pinner.table[k] = i
+    m, rt = consumer.manager, consumer.runtime
+    engine: EngineCoreLoop | None = None
+    try:
+        consumer.open("r", producer.address, "kv")
+        end = time.monotonic() + IN_TIME_S
+        while Answer.RETRY in (answers := [m.lookup("r", k) for k in keys]):
+            assert time.monotonic() < end, "no lookup answer"
+            rt.flush()
+            consumer.step()
+            producer.step(wait=False)
+        assert answers == [Answer.HIT] * 4
+        engine = EngineCoreLoop(producer)
+        producer.runtime.start_waker(
+            lambda: engine.queue.put_nowait("wake"), idle_s=TICK_S
+        )
+        rt.submit_load(7, "r", keys, [4, 5, 6, 7])  # a Fetch: the producer WRITEs
+        # From here the consumer makes no call at all: the WRITE stalls,
+        # its deadline (0.3 s) passes, and it is given up on.
+        time.sleep(1.0)
+        steps = engine.steps
+        time.sleep(1.0)
+        held = engine.steps - steps
+        assert held <= 3, f"the idle producer stepped {held} times in 1 s"
+        # The consumer resumes: the WRITE ends, the load fails (too late).
+        end = time.monotonic() + 5.0
+        while 7 not in consumer.results:
+            assert time.monotonic() < end, "the load never ended"
+            consumer.step(wait=False)
+            time.sleep(0.005)
+        assert not consumer.results.pop(7).success
+        rt.end_request("r")
+        end = time.monotonic() + 5.0
+        while producer.pinner.pinned or producer.runtime.transfers_in_flight:
+            assert time.monotonic() < end, "the producer still holds the write"
+            consumer.step(wait=False)
+            time.sleep(0.01)
+        assert not producer.runtime._given_up
+    finally:
+        if engine is not None:
+            engine.close()
+        consumer.close()
+        producer.close()
