@@ -540,6 +540,32 @@ def test_pins_held_for_a_peer_do_not_keep_an_idle_engine_stepping() -> None:
         producer.close()
 
 
+def _look_up(
+    consumer: StandalonePeer, producer: StandalonePeer, keys: list[bytes]
+) -> None:
+    """Request "r" of ``consumer`` looks ``keys`` up at ``producer``, both
+    stepped here, until every one hits."""
+    m, rt = consumer.manager, consumer.runtime
+    consumer.open("r", producer.address, "kv")
+    end = time.monotonic() + IN_TIME_S
+    while Answer.RETRY in (answers := [m.lookup("r", k) for k in keys]):
+        assert time.monotonic() < end, "no lookup answer"
+        rt.flush()
+        consumer.step()
+        producer.step(wait=False)
+    assert answers == [Answer.HIT] * 4
+
+
+def _stepped_to_result(consumer: StandalonePeer, job: int) -> Any:
+    """Step ``consumer`` (5 s at most) until load ``job`` has its result."""
+    end = time.monotonic() + 5.0
+    while job not in consumer.results:
+        assert time.monotonic() < end, "the load never ended"
+        consumer.step(wait=False)
+        time.sleep(0.005)
+    return consumer.results.pop(job)
+
+
 def _hits_to_read_in_place(
     tag: str, timeouts: Timeouts
 ) -> tuple[StandalonePeer, StandalonePeer, list[bytes]]:
@@ -561,16 +587,8 @@ def _hits_to_read_in_place(
     )
     keys = [make_key(i) for i in range(4)]
     producer.fill(keys, [0, 1, 2, 3])
-    m, rt = consumer.manager, consumer.runtime
     try:
-        consumer.open("r", producer.address, "kv")
-        end = time.monotonic() + IN_TIME_S
-        while Answer.RETRY in (answers := [m.lookup("r", k) for k in keys]):
-            assert time.monotonic() < end, "no lookup answer"
-            rt.flush()
-            consumer.step()
-            producer.step(wait=False)
-        assert answers == [Answer.HIT] * 4
+        _look_up(consumer, producer, keys)
     except BaseException:
         consumer.close()
         producer.close()
@@ -657,12 +675,7 @@ def test_a_short_abort_ack_deadline_does_not_end_the_session(
     try:
         (session,) = m.sessions()
         rt.submit_load(7, "r", keys, [4, 5, 6, 7])  # the producer stalls now
-        end = time.monotonic() + 5.0
-        while 7 not in consumer.results:
-            assert time.monotonic() < end, "the load never ended"
-            consumer.step(wait=False)
-            time.sleep(0.005)
-        assert not consumer.results.pop(7).success
+        assert not _stepped_to_result(consumer, 7).success
         assert not session.closed, session.close_reason
     finally:
         consumer.close()
@@ -698,17 +711,10 @@ def test_a_write_given_up_on_does_not_keep_the_idle_producer_stepping(
     keys = [make_key(i) for i in range(4)]
     for i, k in enumerate(keys):
         producer.pinner.table[k] = i
-    m, rt = consumer.manager, consumer.runtime
+    rt = consumer.runtime
     engine: EngineCoreLoop | None = None
     try:
-        consumer.open("r", producer.address, "kv")
-        end = time.monotonic() + IN_TIME_S
-        while Answer.RETRY in (answers := [m.lookup("r", k) for k in keys]):
-            assert time.monotonic() < end, "no lookup answer"
-            rt.flush()
-            consumer.step()
-            producer.step(wait=False)
-        assert answers == [Answer.HIT] * 4
+        _look_up(consumer, producer, keys)
         engine = EngineCoreLoop(producer)
         producer.runtime.start_waker(
             lambda: engine.queue.put_nowait("wake"), idle_s=TICK_S
@@ -722,12 +728,7 @@ def test_a_write_given_up_on_does_not_keep_the_idle_producer_stepping(
         held = engine.steps - steps
         assert held <= 3, f"the idle producer stepped {held} times in 1 s"
         # The consumer resumes: the WRITE ends, the load fails (too late).
-        end = time.monotonic() + 5.0
-        while 7 not in consumer.results:
-            assert time.monotonic() < end, "the load never ended"
-            consumer.step(wait=False)
-            time.sleep(0.005)
-        assert not consumer.results.pop(7).success
+        assert not _stepped_to_result(consumer, 7).success
         rt.end_request("r")
         end = time.monotonic() + 5.0
         while producer.pinner.pinned or producer.runtime.transfers_in_flight:
