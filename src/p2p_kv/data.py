@@ -680,6 +680,13 @@ class NixlDataTransport:
         with self._lock:
             return len(self._inflight) + len(self._done)
 
+    def given_up(self, transfer_id: int) -> bool:
+        """Whether a transfer still running was given up on (:meth:`cancel`):
+        its report is owed, but nobody waits for it."""
+        with self._lock:
+            xfer = self._inflight.get(transfer_id)
+            return xfer is not None and xfer.give_up_at is not None
+
     def settling(self) -> bool:
         """READs given up on that UCX may still end (their staging, and a
         removed peer's agent, wait for it): :meth:`poll_completions` frees
@@ -875,7 +882,7 @@ class NixlDataTransport:
 
     def _remove_peer_locked(self, agent_name: str) -> None:
         tids = [tid for tid, x in self._inflight.items() if x.peer == agent_name]
-        self._finish(tids)
+        self._give_up(tids, wait=True)
         peer = self._peers.pop(agent_name, None)
         if peer is not None:
             self._unmap(peer)
@@ -1409,19 +1416,7 @@ class NixlDataTransport:
         UCX the progress that lets most of them end.
         """
         with self._lock:
-            tids = [t for t in transfer_ids if t in self._inflight]
-            if wait:
-                self._finish(tids)
-                return
-            now = time.monotonic()
-            for tid in tids:
-                xfer = self._inflight[tid]
-                if xfer.give_up_at is None:
-                    xfer.give_up_at = now + self._drain_timeout_s
-                ok = self._ended(tid, xfer, now)
-                if ok is not None:
-                    del self._inflight[tid]
-                    self._done.append((tid, ok))
+            self._give_up([t for t in transfer_ids if t in self._inflight], wait)
 
     def close(self) -> None:
         """Release every handle, peer and registration; idempotent."""
@@ -1432,7 +1427,7 @@ class NixlDataTransport:
             if self._agent is None:
                 return
             try:
-                self._finish(list(self._inflight))
+                self._give_up(list(self._inflight), wait=True)
                 self._done.clear()
                 if self._zombies and self._stage_mem is not None:
                     # UCX may still write into their staging until the agent
@@ -1536,23 +1531,23 @@ class NixlDataTransport:
         self._unstopped.add(tid)
         return False
 
-    def _finish(self, tids: list[int]) -> None:
-        """End tracked transfers, fencing them: give them up and wait (with
-        progress) until each has ended or met its drain bound. Waiting
-        turns most cancellations on loopback into plain completions."""
+    def _give_up(self, tids: list[int], wait: bool) -> None:
+        """Give tracked transfers up: each is reported (into ``_done``) once
+        it has ended or met its drain bound (:meth:`_ended`). ``wait``: a
+        fence, until then, with progress (which turns most cancellations
+        on loopback into plain completions)."""
         now = time.monotonic()
-        pending = {
-            tid: self._inflight.pop(tid) for tid in tids if tid in self._inflight
-        }
-        for xfer in pending.values():
-            if xfer.give_up_at is None:
+        for tid in tids:
+            xfer = self._inflight.get(tid)
+            if xfer is not None and xfer.give_up_at is None:
                 xfer.give_up_at = now + self._drain_timeout_s
-        while pending:
+        while True:
             now = time.monotonic()
-            for tid, xfer in list(pending.items()):
-                ok = self._ended(tid, xfer, now)
-                if ok is not None:
+            for tid in tids:
+                xfer = self._inflight.get(tid)
+                if xfer is not None and (ok := self._ended(tid, xfer, now)) is not None:
+                    del self._inflight[tid]
                     self._done.append((tid, ok))
-                    del pending[tid]
-            if pending:
-                time.sleep(0.0002)
+            if not wait or not any(t in self._inflight for t in tids):
+                return
+            time.sleep(0.0002)

@@ -36,14 +36,7 @@ from p2p_kv.control import ControlTransport, wait_readable
 from p2p_kv.data import NixlDataTransport, RegionInfo
 from p2p_kv.handshake import FrameRefused
 from p2p_kv.manager import JobResult, LoadManager, Roles
-from p2p_kv.protocol import (
-    MAX_GREETING_BYTES,
-    Heartbeat,
-    Message,
-    ProtocolError,
-    decode,
-    encode,
-)
+from p2p_kv.protocol import Heartbeat, Message, ProtocolError, encode
 from p2p_kv.session import Pinner, is_inbound
 
 log = logging.getLogger("vllm.p2p_kv")
@@ -105,9 +98,6 @@ class TierRuntime:
         self._unproven: set[str] = set()
         #: nixl id -> (peer, "write" | "read", write id or job id)
         self._xfers: dict[int, tuple[str, str, int]] = {}
-        #: ids of _xfers given up on (cancelled, not yet reported): nobody
-        #: waits for them, so they keep no idle engine stepping
-        self._given_up: set[int] = set()
         #: ids of the engine's requests between start_request and
         #: end_request: a set, as the manager keys them (see start_request)
         self._live: set[str] = set()
@@ -185,7 +175,7 @@ class TierRuntime:
             or m.has_lookups_to_serve
             or m.results_ready()
             or any(
-                kind == "write" and x not in self._given_up
+                kind == "write" and not self.data.given_up(x)
                 for x, (_, kind, _) in self._xfers.items()
             )
         ):
@@ -301,9 +291,7 @@ class TierRuntime:
                     )
         cancels = set(m.take_cancels())
         if cancels:
-            ids = [x for x, what in self._xfers.items() if what in cancels]
-            self._given_up.update(ids)
-            self.data.cancel(*ids)
+            self.data.cancel(*(x for x, what in self._xfers.items() if what in cancels))
         # Reads first: they need nothing from the peer, so they start the
         # moment the engine asks, ahead of this step's messages.
         posted = self._post_reads()
@@ -335,7 +323,6 @@ class TierRuntime:
                     self.data.remove_peer(agent)  # fences: nothing lands after
                 for xfer_id in mine:
                     del self._xfers[xfer_id]
-                    self._given_up.discard(xfer_id)
             self.control.close_conn(peer)
             session = m.session(peer)
             if session is not None and session.close_reason:
@@ -432,16 +419,8 @@ class TierRuntime:
                 # frames go unread. Each was refused and logged again, up
                 # to 4,096 lines a poll from a party without the secret.
                 continue
-            frame, sealed = inbound.frame, False
-            greeting = not session.ready
             try:
-                if greeting and len(frame) > MAX_GREETING_BYTES:
-                    raise ProtocolError(
-                        f"a {len(frame)}-byte frame before the handshake",
-                        "before_handshake",
-                    )
-                frame, sealed = session.unseal(frame)
-                msg = decode(frame, greeting=greeting)
+                msg = session.open(inbound.frame)
             except ProtocolError as exc:
                 self.manager.on_bad_frame(inbound.conn, exc.reason)
                 self._bad_frames += 1
@@ -456,12 +435,6 @@ class TierRuntime:
                 continue
             except FrameRefused as exc:
                 self._refuse_frame(inbound.conn, exc)
-                work = True
-                continue
-            if not sealed and not session.admits_plain(msg):
-                self._refuse_frame(
-                    inbound.conn, FrameRefused(f"a plain {type(msg).__name__}")
-                )
                 work = True
                 continue
             if not isinstance(msg, Heartbeat):
@@ -510,7 +483,6 @@ class TierRuntime:
         unstopped = self.data.take_unstopped()
         for xfer_id, ok in done:
             what = self._xfers.pop(xfer_id, None)
-            self._given_up.discard(xfer_id)
             if what is None:
                 continue
             peer, kind, ident = what

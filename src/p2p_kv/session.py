@@ -55,6 +55,7 @@ from p2p_kv.lifecycle import (
     Tracked,
 )
 from p2p_kv.protocol import (
+    MAX_GREETING_BYTES,
     MAX_KEYS,
     MAX_TTL_MS,
     Abort,
@@ -69,10 +70,12 @@ from p2p_kv.protocol import (
     Lookup,
     LookupResp,
     Message,
+    ProtocolError,
     Region,
     Release,
     Revoke,
     TransferDone,
+    decode,
 )
 
 # ---------------------------------------------------------------------------
@@ -598,6 +601,24 @@ class Session:
         if isinstance(msg, Goodbye) and not self._peer_acked:
             return frame
         return self._keys.seal(frame)
+
+    def open(self, frame: bytes) -> Message:
+        """The message a frame from the peer carries, as this session may
+        take it now. Before the handshake ends only a greeting is parsed
+        (``protocol.Greeting``): anything else, or a frame larger than any
+        greeting, is refused unread (:class:`ProtocolError`, reason
+        ``before_handshake``). A seal that does not check, or a plain frame
+        where a sealed one is due, raises :class:`FrameRefused`."""
+        greeting = not self.ready
+        if greeting and len(frame) > MAX_GREETING_BYTES:
+            raise ProtocolError(
+                f"a {len(frame)}-byte frame before the handshake", "before_handshake"
+            )
+        plain, sealed = self.unseal(frame)
+        msg = decode(plain, greeting=greeting)
+        if not sealed and not self.admits_plain(msg):
+            raise FrameRefused(f"a plain {type(msg).__name__}")
+        return msg
 
     def unseal(self, frame: bytes) -> tuple[bytes, bool]:
         """The plain frame, and whether it came sealed. Raises

@@ -420,6 +420,13 @@ class FaultyData:
     def settling(self) -> bool:
         return bool(self.inner.settling())
 
+    def given_up(self, transfer_id: int) -> bool:
+        return any(
+            self.inner.given_up(r)
+            for r, tid in self._real.items()
+            if tid == transfer_id
+        )
+
     def take_unstopped(self) -> set[int]:
         out, self._unstopped = self._unstopped, set()
         return out

@@ -284,11 +284,10 @@ class Net:
             return
         manager = self.engines[other[0]].manager
         session = manager.session(other[1])
-        # As the runtime decodes: before its session is ready a peer may
+        # As the runtime takes it: before its session is ready a peer may
         # send only a greeting (a well-behaved one never sends more, so a
         # refusal here fails the test).
-        greeting = session is not None and not session.ready
-        msg: Message = decode(frame, greeting=greeting)
+        msg: Message = decode(frame) if session is None else session.open(frame)
         manager.on_message(other[1], msg, self.now)
 
     def complete_writes(self, ok: bool = True) -> None:
