@@ -11,7 +11,9 @@ zmq this module fails at import.
 Scenarios: byte-exact fetches into scattered slots; partial hits; an abort
 while the producer is writing (slots fenced until it confirms); SIGKILL of
 a producer mid-write (fallback within the liveness deadline, then a second
-producer still serves); handshake refusals (hash seed, layout, secret) that
+producer still serves); SIGKILL of a consumer that dialled a producer
+(the producer lets go of its session and pins within two heartbeat
+intervals); handshake refusals (hash seed, layout, secret) that
 answer MISS instead of hanging; and, after each, every per-request
 structure on both sides back to zero. Last, an idle producer process: CPU
 use and one lookup's round trip.
@@ -966,4 +968,74 @@ def test_a_decoder_reads_the_parked_prefill_and_the_producer_writes_nothing(
         drain_both(cons, prod)
     finally:
         cons.close()
+        prod.close()
+
+
+def _doomed_consumer_main(producer: str, out: Any) -> None:
+    """A consumer that dials ``producer``, looks four keys up (the
+    producer pins them for it) and then hangs until it is killed."""
+    try:
+        peer = StandalonePeer(
+            8, 4 * KIB, engine_id=f"doomed-{os.getpid()}", timeouts=HB
+        )
+        keys = [make_key(k) for k in range(4)]
+        peer.open("doomed", producer, "kv-doomed")
+        end = time.monotonic() + 30
+        while time.monotonic() < end:
+            answers = [peer.manager.lookup("doomed", k) for k in keys]
+            if Answer.RETRY not in answers:
+                break
+            peer.runtime.flush()
+            peer.step()
+        out.put(("answers", answers))
+        while True:  # its engine hangs: no Release, no Goodbye
+            time.sleep(60)
+    except BaseException:
+        out.put(("error", traceback.format_exc()))
+
+
+def test_a_consumer_killed_mid_request_frees_what_the_producer_held() -> None:
+    """A consumer that dialled us and died. The ROUTER reports no lost
+    connection, and the session's silence deadline is 10 s; what ends it
+    is our next heartbeat to it, which libzmq refuses (``ROUTER_MANDATORY``:
+    the connection is gone). So the session and the pins of its lookups go
+    within two heartbeat intervals (no offer was made: ``reads=False``, so
+    no READ of the dead peer's can be in flight to hold them longer)."""
+    keys = [make_key(k) for k in range(4)]
+    prod = StandalonePeer(
+        8, 4 * KIB, engine_id=f"survivor-{os.getpid()}", timeouts=HB, reads=False
+    )
+    out = mp.get_context("spawn").Queue()
+    proc = mp.get_context("spawn").Process(
+        target=_doomed_consumer_main, args=(prod.address, out), daemon=True
+    )
+    try:
+        prod.fill(keys, [1, 2, 3, 4])
+        proc.start()
+        end = time.monotonic() + 60
+        got = None
+        while got is None:
+            assert time.monotonic() < end, "the consumer never got its answers"
+            prod.step(wait=False)
+            with contextlib.suppress(queue.Empty):
+                got = out.get_nowait()
+        assert got == ("answers", [Answer.HIT] * 4), got
+        assert prod.manager.state_report()["serves"] == 1  # its pins, held
+        os.kill(proc.pid, signal.SIGKILL)
+        t_kill = time.monotonic()
+        while prod.manager.sessions() or any(prod.manager.state_report().values()):
+            assert time.monotonic() - t_kill < 3.0, (
+                "the producer still holds a dead consumer's session: "
+                f"{prod.manager.state_report()}"
+            )
+            prod.step(wait=False)
+            time.sleep(0.005)
+        freed_s = time.monotonic() - t_kill
+        print(
+            f"\nkilled consumer: its session and pins gone {1e3 * freed_s:.0f} ms after SIGKILL"
+        )
+        assert freed_s < 2 * HB.heartbeat_interval_s
+    finally:
+        proc.kill()
+        proc.join(5)
         prod.close()
