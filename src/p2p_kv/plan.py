@@ -152,6 +152,14 @@ def _plan_np(
     n = len(src)
     s = np.fromiter(src, np.int64, n)
     d = np.fromiter(dst, np.int64, n)
+    # Bounds first, on every index: inside them no difference overflows, so
+    # a strictly rising side is proven free of duplicates by its diffs. On
+    # the diffs alone, int64 wrapped ([0, 5, -2**63, -3, ...] rises) and
+    # an index far outside the region passed as a neighbour.
+    if int(s.min()) < 0 or int(s.max()) >= local_blocks:
+        raise _index_error("src", src, local_blocks, "local")
+    if int(d.min()) < 0 or int(d.max()) >= remote_blocks:
+        raise _index_error("dst", dst, remote_blocks, "remote")
     ds = np.diff(s)
     if not bool((ds > 0).all()):
         order = np.argsort(s, kind="stable")
@@ -159,15 +167,8 @@ def _plan_np(
         ds = np.diff(s)
         if not bool(ds.all()):
             raise _index_error("src", src, local_blocks, "local")
-    if s[0] < 0 or s[-1] >= local_blocks:
-        raise _index_error("src", src, local_blocks, "local")
     dd = np.diff(d)
-    d_sorted = d if bool((dd > 0).all()) else np.sort(d)
-    if (
-        d_sorted[0] < 0
-        or d_sorted[-1] >= remote_blocks
-        or (d_sorted is not d and not bool(np.diff(d_sorted).all()))
-    ):
+    if not bool((dd > 0).all()) and not bool(np.diff(np.sort(d)).all()):
         raise _index_error("dst", dst, remote_blocks, "remote")
     cut = np.empty(n + 1, dtype=bool)
     cut[0] = cut[n] = True

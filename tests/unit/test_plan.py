@@ -138,6 +138,31 @@ def test_range_check_names_bad_src_index(n: int) -> None:
         plan_write(src, list(range(n)), local_blocks=n, remote_blocks=8 * n)
 
 
+@pytest.mark.parametrize("side", ["src", "dst"])
+@pytest.mark.parametrize(
+    "wrapping",
+    [
+        [0, 5, -(2**63), -3],  # rises by its int64 diffs, all inside "bounds"
+        [5, 5 + 2**62, -(2**63) + 5, -(2**62) + 5, 5],  # a duplicate, rising
+        [2**63 - 1, -(2**63)],  # "adjacent": one run of two far-off blocks
+    ],
+)
+def test_indices_that_wrap_int64_are_refused(side: str, wrapping: list[int]) -> None:
+    """The numpy planner (128 blocks and more) took a side that rose by its
+    int64 differences as sorted and free of duplicates, and checked only its
+    first and last index: wrapped differences passed indices far outside the
+    region (a negative one became a block counted from the region's end) and
+    duplicates, even merged into one run."""
+    n, region = 200, 1000
+    bad = wrapping + list(range(10, 10 + n - len(wrapping)))
+    good = list(range(n))
+    src, dst = (bad, good) if side == "src" else (good, bad)
+    with pytest.raises(ValueError, match=rf"{side} block index"):
+        plan_write(src, dst, local_blocks=region, remote_blocks=region)
+    args = (src, dst, region, region)
+    assert _outcome(_plan_np, *args) == _outcome(_plan_py, *args)
+
+
 def test_range_check_accepts_edges() -> None:
     plan = plan_write([0, 3], [7, 0], local_blocks=4, remote_blocks=8)
     assert plan.runs() == [(0, 7, 1), (3, 0, 1)]
