@@ -693,7 +693,16 @@ class Session:
 
     def _on_hello(self, msg: Hello, now: float) -> None:
         if self._peer_hello is not None:
-            self._protocol_error("duplicate_hello", "second Hello on one session")
+            # The peer greets again on this session's connection: it began a
+            # new session there, so it holds nothing of ours any more (it
+            # dropped ours without a Goodbye: its send to us failed, or we
+            # overflowed its outbox). Kept alive, this session answered every
+            # lookup after its deadline and never noticed, as each new
+            # session's Hello reset its silence timer. Nothing of the new
+            # Hello is adopted: the peer's next session is dialled afresh.
+            self.counters.bump(self.counters.protocol_errors, "duplicate_hello")
+            self._outbox.append(Goodbye(reason="second Hello: start again"))
+            self._lose("peer_down", "the peer began a new session on our connection")
             return
         try:
             check_hello(self._hello, msg)

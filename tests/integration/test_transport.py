@@ -1039,3 +1039,76 @@ def test_a_consumer_killed_mid_request_frees_what_the_producer_held() -> None:
         proc.kill()
         proc.join(5)
         prod.close()
+
+
+def test_a_producer_that_dropped_our_session_is_dialled_again() -> None:
+    """A producer that drops our session without a Goodbye (its send to
+    us failed, or, here, we overflowed its outbox) keeps the connection:
+    our next frame opened a new session there, whose Hello reset our
+    silence timer, so our session stayed ready for good and every lookup
+    waited out its deadline to miss. A second Hello now ends our session
+    (nothing of it adopted), and past the reconnect backoff the next
+    request dials afresh and hits."""
+    from p2p_kv.session import Limits
+
+    keys = [make_key(k) for k in range(4)]
+    prod = StandalonePeer(16, 4 * KIB, engine_id=f"dropper-{os.getpid()}", timeouts=HB)
+    prod.manager.limits = Limits(max_outbox=2)
+    cons = StandalonePeer(16, 4 * KIB, engine_id=f"dropped-{os.getpid()}", timeouts=HB)
+
+    def step_both() -> None:
+        prod.step(wait=False)
+        cons.step(wait=False)
+        time.sleep(0.002)
+
+    def ask(req: str) -> tuple[list[Answer], float]:
+        cons.open(req, prod.address, f"kv-{req}")
+        t0 = time.monotonic()
+        while True:
+            answers = [cons.manager.lookup(req, k) for k in keys]
+            if Answer.RETRY not in answers or time.monotonic() - t0 > 10:
+                cons.runtime.end_request(req)
+                return answers, time.monotonic() - t0
+            cons.runtime.flush()
+            step_both()
+
+    try:
+        prod.fill(keys, [1, 2, 3, 4])
+        assert ask("warm")[0] == [Answer.HIT] * 4
+        first = cons.manager.session(prod.address)
+        # Three requests' lookups in one step: three answers in one
+        # producer step, past its outbox bound of two.
+        for req in ("a", "b", "c"):
+            cons.open(req, prod.address, f"kv-{req}")
+            assert [cons.manager.lookup(req, k) for k in keys] == [Answer.RETRY] * 4
+        cons.runtime.flush()
+        end = time.monotonic() + 5
+        while not any(
+            (s.close_reason or "").startswith("outbox_full")
+            for s in prod.manager.retired_sessions
+        ):
+            assert time.monotonic() < end, "the producer kept our session"
+            step_both()
+        t_drop = time.monotonic()
+        while first is not None and not first.closed:
+            assert time.monotonic() - t_drop < 2.0, (
+                "our session outlived the producer's: "
+                f"{cons.manager.session(prod.address)}"
+            )
+            step_both()
+        assert first is not None
+        assert first.close_reason == (
+            "peer_down: the peer began a new session on our connection"
+        )
+        for req in ("a", "b", "c"):
+            cons.runtime.end_request(req)
+        backoff = time.monotonic() + cons.manager.reconnect_backoff_s
+        while time.monotonic() < backoff:  # a peer that just dropped us
+            step_both()
+        answers, seconds = ask("after")
+        assert answers == [Answer.HIT] * 4
+        assert seconds < Timeouts().lookup_s
+        assert cons.manager.session(prod.address) is not first
+    finally:
+        cons.close()
+        prod.close()

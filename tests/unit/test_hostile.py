@@ -19,6 +19,7 @@ from p2p_kv.protocol import (
     AbortAck,
     Error,
     Fetch,
+    Goodbye,
     Lookup,
     LookupResp,
     Message,
@@ -423,29 +424,29 @@ def test_a_flood_of_distinct_error_codes_grows_no_table() -> None:
     assert_drained(net)
 
 
-def test_second_hello_is_refused_and_the_session_goes_on() -> None:
+def test_a_second_hello_ends_the_session_adopting_nothing() -> None:
+    """A peer that greets again began a new session on the connection (it
+    dropped ours without a Goodbye), so it holds nothing of ours: kept
+    alive, the session answered every later lookup at its deadline. It
+    ends, says so, adopts nothing of the new Hello (another layout here),
+    and the next request, past the reconnect backoff, dials afresh."""
     net = make_net()
     probe(net, "r1", "kv1")
     sb = session(net, "b")
     first = sb.peer_hello
-    (err,) = poke(net, "b", make_hello(identity("a", layout="other"), b"n" * 16))
-    assert isinstance(err, Error) and err.code == "duplicate_hello"
-    inject(net, "a", make_hello(identity("b"), b"m" * 16))
-    net.run()
-    assert errors(net, "b") == {"duplicate_hello": 1, "peer:duplicate_hello": 1}
-    assert errors(net, "a") == {"duplicate_hello": 1}
-    assert sb.ready and sb.peer_hello is first and sb.refusal is None
-    job = load(net, "r1", [5, 6, 7, 8])
-    net.run()
-    expect_loaded(net, job, [5, 6, 7, 8])
+    (bye,) = poke(net, "b", make_hello(identity("a", layout="other"), b"n" * 16))
+    assert isinstance(bye, Goodbye)
+    assert sb.closed and sb.peer_hello is first and sb.refusal is None
+    assert (
+        sb.close_reason == "peer_down: the peer began a new session on our connection"
+    )
+    assert errors(net, "b") == {"duplicate_hello": 1}
     finish(net, "r1")
+    net.run()
+    net.advance(net.engines["b"].manager.reconnect_backoff_s)
     healthy_request(net, "r2", "kv2", [30, 31, 32, 33])
+    assert session(net, "b") is not sb
     assert_drained(net)
-
-
-# ---------------------------------------------------------------------------
-# resource limits
-# ---------------------------------------------------------------------------
 
 
 def test_lookups_for_one_request_cannot_queue_unbounded_keys() -> None:
