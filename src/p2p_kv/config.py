@@ -24,6 +24,18 @@ _CORE = Timeouts()
 MAX_PEERS = 320
 #: heartbeat_ms that ZeroMQ's transport heartbeats can carry (ms).
 HEARTBEAT_MS = (4, 600_000)
+#: What the deadlines may be (s) and the idle wait (ms): every wait ends,
+#: and a shorter one than a millisecond is no network round trip.
+TIMEOUT_S = (0.001, 3600.0)
+IDLE_WAIT_MS = (1.0, 60_000.0)
+_TIMEOUT_KEYS = (
+    "handshake_timeout_s",
+    "lookup_timeout_s",
+    "fetch_timeout_floor_s",
+    "abort_ack_timeout_s",
+    "pin_ttl_s",
+    "parked_ttl_s",
+)
 
 
 class ConfigError(ValueError):
@@ -97,6 +109,7 @@ class TierConfig:
                 f"{sorted(known)}"
             )
         values: dict[str, Any] = {}
+        sources: dict[str, str] = {}
         for name, f in known.items():
             source = f"secondary_tiers[].{name}"
             if name in raw:
@@ -106,62 +119,78 @@ class TierConfig:
                 value = env[source]
             else:
                 continue
+            sources[name] = source
             values[name] = _coerce(
                 name, f.type, value, source, from_env=source.startswith(ENV_PREFIX)
             )
         cfg = cls(**values)
-        cfg._check()
+        cfg._check(sources)
         return cfg
 
-    def _check(self) -> None:
+    def _check(self, sources: Mapping[str, str] | None = None) -> None:
+        """Refuse values no deployment means. ``sources`` names where a key
+        came from when it was an environment variable, so the message says
+        which of the two to fix."""
+
+        def key(name: str) -> str:
+            env = (sources or {}).get(name, "")
+            return f"{name} (from {env})" if env.startswith(ENV_PREFIX) else name
+
         if not 0 <= self.port <= 65535:
-            raise ConfigError(f"p2p_kv: port {self.port} is not in 0..65535")
+            raise ConfigError(f"p2p_kv: {key('port')} {self.port} is not in 0..65535")
         if not HEARTBEAT_MS[0] <= self.heartbeat_ms <= HEARTBEAT_MS[1]:
             raise ConfigError(
-                f"p2p_kv: heartbeat_ms {self.heartbeat_ms} is not in "
+                f"p2p_kv: {key('heartbeat_ms')} {self.heartbeat_ms} is not in "
                 f"{HEARTBEAT_MS[0]}..{HEARTBEAT_MS[1]} (ZeroMQ's heartbeat "
                 "timeout rounds to none below, its TTL overflows above)"
             )
-        for name in (
-            "idle_wait_ms",
-            "handshake_timeout_s",
-            "lookup_timeout_s",
-            "fetch_timeout_floor_s",
-            "abort_ack_timeout_s",
-            "pin_ttl_s",
-            "parked_ttl_s",
+        for name, low, high, unit in (
+            ("idle_wait_ms", *IDLE_WAIT_MS, "ms"),
+            *((n, *TIMEOUT_S, "s") for n in _TIMEOUT_KEYS),
         ):
             value = getattr(self, name)
-            if not (value > 0 and math.isfinite(value)):
-                # An endless wait is no deadline: every wait must end.
-                raise ConfigError(f"p2p_kv: {name} must be > 0 and finite")
-        if self.pin_ttl_s > 3600:
-            raise ConfigError(
-                f"p2p_kv: pin_ttl_s {self.pin_ttl_s} is over 3600: the protocol "
-                "announces pin lifetimes of at most an hour"
-            )
+            if not low <= value <= high:  # NaN too
+                # Every wait must end, and none is shorter than a round trip:
+                # outside these, a unit was mistaken (ms for s) or a typo.
+                raise ConfigError(
+                    f"p2p_kv: {key(name)} {value} is not in {low:g}..{high:g} {unit}"
+                )
         if not (self.read_staging_mib >= 0 and math.isfinite(self.read_staging_mib)):
             raise ConfigError(
-                f"p2p_kv: read_staging_mib {self.read_staging_mib} must be >= 0 "
-                "and finite (0 turns staging off)"
+                f"p2p_kv: {key('read_staging_mib')} {self.read_staging_mib} must "
+                "be >= 0 and finite (0 turns staging off)"
             )
-        if self.secret is not None and not self.secret:
-            raise ConfigError(
-                "p2p_kv: secret is empty, which authenticates nothing: set the "
-                "fleet's shared secret, or leave the key (and "
-                f"{ENV_PREFIX}SECRET) unset for none"
-            )
+        if self.secret is not None:
+            if not self.secret:
+                raise ConfigError(
+                    f"p2p_kv: {key('secret')} is empty, which authenticates "
+                    "nothing: set the fleet's shared secret, or leave the key "
+                    f"(and {ENV_PREFIX}SECRET) unset for none"
+                )
+            try:
+                self.secret.encode()
+            except UnicodeEncodeError:
+                # Never shown: the message reaches logs. It failed later, as
+                # the tier built its identity inside the engine's step.
+                raise ConfigError(
+                    f"p2p_kv: {key('secret')} is not valid UTF-8 text (an "
+                    "environment variable in another encoding?): peers hash "
+                    "its UTF-8 bytes; set it as UTF-8"
+                ) from None
         if not 1 <= self.max_peers <= MAX_PEERS:
             raise ConfigError(
-                f"p2p_kv: max_peers {self.max_peers} is not in 1..{MAX_PEERS} "
-                "(three ZeroMQ sockets a peer, 1023 in a context)"
+                f"p2p_kv: {key('max_peers')} {self.max_peers} is not in "
+                f"1..{MAX_PEERS} (three ZeroMQ sockets a peer, 1023 in a context)"
             )
         if self.max_inbound_peers < 1:
             raise ConfigError(
-                f"p2p_kv: max_inbound_peers {self.max_inbound_peers} must be >= 1"
+                f"p2p_kv: {key('max_inbound_peers')} {self.max_inbound_peers} "
+                "must be >= 1"
             )
         if not self.host:
-            raise ConfigError("p2p_kv: host is empty; set the address peers dial")
+            raise ConfigError(
+                f"p2p_kv: {key('host')} is empty; set the address peers dial"
+            )
 
     def timeouts(self) -> Timeouts:
         return Timeouts(

@@ -1361,7 +1361,10 @@ class Session:
                     )
                 self._send(self._answer(serve, lookup, hits))
             serve.fire(Event.SERVED)
-            self._arm(serve, now + self.timeouts.pin_ttl_s)
+            # Never less than an offer announces (whole milliseconds, one at
+            # least): a pin lifetime under 1 ms was announced as 1 ms and
+            # released before it, under a READ the consumer still trusted.
+            self._arm(serve, now + max(self.timeouts.pin_ttl_s, self._hold_s()))
 
     def _answer(self, serve: Serve, lookup: Lookup, hits: list[bool]) -> LookupResp:
         if not self.reads or not any(hits):

@@ -7,7 +7,14 @@ import sys
 
 import pytest
 
-from p2p_kv.config import ConfigError, TierConfig, check_hash_seed, check_nixl
+from p2p_kv.config import (
+    _TIMEOUT_KEYS,
+    TIMEOUT_S,
+    ConfigError,
+    TierConfig,
+    check_hash_seed,
+    check_nixl,
+)
 
 
 def test_defaults_and_env_fallback() -> None:
@@ -23,8 +30,48 @@ def test_defaults_and_env_fallback() -> None:
 
 def test_pin_ttl_is_bounded_by_what_the_protocol_can_announce() -> None:
     assert TierConfig.from_dict({"pin_ttl_s": 3600}, env={}).pin_ttl_s == 3600
-    with pytest.raises(ConfigError, match=r"pin_ttl_s 3601\.0 is over 3600"):
+    with pytest.raises(
+        ConfigError, match=r"pin_ttl_s 3601\.0 is not in 0\.001\.\.3600 s"
+    ):
         TierConfig.from_dict({"pin_ttl_s": 3601}, env={})
+
+
+@pytest.mark.parametrize("name", _TIMEOUT_KEYS)
+@pytest.mark.parametrize("value", [0.0005, 3601.0])
+def test_a_deadline_outside_a_millisecond_to_an_hour_is_refused(
+    name: str, value: float
+) -> None:
+    """Any positive number passed: a pin lifetime under the 1 ms an offer
+    announces at least, or seconds written as milliseconds (2000 for 2)."""
+    with pytest.raises(
+        ConfigError, match=rf"{name} {value} is not in 0\.001\.\.3600 s"
+    ):
+        TierConfig.from_dict({name: value}, env={})
+    low, high = TIMEOUT_S
+    assert getattr(TierConfig.from_dict({name: low}, env={}), name) == low
+    assert getattr(TierConfig.from_dict({name: high}, env={}), name) == high
+
+
+def test_a_range_error_names_the_variable_it_came_from() -> None:
+    """Type errors named the variable; range errors named only the key,
+    though the config file had none and the value was the environment's."""
+    with pytest.raises(ConfigError, match=r"port \(from VLLM_P2P_KV_PORT\) -1 is"):
+        TierConfig.from_dict({}, env={"VLLM_P2P_KV_PORT": "-1"})
+    with pytest.raises(ConfigError, match=r"p2p_kv: port -1 is"):
+        TierConfig.from_dict({"port": -1}, env={"VLLM_P2P_KV_PORT": "7000"})
+
+
+@pytest.mark.parametrize(
+    "raw", [{"secret": "\ud800"}, {}], ids=["json-surrogate", "latin1-env"]
+)
+def test_a_secret_that_is_not_utf8_is_refused_at_start(raw: dict[str, str]) -> None:
+    """Accepted, it raised UnicodeEncodeError inside the engine's step when
+    the tier built its identity (a consumer's first request), and a
+    producer's sockets were never read."""
+    env = {"VLLM_P2P_KV_SECRET": b"s3cr\xe9t".decode("utf-8", "surrogateescape")}
+    with pytest.raises(ConfigError, match=r"secret.* is not valid UTF-8") as err:
+        TierConfig.from_dict(raw, env=env)
+    assert "s3cr" not in str(err.value)
 
 
 def test_read_path_switch() -> None:
@@ -52,7 +99,7 @@ def test_bad_type_names_the_source() -> None:
         TierConfig.from_dict({}, env={"VLLM_P2P_KV_PORT": "x"})
     with pytest.raises(ConfigError, match=r"secondary_tiers\[\]\.heartbeat_ms"):
         TierConfig.from_dict({"heartbeat_ms": "fast"}, env={})
-    with pytest.raises(ConfigError, match="idle_wait_ms must be > 0"):
+    with pytest.raises(ConfigError, match=r"idle_wait_ms 0\.0 is not in 1\.\.60000 ms"):
         TierConfig.from_dict({"idle_wait_ms": 0}, env={})
     with pytest.raises(ConfigError, match="require_hash_seed"):
         TierConfig.from_dict({"require_hash_seed": "maybe"}, env={})
@@ -64,10 +111,11 @@ def test_a_wait_must_end(name: str, value: str) -> None:
     """Every wait has a deadline: an infinite one (float('inf') passed the
     old ``> 0`` check) made a cache reset's drain wait forever for a job
     stuck past it, under the tier's lock."""
-    with pytest.raises(ConfigError, match=f"{name} must be > 0 and finite"):
+    with pytest.raises(ConfigError, match=f"{name} {value} is not in"):
         TierConfig.from_dict({name: float(value)}, env={})  # JSON's Infinity, NaN
-    env = {"VLLM_P2P_KV_" + name.upper(): value}
-    with pytest.raises(ConfigError, match=f"{name} must be > 0 and finite"):
+    var = "VLLM_P2P_KV_" + name.upper()
+    env = {var: value}
+    with pytest.raises(ConfigError, match=rf"{name} \(from {var}\) {value}"):
         TierConfig.from_dict({}, env=env)
 
 
@@ -116,7 +164,9 @@ def test_an_empty_secret_is_refused() -> None:
     the tier reported itself authenticated."""
     with pytest.raises(ConfigError, match="secret is empty"):
         TierConfig.from_dict({"secret": ""}, env={})
-    with pytest.raises(ConfigError, match="secret is empty"):
+    with pytest.raises(
+        ConfigError, match=r"secret \(from VLLM_P2P_KV_SECRET\) is empty"
+    ):
         TierConfig.from_dict({}, env={"VLLM_P2P_KV_SECRET": ""})
 
 

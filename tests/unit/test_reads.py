@@ -187,6 +187,17 @@ def test_an_expired_offer_falls_back_to_fetch() -> None:
     assert sent(net, "b") == ["Fetch"]
 
 
+def test_pins_are_held_at_least_as_long_as_the_offer_announces() -> None:
+    """Offers announce whole milliseconds, one at least: a pin lifetime
+    under 1 ms was announced as 1 ms, and the pins released before it."""
+    net = make_net(timeouts=Timeouts(pin_ttl_s=0.0004))
+    probe(net, "r1", "kv1")
+    (offer,) = session(net, "b")._offers.values()
+    (serve,) = session(net, "a").serves()
+    assert offer.valid_until > net.now  # an offer was made and trusted
+    assert serve.deadline >= net.now + 0.001
+
+
 def test_a_fetch_after_the_pins_lifetime_fails_at_once() -> None:
     # The request was scheduled after the producer's pins ended: only they
     # could have served this Fetch, and the producer says so at once
