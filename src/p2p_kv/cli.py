@@ -48,9 +48,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     # No help of its own: "bench fallback --help" is the benchmark's.
     bench = sub.add_parser(
-        "bench", help="run a benchmark (table, or --json)", add_help=False
+        "bench",
+        help=f"run a benchmark: one of {', '.join(BENCHES)} "
+        "(p2p-kv bench NAME --help: its options)",
+        add_help=False,
     )
-    bench.add_argument("name", choices=BENCHES)
+    bench.add_argument("name", nargs="?", choices=BENCHES)
     model = sub.add_parser(
         "model", help="build the local test model and print its path"
     )
@@ -73,6 +76,15 @@ def main(argv: list[str] | None = None) -> int:
 
         return demo.main(rest)
     if args.cmd == "bench":
+        if args.name is None:
+            # "p2p-kv bench --help" (or no name): which benchmarks there are.
+            asked = bool({"-h", "--help"} & set(rest))
+            print(
+                f"usage: p2p-kv bench {{{','.join(BENCHES)}}} [options]\n"
+                "p2p-kv bench NAME --help lists a benchmark's options",
+                file=sys.stdout if asked else sys.stderr,
+            )
+            return 0 if asked else 2
         return _bench(args.name, rest)
     if args.cmd == "model":
         from p2p_kv.tiny_model import BENCH, TINY, ensure_model

@@ -16,6 +16,7 @@ is ever buffered; waiting with a Poller and a timeout instead of spinning.
 from __future__ import annotations
 
 import contextlib
+import errno
 import ipaddress
 import math
 import os
@@ -116,6 +117,17 @@ def resolve_bind_host(host: str) -> str:
     return str(infos[0][4][0])
 
 
+def _bind_fix(errno_: int | None) -> str:
+    """What to change when a bind fails: the port is taken, or the host is
+    not an address of this machine (the fix named only the port, whatever
+    the cause)."""
+    if errno_ == errno.EADDRINUSE:
+        return "pick a free port with the tier's 'port' key"
+    if errno_ == errno.EADDRNOTAVAIL:
+        return "set the tier's 'host' key to an address of this machine"
+    return "check the tier's 'host' and 'port' keys"
+
+
 #: Why a dial is lost when nothing accepts the connection.
 UNREACHABLE = "nothing accepts connections there (refused or unreachable)"
 
@@ -191,8 +203,9 @@ class ControlTransport:
         except zmq.ZMQError as exc:
             self._router.close(linger=0)
             raise OSError(
+                exc.errno,
                 f"p2p_kv cannot bind its control socket on {host}:{port}: {exc} "
-                "(pick a free port with the tier's 'port' key)"
+                f"({_bind_fix(exc.errno)})",
             ) from exc
         self.host, self.port = host, port
         self._dealers: dict[str, zmq.Socket[bytes]] = {}

@@ -208,6 +208,20 @@ def print_table(result: dict[str, Any]) -> None:
     )
 
 
+def _lengths(text: str) -> list[int]:
+    """``--lengths``: a usage error names a bad entry (it was a traceback
+    from inside the demo)."""
+    try:
+        lengths = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of token counts"
+        ) from None
+    if not lengths or min(lengths) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give token counts of 1 or more")
+    return lengths
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="p2p-kv demo", description=__doc__)
     parser.add_argument(
@@ -217,7 +231,12 @@ def main(argv: list[str] | None = None) -> int:
         help="locally generated model preset (bench: prefill costs real time)",
     )
     parser.add_argument("--model-dir", help="use this model directory instead")
-    parser.add_argument("--lengths", default="256,1024,2048", help="prompt lengths")
+    parser.add_argument(
+        "--lengths",
+        type=_lengths,
+        default="256,1024,2048",
+        help="prompt lengths in tokens, comma-separated",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
         "--port-a", type=int, default=0, help="A's control port (0: a free one)"
@@ -232,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         result = run(
             preset=args.model,
             model_dir=args.model_dir,
-            lengths=[int(x) for x in args.lengths.split(",") if x],
+            lengths=args.lengths,
             port_a=args.port_a,
             port_b=args.port_b,
             repeats=args.repeats,

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import hashlib
 import importlib
 import importlib.metadata
@@ -350,20 +351,28 @@ def check_port(host: str, port: int) -> CheckResult:
     try:
         control = ControlTransport(host, port)
     except (OSError, ValueError) as exc:
-        taken = "in use" in str(exc).lower()
+        taken = isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE
         what = (
             f"port {port} on {host} is taken"
             if taken
             else f"cannot bind {host}:{port}: {exc}"
         )
-        fix = (
-            f"stop whatever holds port {port} (is an engine already running "
-            "there?), or pick a free port with the tier's 'port' key "
-            "(VLLM_P2P_KV_PORT; --port here)"
-            if taken
-            else "set the tier's 'host' key (VLLM_P2P_KV_HOST; --host here) to "
-            "an address of this machine"
-        )
+        if taken:
+            fix = (
+                f"stop whatever holds port {port} (is an engine already running "
+                "there?), or pick a free port with the tier's 'port' key "
+                "(VLLM_P2P_KV_PORT; --port here)"
+            )
+        elif isinstance(exc, ValueError) and "port" in str(exc):
+            # A port out of range was told to fix the host.
+            fix = (
+                "set the tier's 'port' key (VLLM_P2P_KV_PORT; --port here) in 0..65535"
+            )
+        else:
+            fix = (
+                "set the tier's 'host' key (VLLM_P2P_KV_HOST; --host here) to "
+                "an address of this machine"
+            )
         details["error"] = str(exc)
         return CheckResult("port", False, what, fix, details)
     bound = control.port

@@ -386,6 +386,20 @@ def test_a_bad_bind_address_is_refused_naming_it(
         ControlTransport(host, port)
 
 
+def test_a_failed_bind_names_what_to_fix() -> None:
+    """Every failed bind said "pick a free port", also for a host that is
+    not an address of this machine."""
+    from p2p_kv.control import ControlTransport
+
+    with pytest.raises(OSError, match="set the tier's 'host' key"):
+        ControlTransport("192.0.2.1", 0)  # TEST-NET-1: not ours
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        with pytest.raises(OSError, match="pick a free port"):
+            ControlTransport("127.0.0.1", s.getsockname()[1])
+
+
 def test_an_ipv6_host_may_be_written_in_brackets() -> None:
     from p2p_kv.control import ControlTransport
 

@@ -73,3 +73,23 @@ def test_the_cli_refuses_a_mistyped_flag_and_passes_help_to_a_benchmark() -> Non
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "--lookups" in out.stdout, out.stdout
+
+
+def test_bench_help_lists_the_benchmarks_and_demo_refuses_bad_lengths() -> None:
+    """``p2p-kv bench --help`` failed (exit 2, "the following arguments are
+    required: name"), and ``p2p-kv demo --lengths 64,abc`` ended in a
+    ValueError traceback from inside the demo."""
+    exe = str(Path(sys.executable).with_name("p2p-kv"))
+    out = subprocess.run(
+        [exe, "bench", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "transfer" in out.stdout and "NAME --help" in out.stdout
+    out = subprocess.run([exe, "bench"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "transfer" in out.stderr
+    out = subprocess.run(
+        [exe, "demo", "--lengths", "64,abc"], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "argument --lengths: '64,abc' is not a comma-separated list" in out.stderr
+    assert "Traceback" not in out.stderr

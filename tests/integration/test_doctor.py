@@ -198,6 +198,21 @@ def test_taken_port_fails_naming_the_port() -> None:
     assert f"port {port}" in result.fix
 
 
+@pytest.mark.parametrize(
+    ("host", "port", "names"),
+    [
+        ("127.0.0.1", 70000, "'port' key"),  # was told to fix the host
+        ("192.0.2.1", 5800, "'host' key"),  # TEST-NET-1: no address of ours
+    ],
+)
+def test_a_bind_that_fails_names_the_key_to_fix(
+    host: str, port: int, names: str
+) -> None:
+    result = check_port(host, port)
+    assert not result.ok
+    assert names in result.fix, result
+
+
 def test_backpressure_is_ignored_as_the_tier_ignores_it() -> None:
     """vLLM copies a top-level ``backpressure`` (a storage tier's) into
     every tier's entry: refusing it stopped such engines."""
