@@ -205,3 +205,58 @@ def test_every_engine_core_is_found_and_a_data_parallel_one_is_told() -> None:
         engine = cls()
         assert engine.found == (engine.input_queue, lockstep), cls.__name__
     assert Other().found == (None, False)
+
+
+def test_a_port_past_65535_at_a_data_parallel_rank_names_the_rank(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rank i binds port + i: a valid port near 65535 failed at the rank,
+    as "control port 65536 is not in 0..65535", naming neither the rank nor
+    the port to set. Refused before anything is built."""
+    from types import SimpleNamespace
+
+    from p2p_kv.adapter.tier import P2PKVTier
+    from p2p_kv.config import ConfigError
+
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    parallel = SimpleNamespace(data_parallel_index=2)
+    spec: Any = SimpleNamespace(config=SimpleNamespace(parallel=parallel))
+    view = memoryview(bytearray(4 * 4096)).cast("B", (4, 4096))
+    with pytest.raises(
+        ConfigError,
+        match=r"port 65534 \+ data-parallel rank 2 is 65536, past 65535: "
+        r"set a port of at most 65533",
+    ):
+        P2PKVTier(spec, view, port=65534)
+
+
+def test_a_tier_whose_port_is_taken_closes_its_data_plane(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The data plane (a NIXL agent and UCX's thread) is built before the
+    control socket binds; a bind that failed left it to the garbage
+    collector."""
+    import socket
+    from types import SimpleNamespace
+
+    from p2p_kv.adapter.tier import P2PKVTier
+    from p2p_kv.data import NixlDataTransport
+
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    closed: list[object] = []
+    real_close = NixlDataTransport.close
+
+    def close(self: NixlDataTransport) -> None:
+        closed.append(self)
+        real_close(self)
+
+    monkeypatch.setattr(NixlDataTransport, "close", close)
+    parallel = SimpleNamespace(data_parallel_index=0)
+    spec: Any = SimpleNamespace(config=SimpleNamespace(parallel=parallel))
+    view = memoryview(bytearray(4 * 4096)).cast("B", (4, 4096))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        with pytest.raises(OSError, match="pick a free port"):
+            P2PKVTier(spec, view, port=s.getsockname()[1])
+    assert len(closed) == 1

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import msgspec
 
-from p2p_kv.config import TierConfig, check_hash_seed, check_nixl
+from p2p_kv.config import ConfigError, TierConfig, check_hash_seed, check_nixl
 from p2p_kv.handshake import Identity
 from p2p_kv.manager import Answer, LoadManager, Roles
 from p2p_kv.metrics import DEFINITIONS, MetricsExporter
@@ -208,9 +208,15 @@ class P2PKVTier(SecondaryTierManager):
         )
         block_bytes = self.block_size_bytes
         port = self.cfg.port
+        rank = offloading_spec.config.parallel.data_parallel_index
         if port:
-            # Each rank its own port (past 65535: ControlTransport refuses).
-            port += offloading_spec.config.parallel.data_parallel_index
+            # Each rank its own port.
+            port += rank
+            if port > 65535:
+                raise ConfigError(
+                    f"p2p_kv: port {self.cfg.port} + data-parallel rank {rank} "
+                    f"is {port}, past 65535: set a port of at most {65535 - rank}"
+                )
         data = NixlDataTransport(
             region,
             block_bytes,
@@ -219,9 +225,13 @@ class P2PKVTier(SecondaryTierManager):
             read_staging_bytes=int(self.cfg.read_staging_mib * (1 << 20)),
             drain_timeout_s=drain_timeout_for(self.cfg.abort_ack_timeout_s),
         )
-        control = ControlTransport(
-            self.cfg.host, port, heartbeat_s=self.cfg.heartbeat_ms / 1000
-        )
+        try:
+            control = ControlTransport(
+                self.cfg.host, port, heartbeat_s=self.cfg.heartbeat_ms / 1000
+            )
+        except BaseException:
+            data.close()  # its NIXL agent and UCX thread, not left to the GC
+            raise
         self.address = control.address
         spec = offloading_spec
         algo = _hash_algo()
