@@ -117,6 +117,7 @@ class TierRuntime:
         self.has_waker = False
         self._waker: threading.Thread | None = None
         self._stop = threading.Event()
+        self._closing = threading.Lock()
         #: When the waker last called the engine in, while that call is
         #: unanswered (None: no call pending).
         self._called_at: float | None = None
@@ -701,6 +702,12 @@ class TierRuntime:
     ) -> tuple[bool, list[int], float]:
         """One pass of the waker under :attr:`lock`: whether the engine is
         wanted, the descriptors to sleep on, and for how long at most."""
+        if not self._identity_ready():
+            # Frames wait in the sockets, unread, so their descriptors stay
+            # readable: slept on, they ended every wait at once, and the
+            # waker spun (30-60% of a core) from the tier's start in vLLM's
+            # Scheduler() to the engine's hash seed, or for good.
+            return False, [], interval_s
         self._sweep()
         m, data = self.manager, self.data
         wanted = m.has_lookups_to_serve or m.results_ready()
@@ -718,9 +725,10 @@ class TierRuntime:
     def close(self) -> None:
         """End every session (peers hear a Goodbye), stop the waker, close
         the transports. A second call does nothing."""
-        if self._stop.is_set():
-            return
-        self._stop.set()
+        with self._closing:  # one caller tears down; a second returns
+            if self._stop.is_set():
+                return
+            self._stop.set()
         self.control.wake()  # ends the waker's sleep
         if self._waker is not None:
             self._waker.join(2.0)
@@ -728,10 +736,16 @@ class TierRuntime:
                 # It stops at its next pass (it checks _stop under the lock).
                 log.warning("p2p_kv: the waker did not stop within 2 s")
         with self.lock:
-            self.manager.close_all("shutdown")
-            self.pump()
-            self.control.close()
-            self.data.close()
+            try:
+                self.manager.close_all("shutdown")
+                self.pump()
+            finally:
+                # Whatever the goodbyes met, the sockets, the NIXL agent and
+                # its thread go: a later close() does nothing.
+                try:
+                    self.control.close()
+                finally:
+                    self.data.close()
 
 
 class _Throttle:

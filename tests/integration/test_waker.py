@@ -24,6 +24,7 @@ from tests.support.sockets import TCP_ONLY
 
 from p2p_kv.control import ControlTransport, wait_readable
 from p2p_kv.manager import Answer
+from p2p_kv.runtime import DATA_TICK_S
 from p2p_kv.session import Timeouts
 from p2p_kv.standalone import StandalonePeer, make_key
 
@@ -331,7 +332,9 @@ def test_a_peer_dialling_in_before_our_identity_is_ready_is_answered_after() -> 
     and the waker starts with the tier: a peer's Hello arriving meanwhile
     made the waker's pass raise (our Hello could not be made), the frame
     was lost, and the peer waited out its handshake. The frames now wait
-    in the sockets until the identity resolves."""
+    in the sockets until the identity resolves. Meanwhile the waker
+    sleeps its tick: those unread frames (or a fresh socket's descriptor)
+    kept every wait short, and it spun, 2,500-6,800 passes a second."""
     pid = os.getpid()
     producer = StandalonePeer(16, 4096, engine_id=f"early-p-{pid}", timeouts=QUIET)
     consumer = StandalonePeer(16, 4096, engine_id=f"early-c-{pid}")
@@ -345,12 +348,24 @@ def test_a_peer_dialling_in_before_our_identity_is_ready_is_answered_after() -> 
         return real
 
     producer.manager._me = identity
+    rt = producer.runtime
+    passes: list[float] = []
+    real_sweep = rt._waker_sweep
+
+    def counted(*args: Any) -> Any:
+        if not ready.is_set():
+            passes.append(time.monotonic())
+        return real_sweep(*args)
+
+    rt._waker_sweep = counted  # type: ignore[method-assign]
     engine = SleepingEngine(producer)
-    producer.runtime.start_waker(engine.wake)
+    rt.start_waker(engine.wake)
     try:
         threading.Timer(0.5, ready.set).start()
         out = consumer.fetch(producer.address, "kv1", keys, [4, 9])
         assert out.ok and out.hits == 2, out
+        # One pass a data tick (10 ms): about 50 in the half second.
+        assert len(passes) < 0.5 / DATA_TICK_S * 3, f"{len(passes)} passes in 0.5 s"
     finally:
         engine.close()
         consumer.close()
@@ -741,3 +756,55 @@ def test_a_write_given_up_on_does_not_keep_the_idle_producer_stepping(
             engine.close()
         consumer.close()
         producer.close()
+
+
+def test_close_releases_the_transports_even_when_its_goodbyes_fail(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """close() set its stop flag, then said its goodbyes and closed the
+    transports with nothing to catch a failure between: a pump that raised
+    left the control socket, the NIXL agent and UCX's thread open, and every
+    later close() returned at once."""
+    peer = StandalonePeer(4, 4096, engine_id=f"close-raises-{os.getpid()}")
+    rt = peer.runtime
+
+    def boom() -> None:
+        raise RuntimeError("injected: the goodbyes failed")
+
+    monkeypatch.setattr(rt, "pump", boom)
+    with pytest.raises(RuntimeError, match="injected"):
+        rt.close()
+    assert rt.control._router.closed
+    assert rt.data._agent is None
+    rt.close()  # does nothing
+
+
+def test_two_threads_closing_at_once_tear_down_once() -> None:
+    """The stop flag was checked, then set: two callers both got through,
+    and the second closed the control transport again (KeyError from its
+    poller)."""
+    peer = StandalonePeer(4, 4096, engine_id=f"close-twice-{os.getpid()}")
+    rt = peer.runtime
+
+    class SlowFlag(threading.Event):
+        def is_set(self) -> bool:
+            seen = super().is_set()
+            time.sleep(0.1)  # the window between the check and the set
+            return seen
+
+    rt._stop = SlowFlag()
+    errors: list[BaseException] = []
+
+    def close() -> None:
+        try:
+            rt.close()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=close) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert errors == []
+    assert rt.control._router.closed and rt.data._agent is None
