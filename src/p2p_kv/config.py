@@ -39,7 +39,13 @@ _TIMEOUT_KEYS = (
 
 
 class ConfigError(ValueError):
-    """A bad tier configuration; the message names the key and the fix."""
+    """A bad tier configuration; the message names the key and the fix.
+    ``env``: the environment variable the bad value came from, if one did
+    (the fix is there, not in the config)."""
+
+    def __init__(self, message: str, env: str = "") -> None:
+        super().__init__(message)
+        self.env = env
 
 
 @dataclass(frozen=True)
@@ -132,17 +138,20 @@ class TierConfig:
         came from when it was an environment variable, so the message says
         which of the two to fix."""
 
-        def key(name: str) -> str:
+        def bad(name: str, text: str) -> ConfigError:
             env = (sources or {}).get(name, "")
-            return f"{name} (from {env})" if env.startswith(ENV_PREFIX) else name
+            if not env.startswith(ENV_PREFIX):
+                return ConfigError(f"p2p_kv: {name} {text}")
+            return ConfigError(f"p2p_kv: {name} (from {env}) {text}", env=env)
 
         if not 0 <= self.port <= 65535:
-            raise ConfigError(f"p2p_kv: {key('port')} {self.port} is not in 0..65535")
+            raise bad("port", f"{self.port} is not in 0..65535")
         if not HEARTBEAT_MS[0] <= self.heartbeat_ms <= HEARTBEAT_MS[1]:
-            raise ConfigError(
-                f"p2p_kv: {key('heartbeat_ms')} {self.heartbeat_ms} is not in "
-                f"{HEARTBEAT_MS[0]}..{HEARTBEAT_MS[1]} (ZeroMQ's heartbeat "
-                "timeout rounds to none below, its TTL overflows above)"
+            raise bad(
+                "heartbeat_ms",
+                f"{self.heartbeat_ms} is not in {HEARTBEAT_MS[0]}..{HEARTBEAT_MS[1]} "
+                "(ZeroMQ's heartbeat timeout rounds to none below, its TTL "
+                "overflows above)",
             )
         for name, low, high, unit in (
             ("idle_wait_ms", *IDLE_WAIT_MS, "ms"),
@@ -152,45 +161,42 @@ class TierConfig:
             if not low <= value <= high:  # NaN too
                 # Every wait must end, and none is shorter than a round trip:
                 # outside these, a unit was mistaken (ms for s) or a typo.
-                raise ConfigError(
-                    f"p2p_kv: {key(name)} {value} is not in {low:g}..{high:g} {unit}"
-                )
+                raise bad(name, f"{value} is not in {low:g}..{high:g} {unit}")
         if not (self.read_staging_mib >= 0 and math.isfinite(self.read_staging_mib)):
-            raise ConfigError(
-                f"p2p_kv: {key('read_staging_mib')} {self.read_staging_mib} must "
-                "be >= 0 and finite (0 turns staging off)"
+            raise bad(
+                "read_staging_mib",
+                f"{self.read_staging_mib} must be >= 0 and finite (0 turns "
+                "staging off)",
             )
         if self.secret is not None:
             if not self.secret:
-                raise ConfigError(
-                    f"p2p_kv: {key('secret')} is empty, which authenticates "
-                    "nothing: set the fleet's shared secret, or leave the key "
-                    f"(and {ENV_PREFIX}SECRET) unset for none"
+                raise bad(
+                    "secret",
+                    "is empty, which authenticates nothing: set the fleet's "
+                    "shared secret, or leave the key (and "
+                    f"{ENV_PREFIX}SECRET) unset for none",
                 )
             try:
                 self.secret.encode()
             except UnicodeEncodeError:
                 # Never shown: the message reaches logs. It failed later, as
                 # the tier built its identity inside the engine's step.
-                raise ConfigError(
-                    f"p2p_kv: {key('secret')} is not valid UTF-8 text (an "
-                    "environment variable in another encoding?): peers hash "
-                    "its UTF-8 bytes; set it as UTF-8"
+                raise bad(
+                    "secret",
+                    "is not valid UTF-8 text (an environment variable in "
+                    "another encoding?): peers hash its UTF-8 bytes; set it "
+                    "as UTF-8",
                 ) from None
         if not 1 <= self.max_peers <= MAX_PEERS:
-            raise ConfigError(
-                f"p2p_kv: {key('max_peers')} {self.max_peers} is not in "
-                f"1..{MAX_PEERS} (three ZeroMQ sockets a peer, 1023 in a context)"
+            raise bad(
+                "max_peers",
+                f"{self.max_peers} is not in 1..{MAX_PEERS} (three ZeroMQ "
+                "sockets a peer, 1023 in a context)",
             )
         if self.max_inbound_peers < 1:
-            raise ConfigError(
-                f"p2p_kv: {key('max_inbound_peers')} {self.max_inbound_peers} "
-                "must be >= 1"
-            )
+            raise bad("max_inbound_peers", f"{self.max_inbound_peers} must be >= 1")
         if not self.host:
-            raise ConfigError(
-                f"p2p_kv: {key('host')} is empty; set the address peers dial"
-            )
+            raise bad("host", "is empty; set the address peers dial")
 
     def timeouts(self) -> Timeouts:
         return Timeouts(
@@ -274,5 +280,6 @@ def _coerce(name: str, kind: Any, value: Any, source: str, *, from_env: bool) ->
             else (f"{source}={value!r}")
         )
         raise ConfigError(
-            f"p2p_kv: {shown} is not a valid {what} for {name!r}"
+            f"p2p_kv: {shown} is not a valid {what} for {name!r}",
+            env=source if from_env else "",
         ) from None

@@ -437,6 +437,8 @@ def check_config(
     try:
         cfg = TierConfig.from_dict(body, env)
     except ConfigError as exc:
+        if exc.env:
+            fix = f"fix {exc.env} (or set the key, which takes precedence)"
         return CheckResult("config", False, str(exc), fix), None
     defaults = TierConfig()
     changed = {

@@ -244,7 +244,11 @@ def test_bad_config_json_and_env() -> None:
     assert "not a JSON object" in config.summary
     result, _ = check_config({}, env={"VLLM_P2P_KV_HEARTBEAT_MS": "-1"})
     assert not result.ok
-    assert "heartbeat_ms -1.0 is not in 4..600000" in result.summary
+    assert (
+        "heartbeat_ms (from VLLM_P2P_KV_HEARTBEAT_MS) -1.0 is not in 4..600000"
+        in result.summary
+    )
+    assert result.fix.startswith("fix VLLM_P2P_KV_HEARTBEAT_MS")
 
 
 # ---------------------------------------------------------------------------
