@@ -741,11 +741,15 @@ class LoadManager:
         self._remember_refused(session.peer)
 
     def _remember_refused(self, peer: str) -> None:
-        """An inbound connection refused for good: its later frames are
+        """An inbound connection done with for good (refused, or its
+        session ended by the peer's own message): its later frames are
         dropped unread. A refused handshake or seal used to end only the
         session, and the connection's next frame opened a new one (a log
         line and a session per few frames from one connection). A peer
-        that means well dials a new connection for a new session."""
+        that means well dials a new connection for a new session. Not for
+        a session we dropped ourselves (its peer could not drain us): its
+        next frame opens a new session, whose Hello tells the peer to end
+        its own and dial again."""
         if not is_inbound(peer):
             return
         self._refused_inbound[peer] = None
@@ -757,12 +761,15 @@ class LoadManager:
         if session is None:
             return
         refused = session.refusal is not None
+        closed = session.closed
         greeting = not session.ready
         session.receive(msg, now)
         if not refused:
             self._tally_refusal(peer, session)
-            if session.refusal is not None:
-                self._remember_refused(peer)
+        if session.closed and not closed:
+            # Ended by what the peer sent (a refusal, a Goodbye, a second
+            # Hello): one inbound connection, one session.
+            self._remember_refused(peer)
         if greeting and session.ready and is_inbound(peer):
             # Every per-peer bound holds per session: without this one, a
             # party with the secret opening connections multiplied them

@@ -449,6 +449,26 @@ def test_a_second_hello_ends_the_session_adopting_nothing() -> None:
     assert_drained(net)
 
 
+def test_a_second_hello_from_a_dialler_leaves_its_connection_done_with() -> None:
+    """On an inbound connection a second Hello ends the session too, and
+    the connection opens no new one: one connection, one session (a peer
+    that means well dials anew, as ours do)."""
+    net = make_net()
+    probe(net, "r1", "kv1")
+    m = net.engines["a"].manager
+    sa = session(net, "a")
+    conn = sa.peer
+    inject(net, "a", make_hello(identity("b"), b"m" * 16))
+    assert sa.closed
+    assert (
+        sa.close_reason == "peer_down: the peer began a new session on our connection"
+    )
+    assert m.on_inbound(net.now, conn) == conn  # refused: no new session
+    assert m.session(conn) is sa
+    finish(net, "r1")
+    net.run()
+
+
 def test_lookups_for_one_request_cannot_queue_unbounded_keys() -> None:
     """One (req, gen) with lookup after lookup before our engine serves:
     the queued keys stay under max_pending_keys; the rest are all-miss."""
