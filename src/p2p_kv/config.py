@@ -114,6 +114,15 @@ class TierConfig:
                 f"p2p_kv: unknown tier config key(s) {unknown}; known keys: "
                 f"{sorted(known)}"
             )
+        if raw.get("secret", "") is None and ENV_PREFIX + "SECRET" in env:
+            # The key wins over the variable: the fleet's secret, set for
+            # this engine, was silently dropped and the tier ran open.
+            raise ConfigError(
+                f"p2p_kv: secret is null in the tier's entry but {ENV_PREFIX}SECRET "
+                "is set: remove the key to use the variable, or unset the "
+                "variable for no secret",
+                env=ENV_PREFIX + "SECRET",
+            )
         values: dict[str, Any] = {}
         sources: dict[str, str] = {}
         for name, f in known.items():

@@ -159,6 +159,16 @@ def test_a_secret_is_never_shown_and_kept_as_set() -> None:
     assert cfg.secret == " s3cret\n"
 
 
+def test_a_null_secret_beside_the_secret_variable_is_refused() -> None:
+    """The key wins over the variable, so the fleet's secret set for this
+    engine was dropped without a word and the tier ran unauthenticated."""
+    with pytest.raises(
+        ConfigError, match=r"secret is null .* VLLM_P2P_KV_SECRET is set"
+    ):
+        TierConfig.from_dict({"secret": None}, env={"VLLM_P2P_KV_SECRET": "s3cret"})
+    assert TierConfig.from_dict({"secret": None}, env={}).secret is None
+
+
 def test_an_empty_secret_is_refused() -> None:
     """It authenticated nothing (no MAC is made with an empty key) while
     the tier reported itself authenticated."""
