@@ -363,7 +363,7 @@ def check_port(host: str, port: int) -> CheckResult:
                 "there?), or pick a free port with the tier's 'port' key "
                 "(VLLM_P2P_KV_PORT; --port here)"
             )
-        elif isinstance(exc, ValueError) and "port" in str(exc):
+        elif isinstance(exc, ValueError) and "control port" in str(exc):
             # A port out of range was told to fix the host.
             fix = (
                 "set the tier's 'port' key (VLLM_P2P_KV_PORT; --port here) in 0..65535"
