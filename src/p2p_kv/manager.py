@@ -658,7 +658,7 @@ class LoadManager:
         if self._dialled() >= self.max_peers and not self._make_room():
             # Clients choose the peers; each dial costs sockets the engine
             # cannot run out of. This request recomputes.
-            tally(self.refusals, ("other", "too_many_peers"), ("other", "other"))
+            self._count_limit_refusal("too_many_peers")
             self.dials_refused += 1
             return None
         self._to_connect.append(peer)
@@ -734,8 +734,16 @@ class LoadManager:
         self._new_session(peer, now)
         return peer
 
+    def _count_limit_refusal(self, reason: str) -> None:
+        """Outside the table's cap (these are :data:`LIMIT_REFUSALS`, three
+        keys): tallied, they went to ``("other", "other")`` once 64 refused
+        sessions, each its own key, had filled the table, which anyone who
+        reaches the port can do, and the metrics never saw them again."""
+        key = ("other", reason)
+        self.refusals[key] = self.refusals.get(key, 0) + 1
+
     def _refuse_inbound(self, session: Session, reason: str, why: str) -> None:
-        tally(self.refusals, ("other", reason), ("other", "other"))
+        self._count_limit_refusal(reason)
         session.close(f"refused: {why}, max_inbound_peers")
         self._touch(session)
         self._remember_refused(session.peer)

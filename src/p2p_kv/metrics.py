@@ -20,7 +20,9 @@ address it is dialled at, so both directions of one peer share a label and
 a restarted peer keeps it); before a Hello it is ``unknown``. At most
 ``max_peers`` distinct peers get their own label, later ones are ``other``;
 reasons are cut at their first ``": "`` (details are free text) and capped
-the same way per metric.
+the same way per metric; the codes a peer names (its ``Error`` frames,
+``peer:<code>``, which anyone may send before a handshake) have their own
+budget of half as many, so they cannot take the labels of our own reasons.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from dataclasses import dataclass, replace
 from typing import Literal, Protocol
 
 from p2p_kv.manager import LoadManager
-from p2p_kv.session import Session, SessionCounters, is_inbound
+from p2p_kv.session import PEER_REASON, Session, SessionCounters, is_inbound
 
 PREFIX = "vllm:kv_offload_p2p_"
 
@@ -59,6 +61,9 @@ SESSIONS = PREFIX + "sessions"
 
 UNKNOWN = "unknown"
 OTHER = "other"
+#: Characters of a peer label: an address a client named (or an engine id)
+#: of any length is cut to this.
+MAX_PEER_LABEL = 128
 
 TIME_BUCKETS = (
     0.0005,
@@ -146,8 +151,10 @@ DEFINITIONS: dict[str, MetricDef] = {
     ),
     FAILURES: MetricDef(
         "counter",
-        "Session-level failures (timeout, abort, peer_down, lookup_timeout, "
-        "write_timeout, ...), by reason.",
+        "Failures by reason: each load a session's end failed (peer_down, "
+        "handshake_timeout, abort_timeout, ..., one per load in flight), and "
+        "each deadline or serve step that failed (lookup_timeout, "
+        "write_timeout, pin_error, fetch_not_pinned, ...).",
         _PEER_REASON,
     ),
     REFUSALS: MetricDef(
@@ -239,13 +246,13 @@ def session_peer(session: Session) -> str:
     dialled peer's is the address a client named, cut as an inbound one's
     engine id is."""
     if not is_inbound(session.peer):
-        return session.peer[:128]
+        return session.peer[:MAX_PEER_LABEL]
     hello = session.peer_hello
     if hello is None or not session.proven:
         # Anyone may connect and name itself: a party without the secret
         # filled every peer label (64 Hellos) before this.
         return UNKNOWN
-    return hello.engine_id.split("/", 1)[0][:128] or UNKNOWN
+    return hello.engine_id.split("/", 1)[0][:MAX_PEER_LABEL] or UNKNOWN
 
 
 class MetricsExporter:
@@ -256,7 +263,7 @@ class MetricsExporter:
         self.max_peers = max_peers
         self.max_reasons = max_reasons
         self._peers: set[str] = set()
-        self._reasons: dict[str, set[str]] = {}
+        self._reasons: dict[tuple[str, bool], set[str]] = {}
         self._seen: dict[Session, SessionCounters] = {}
         self._manager_errors: dict[str, int] = {}
         self._limit_refusals: dict[str, int] = {}
@@ -276,11 +283,14 @@ class MetricsExporter:
 
     def reason(self, metric: str, raw: str) -> str:
         label = _BAD_CHARS.sub("_", raw.split(": ", 1)[0].strip())[:64] or UNKNOWN
-        seen = self._reasons.setdefault(metric, set())
+        # 32 Error frames with made-up codes, from a party that never
+        # handshook, took every label: before_handshake went to "other".
+        theirs = label.startswith(PEER_REASON)
+        seen = self._reasons.setdefault((metric, theirs), set())
         if label in seen:
             return label
-        if len(seen) >= self.max_reasons:
-            return OTHER
+        if len(seen) >= (self.max_reasons // 2 if theirs else self.max_reasons):
+            return PEER_REASON + OTHER if theirs else OTHER
         seen.add(label)
         return label
 
@@ -348,7 +358,7 @@ class MetricsExporter:
         obs = manager.load_observations
         while obs:
             o = obs.popleft()
-            peer = self.peer(o.peer)
+            peer = self.peer(o.peer[:MAX_PEER_LABEL])  # as its session's counts
             if o.success:
                 if o.nbytes > 0:  # an empty load moved nothing: no sample
                     sink.observe_histogram(LOAD_TIME, o.elapsed_s, (peer,))

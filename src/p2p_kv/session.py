@@ -31,7 +31,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from itertools import compress
-from typing import Protocol, TypeVar
+from typing import Final, Protocol, TypeVar
 
 from p2p_kv.handshake import (
     SEALED,
@@ -454,6 +454,11 @@ def is_inbound(conn: str) -> bool:
     return conn.startswith("in:")
 
 
+#: How a count of an Error the peer sent starts: its code is the peer's
+#: choice, counted apart from ours (p2p_kv.metrics gives it its own labels).
+PEER_REASON: Final = "peer:"
+
+
 def tally(table: dict[_K, int], key: _K, other: _K) -> None:
     """Count ``key`` in ``table``, or ``other`` once the table is full."""
     if key not in table and len(table) >= MAX_TALLY_KEYS:
@@ -842,7 +847,7 @@ class Session:
             self._lose("peer_down", f"peer said goodbye: {msg.reason}")
             return
         if isinstance(msg, Error):
-            self.counters.bump(self.counters.protocol_errors, f"peer:{msg.code}")
+            self.counters.bump(self.counters.protocol_errors, PEER_REASON + msg.code)
             return
         if isinstance(msg, Heartbeat):
             return

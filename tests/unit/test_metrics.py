@@ -6,7 +6,7 @@ from collections import defaultdict
 
 import pytest
 
-from p2p_kv.manager import Roles
+from p2p_kv.manager import LoadObservation, Roles
 from p2p_kv.metrics import (
     DEFINITIONS,
     FAILED_IDS,
@@ -22,6 +22,7 @@ from p2p_kv.metrics import (
     LOOKUP_HITS,
     LOOKUP_MISSES,
     LOOKUPS,
+    MAX_PEER_LABEL,
     OTHER,
     PARKED_STORES,
     PREFIX,
@@ -33,6 +34,7 @@ from p2p_kv.metrics import (
     STAGING_HELD,
     MetricsExporter,
 )
+from p2p_kv.session import MAX_TALLY_KEYS, tally
 
 from .memnet import Net, identity, key
 
@@ -282,6 +284,55 @@ def test_peers_refused_at_max_peers_reach_the_refusals_counter() -> None:
         ("unknown", "too_many_peers"): 1
     }
     assert REFUSALS not in collect(exp, net, "b").counters  # sent once
+
+
+def test_limit_refusals_survive_a_refusals_table_full_of_refused_sessions() -> None:
+    """Each refused session is its own key of the manager's refusals table
+    (64 keys at most): once anyone who reaches the port had filled it, a
+    ``too_many_peers`` refusal was tallied as ("other", "other") and never
+    exported again."""
+    net = Net(names=("a", "b", "c"))
+    exp = MetricsExporter()
+    b = net.engines["b"].manager
+    for i in range(MAX_TALLY_KEYS + 5):
+        tally(b.refusals, (f"in:#{i}", "auth"), ("other", "auth"))
+    b.max_peers = 1
+    b.on_new_request("r1", net.roles("a", "kv1"), net.now)
+    b.on_new_request("r2", net.roles("c", "kv2"), net.now)
+    b.lookup("r1", key(1))
+    b.lookup("r2", key(1))
+    net.run()
+    assert collect(exp, net, "b").counters[REFUSALS] == {
+        ("unknown", "too_many_peers"): 1
+    }
+
+
+def test_codes_a_peer_names_cannot_take_our_reason_labels() -> None:
+    """An Error is read before the handshake, and its code is the sender's:
+    32 made-up codes took every protocol_errors label, and our own
+    before_handshake was exported as "other" from then on."""
+    exp = MetricsExporter(max_reasons=4)
+    theirs = [exp.reason(PROTOCOL_ERRORS, f"peer:junk-{i}") for i in range(10)]
+    assert theirs == ["peer:junk-0", "peer:junk-1"] + ["peer:other"] * 8
+    ours = [exp.reason(PROTOCOL_ERRORS, r) for r in ("before_handshake", "decode")]
+    assert ours == ["before_handshake", "decode"]
+
+
+def test_a_long_peer_address_is_one_label_for_loads_and_sessions() -> None:
+    """Session counts cut a peer's address to 128 characters and load
+    observations did not: a host name past that was two series, and took
+    two of the 64 peer labels."""
+    net = make_net()
+    exp = MetricsExporter()
+    b = net.engines["b"].manager
+    long_peer = "h" * 200 + ":5800"
+    b.load_observations.append(LoadObservation(long_peer, True, 0.01, 4096, "", 0.01))
+    b.load_observations.append(LoadObservation(long_peer, False, 0, 0, "timeout", 0.5))
+    sink = collect(exp, net, "b")
+    label = (long_peer[:MAX_PEER_LABEL],)
+    assert list(sink.hist[LOAD_TIME]) == [label]
+    assert list(sink.counters[FALLBACKS]) == [(*label, "timeout")]
+    assert exp.peer(long_peer[:MAX_PEER_LABEL]) == label[0]  # one label, not two
 
 
 def test_same_host_reads_are_sent_as_increments_of_the_data_planes_count() -> None:
