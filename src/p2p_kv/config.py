@@ -120,8 +120,7 @@ class TierConfig:
             raise ConfigError(
                 f"p2p_kv: secret is null in the tier's entry but {ENV_PREFIX}SECRET "
                 "is set: remove the key to use the variable, or unset the "
-                "variable for no secret",
-                env=ENV_PREFIX + "SECRET",
+                "variable for no secret"
             )
         values: dict[str, Any] = {}
         sources: dict[str, str] = {}

@@ -36,7 +36,7 @@ from typing import Any, Final
 
 from p2p_kv.handshake import FrameRefused, Identity
 from p2p_kv.lifecycle import Event, State
-from p2p_kv.protocol import MAX_KEYS, MAX_REQ_ID_CHARS, Message
+from p2p_kv.protocol import MAX_KEYS, MAX_REQ_ID_CHARS, Hello, Message
 from p2p_kv.session import (
     KeyCount,
     Limits,
@@ -750,7 +750,7 @@ class LoadManager:
 
     def _remember_refused(self, peer: str) -> None:
         """An inbound connection done with for good (refused, or its
-        session ended by the peer's own message): its later frames are
+        session ended by a second Hello): its later frames are
         dropped unread. A refused handshake or seal used to end only the
         session, and the connection's next frame opened a new one (a log
         line and a session per few frames from one connection). A peer
@@ -774,9 +774,11 @@ class LoadManager:
         session.receive(msg, now)
         if not refused:
             self._tally_refusal(peer, session)
-        if session.closed and not closed:
-            # Ended by what the peer sent (a refusal, a Goodbye, a second
-            # Hello): one inbound connection, one session.
+        ended = session.closed and not closed
+        if ended and (session.refusal is not None or isinstance(msg, Hello)):
+            # Refused, or ended by a second Hello: one inbound connection,
+            # one session. (Not a Goodbye's end: its connection closes next,
+            # and each remembered would push a refused one out of the list.)
             self._remember_refused(peer)
         if greeting and session.ready and is_inbound(peer):
             # Every per-peer bound holds per session: without this one, a

@@ -706,6 +706,10 @@ class Session:
             # session's Hello reset its silence timer. Nothing of the new
             # Hello is adopted: the peer's next session is dialled afresh.
             self.counters.bump(self.counters.protocol_errors, "duplicate_hello")
+            # Plain: the peer's new session has no keys to open a sealed one
+            # (sealed, it was dropped as undecodable, and that session waited
+            # out its handshake deadline).
+            self._keys = None
             self._outbox.append(Goodbye(reason="second Hello: start again"))
             self._lose("peer_down", "the peer began a new session on our connection")
             return

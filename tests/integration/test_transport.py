@@ -1041,20 +1041,30 @@ def test_a_consumer_killed_mid_request_frees_what_the_producer_held() -> None:
         prod.close()
 
 
-def test_a_producer_that_dropped_our_session_is_dialled_again() -> None:
+@pytest.mark.parametrize("secret", [None, b"s3cret"], ids=["open", "secret"])
+def test_a_producer_that_dropped_our_session_is_dialled_again(
+    secret: bytes | None,
+) -> None:
     """A producer that drops our session without a Goodbye (its send to
     us failed, or, here, we overflowed its outbox) keeps the connection:
     our next frame opened a new session there, whose Hello reset our
     silence timer, so our session stayed ready for good and every lookup
     waited out its deadline to miss. A second Hello now ends our session
     (nothing of it adopted), and past the reconnect backoff the next
-    request dials afresh and hits."""
+    request dials afresh and hits. Our Goodbye goes plain, so that the
+    producer's new session (no keys yet) reads it and ends at once rather
+    than at its handshake deadline."""
     from p2p_kv.session import Limits
 
     keys = [make_key(k) for k in range(4)]
-    prod = StandalonePeer(16, 4 * KIB, engine_id=f"dropper-{os.getpid()}", timeouts=HB)
+    pid = os.getpid()
+    prod = StandalonePeer(
+        16, 4 * KIB, engine_id=f"dropper-{pid}", timeouts=HB, secret=secret
+    )
     prod.manager.limits = Limits(max_outbox=2)
-    cons = StandalonePeer(16, 4 * KIB, engine_id=f"dropped-{os.getpid()}", timeouts=HB)
+    cons = StandalonePeer(
+        16, 4 * KIB, engine_id=f"dropped-{pid}", timeouts=HB, secret=secret
+    )
 
     def step_both() -> None:
         prod.step(wait=False)
@@ -1100,6 +1110,16 @@ def test_a_producer_that_dropped_our_session_is_dialled_again() -> None:
         assert first.close_reason == (
             "peer_down: the peer began a new session on our connection"
         )
+        # The producer's new session read our Goodbye (sealed, it was
+        # dropped undecoded, and the session waited 5 s for a handshake).
+        while not any(
+            "second Hello" in (s.close_reason or "")
+            for s in prod.manager.retired_sessions
+        ):
+            assert time.monotonic() - t_drop < 2.0, [
+                s.close_reason for s in prod.manager.retired_sessions
+            ]
+            step_both()
         for req in ("a", "b", "c"):
             cons.runtime.end_request(req)
         backoff = time.monotonic() + cons.manager.reconnect_backoff_s

@@ -469,6 +469,22 @@ def test_a_second_hello_from_a_dialler_leaves_its_connection_done_with() -> None
     net.run()
 
 
+def test_a_goodbye_leaves_its_connection_to_close() -> None:
+    """A session ended by its peer's Goodbye is an ordinary end: its
+    connection closes next, and remembering it as done with pushed real
+    refusals out of the bounded list (4,096 ordinary ends and a refused
+    connection opened sessions again)."""
+    net = make_net()
+    probe(net, "r1", "kv1")
+    m = net.engines["a"].manager
+    sa = session(net, "a")
+    inject(net, "a", Goodbye(reason="shutdown"))
+    assert sa.closed
+    assert sa.peer not in m._refused_inbound
+    finish(net, "r1")
+    net.run()
+
+
 def test_lookups_for_one_request_cannot_queue_unbounded_keys() -> None:
     """One (req, gen) with lookup after lookup before our engine serves:
     the queued keys stay under max_pending_keys; the rest are all-miss."""
