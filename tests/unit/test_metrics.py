@@ -267,34 +267,20 @@ def test_undecodable_frames_count_as_protocol_errors() -> None:
     }
 
 
-def test_peers_refused_at_max_peers_reach_the_refusals_counter() -> None:
+@pytest.mark.parametrize("refused_before", [0, MAX_TALLY_KEYS + 5])
+def test_peers_refused_at_max_peers_reach_the_refusals_counter(
+    refused_before: int,
+) -> None:
     """The refusals the docs promise for ``max_peers`` (and its inbound
     twins) are counted by the manager, outside any session: the exporter
-    read only sessions' counters, and they never appeared."""
+    read only sessions' counters, and they never appeared. And each refused
+    session is its own key of the manager's refusals table (64 at most):
+    once anyone who reaches the port had filled it, a ``too_many_peers``
+    refusal was tallied as ("other", "other") and never exported again."""
     net = Net(names=("a", "b", "c"))
     exp = MetricsExporter()
     b = net.engines["b"].manager
-    b.max_peers = 1
-    b.on_new_request("r1", net.roles("a", "kv1"), net.now)
-    b.on_new_request("r2", net.roles("c", "kv2"), net.now)
-    b.lookup("r1", key(1))
-    b.lookup("r2", key(1))
-    net.run()
-    assert collect(exp, net, "b").counters[REFUSALS] == {
-        ("unknown", "too_many_peers"): 1
-    }
-    assert REFUSALS not in collect(exp, net, "b").counters  # sent once
-
-
-def test_limit_refusals_survive_a_refusals_table_full_of_refused_sessions() -> None:
-    """Each refused session is its own key of the manager's refusals table
-    (64 keys at most): once anyone who reaches the port had filled it, a
-    ``too_many_peers`` refusal was tallied as ("other", "other") and never
-    exported again."""
-    net = Net(names=("a", "b", "c"))
-    exp = MetricsExporter()
-    b = net.engines["b"].manager
-    for i in range(MAX_TALLY_KEYS + 5):
+    for i in range(refused_before):
         tally(b.refusals, (f"in:#{i}", "auth"), ("other", "auth"))
     b.max_peers = 1
     b.on_new_request("r1", net.roles("a", "kv1"), net.now)
@@ -305,6 +291,7 @@ def test_limit_refusals_survive_a_refusals_table_full_of_refused_sessions() -> N
     assert collect(exp, net, "b").counters[REFUSALS] == {
         ("unknown", "too_many_peers"): 1
     }
+    assert REFUSALS not in collect(exp, net, "b").counters  # sent once
 
 
 def test_codes_a_peer_names_cannot_take_our_reason_labels() -> None:
