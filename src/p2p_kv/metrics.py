@@ -154,7 +154,8 @@ DEFINITIONS: dict[str, MetricDef] = {
         "Failures by reason: each load a session's end failed (peer_down, "
         "handshake_timeout, abort_timeout, ..., one per load in flight), and "
         "each deadline or serve step that failed (lookup_timeout, "
-        "write_timeout, pin_error, fetch_not_pinned, ...).",
+        "write_timeout, pin_error, fetch_not_pinned, ...); a load counts once, "
+        "under the first reason it failed for.",
         _PEER_REASON,
     ),
     REFUSALS: MetricDef(

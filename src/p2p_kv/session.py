@@ -247,6 +247,7 @@ class Load(Tracked):
     __slots__ = (
         "blocks",
         "deadline",
+        "failed_as",
         "fetch",
         "gen",
         "job",
@@ -282,6 +283,10 @@ class Load(Tracked):
         self.deadline = deadline
         self.read_until = read_until
         self.request_finished = False
+        #: The reason its failure was counted under, once it was: a load
+        #: that timed out and then ended through the peer's AbortAck, a
+        #: cancelled READ or the session's end is one failure, not two.
+        self.failed_as = ""
 
     @property
     def is_read(self) -> bool:
@@ -790,12 +795,12 @@ class Session:
         for load in self._loads.values():
             fenced = load.fenced
             load.fire(Event.PEER_LOST)
-            result = self._result(load, False, kind, load.started)
+            why = self._count_failure(load, kind)
+            result = self._result(load, False, why, load.started)
             if fenced:
                 self._fenced_results.append((result, load.blocks))
             else:
                 self._load_results.append(result)
-            self.counters.bump(self.counters.failures, kind)
         self._loads.clear()
         self._contacted.clear()
         self._offers.clear()
@@ -1103,7 +1108,6 @@ class Session:
             # No time left to READ it all inside the window: the load
             # recomputes, and its Release frees what the peer holds.
             load.fire(Event.TIMEOUT)
-            self.counters.bump(self.counters.failures, "offer_too_late")
             self._end_unstarted(load, "offer_too_late", now)
             return
         if until < load.deadline:
@@ -1135,7 +1139,7 @@ class Session:
             self._load_results.append(self._result(load, True, "", now))
             return
         reason = "abort" if was_cancelled else "read_late" if late else "read_failed"
-        self.counters.bump(self.counters.failures, reason)
+        reason = self._count_failure(load, reason)
         self._load_results.append(self._result(load, False, reason, now))
 
     def _end_unstarted(self, load: Load, reason: str, now: float) -> None:
@@ -1148,7 +1152,16 @@ class Session:
                 self._contacted.discard(load.gen)
                 self._send(Release(load.req, load.gen, 0))
         del self._loads[load.job]
+        reason = self._count_failure(load, reason)
         self._load_results.append(self._result(load, False, reason, now))
+
+    def _count_failure(self, load: Load, reason: str) -> str:
+        """Count ``load``'s failure once, under the first reason it failed
+        for, and return that reason (the one its result carries)."""
+        if not load.failed_as:
+            load.failed_as = reason
+            self.counters.bump(self.counters.failures, reason)
+        return load.failed_as
 
     def _on_revoke(self, msg: Revoke) -> None:
         offer = self._offers.get(msg.gen)
@@ -1222,12 +1235,13 @@ class Session:
         if ok:
             self.counters.bytes_loaded += load.nbytes
             reason = ""
+        elif load.failed_as:
+            reason = load.failed_as  # counted when it timed out
         elif msg.ok:
-            reason = "abort"
-            self.counters.bump(self.counters.failures, "abort")
+            reason = self._count_failure(load, "abort")
         else:
+            self._count_failure(load, "transfer_failed")
             reason = f"peer: {msg.reason}"
-            self.counters.bump(self.counters.failures, "transfer_failed")
         self._load_results.append(self._result(load, ok, reason, now))
 
     def _on_abort_ack(self, msg: AbortAck, now: float) -> None:
@@ -1241,8 +1255,8 @@ class Session:
         for job in acked:
             load = self._loads.pop(job)
             load.fire(Event.ABORT_ACK)
-            self.counters.bump(self.counters.failures, "abort")
-            self._load_results.append(self._result(load, False, "abort", now))
+            reason = self._count_failure(load, "abort")
+            self._load_results.append(self._result(load, False, reason, now))
 
     def _result(self, load: Load, ok: bool, reason: str, now: float) -> LoadResult:
         return LoadResult(
@@ -1807,7 +1821,7 @@ class Session:
                     self._lose("abort_timeout", f"job {item.job} did not end")
                     return False
                 item.fire(Event.TIMEOUT)
-                self.counters.bump(self.counters.failures, "timeout")
+                self._count_failure(item, "timeout")
                 if item.state is State.FAILED:  # was only queued
                     self._end_unstarted(item, "timeout", now)
                 elif item.is_read:  # READ_CANCELLING

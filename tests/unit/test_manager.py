@@ -234,6 +234,32 @@ def test_late_failure_after_finish_timeout_path() -> None:
     assert b.manager.failed_ids() == frozenset()
 
 
+@pytest.mark.parametrize("reads", [True, False], ids=["read", "write"])
+def test_a_load_that_timed_out_is_one_failure_however_it_ends(reads: bool) -> None:
+    """A timed-out load still ends through the transfer it fences (the
+    READ's end, or the producer's TransferDone): that end is the same
+    failure, not an ``abort`` on top of the ``timeout``."""
+    t = Timeouts(fetch_floor_s=0.5, abort_ack_s=5.0, heartbeat_interval_s=0.2)
+    net = make_net(timeouts=t, reads=reads)
+    probe(net, "r1", "kv1")
+    net.hold_writes = True
+    job = load(net, "r1", [1, 2, 3, 4])
+    net.run(2)
+    wait(net, 1.0)  # past the load's deadline, inside the abort's
+    b = net.engines["b"]
+    assert b.results.get(job) is None  # fenced: the transfer may still land
+    net.hold_writes = False
+    net.run()
+    collect_all(net)
+    assert [(r.success, r.reason) for r in b.results[job]] == [(False, "timeout")]
+    (s,) = b.manager.sessions()
+    assert s.counters.failures == {"timeout": 1}
+    assert b.manager.fallbacks == {"timeout": 1}
+    b.manager.on_request_finished("r1", net.now)
+    net.run()
+    assert_drained(net)
+
+
 def test_aborting_one_request_waits_out_its_write_and_spares_the_others() -> None:
     """The producer acknowledges an Abort once the write it fences has
     settled, which may take as long as the write's own deadline: a shorter

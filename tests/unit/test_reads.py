@@ -472,6 +472,8 @@ def test_a_read_given_up_before_it_was_posted_fails_at_once(how: str) -> None:
     results = b.collect(net.now)
     assert [(r.job_id, r.success, r.reason) for r in results] == [(job, False, how)]
     assert session(net, "b").sizes()["loads"] == 0
+    # Counted once, as an abort in flight is (an unposted abort was not).
+    assert session(net, "b").counters.failures == {how: 1}
     net.step(deliver=False)
     assert net.reads == [], "a given-up READ reached the data plane"
     assert sent(net, "b") == ["Release"]
