@@ -578,7 +578,14 @@ class NixlDataTransport:
         #: start, its 64 MiB coincided with 16 s stalls of an idle `vllm
         #: serve` pair in about half of test_serve_metrics' runs: not
         #: explained, gone when made lazily.)
-        self._stage_bytes = read_staging_bytes
+        #: No more than the region: one peer's READs use half of it at most,
+        #: and an operator's ``read_staging_mib`` larger than the KV cache
+        #: (a typo, GiB for MiB) failed every staged READ at its first
+        #: allocation instead.
+        self._stage_bytes = min(read_staging_bytes, span.nbytes)
+        #: Staging that could not be made is tried again at each READ (the
+        #: memory may free), but said once.
+        self._stage_error = ""
         self._stage_mem: StagingMemory | None = None
         self._stage_pool: StagingPool | None = None
         self._stage_descs: Any = None
@@ -1082,7 +1089,15 @@ class NixlDataTransport:
             except Exception as exc:
                 # No READ may land in place instead: this one fails (the
                 # request recomputes) and the next tries again.
-                logger.warning("cannot make read staging: %s", exc)
+                if str(exc) != self._stage_error:
+                    self._stage_error = str(exc)
+                    logger.warning(
+                        "cannot make %d bytes of read staging (staged READs "
+                        "recompute until it can be made; lower "
+                        "read_staging_mib, or 0 to READ in place): %s",
+                        self._stage_bytes,
+                        exc,
+                    )
                 self._done.append((tid, False))
                 return tid
         read = _StagedRead(

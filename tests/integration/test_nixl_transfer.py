@@ -742,6 +742,44 @@ def test_a_read_given_up_on_while_it_runs_lands_only_in_staging(
             assert landed == [4, 5, 6, 7]
 
 
+def test_staging_larger_than_the_region_is_the_region(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``read_staging_mib`` given in the wrong unit (a PiB): staging is
+    made the region's size, and a staged READ loads; it was allocated as
+    asked, and every staged READ failed to recompute."""
+    bs, n = 4 * KIB, 16
+    with _tcp_pair(monkeypatch, bs, n, 1 << 50, "huge") as (prod, cons, src, got):
+        tid = cons.post_read(prod.agent_name, [0, 1, 5], [2, 3, 9])
+        assert _completions(prod, cons) == [(tid, True)]
+        assert np.array_equal(got[[2, 3, 9]], src[[0, 1, 5]])
+        assert cons.staging_blocks() == (n, n, 0)
+
+
+def test_staging_that_cannot_be_made_fails_reads_and_says_so_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Memory short at the first staged READ: each READ fails (to
+    recompute) and tries again, the log says why once, not per READ."""
+    import p2p_kv.data
+
+    def short(*_: object, **__: object) -> None:
+        raise MemoryError("no room for staging")
+
+    bs, n = 4 * KIB, 16
+    with _tcp_pair(monkeypatch, bs, n, 4 * bs, "short") as (prod, cons, src, got):
+        monkeypatch.setattr(p2p_kv.data, "StagingMemory", short)
+        with caplog.at_level("WARNING", logger="p2p_kv.data"):
+            tids = [cons.post_read(prod.agent_name, [i], [i]) for i in range(3)]
+        assert cons.poll_completions() == [(t, False) for t in tids]
+        said = [r.getMessage() for r in caplog.records if "staging" in r.getMessage()]
+        assert len(said) == 1 and "no room for staging" in said[0], said
+        monkeypatch.undo()  # the memory freed: the next READ makes it
+        tid = cons.post_read(prod.agent_name, [7], [7])
+        assert _completions(prod, cons) == [(tid, True)]
+        assert np.array_equal(got[7], src[7])
+
+
 def test_a_removed_peer_that_comes_back_while_its_read_runs_is_taken_back(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
