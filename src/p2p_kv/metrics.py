@@ -111,12 +111,15 @@ DEFINITIONS: dict[str, MetricDef] = {
         "counter", "Bytes a peer loaded from us (WRITE or its READ).", _PEER
     ),
     LOADS_READ: MetricDef(
-        "counter", "Load jobs done by one-sided READ of a peer's pins.", _PEER
+        "counter",
+        "Load jobs started as a one-sided READ of a peer's pins (counted when "
+        "submitted; how they ended is in load_time_seconds and fallbacks).",
+        _PEER,
     ),
     LOADS_FETCHED: MetricDef(
         "counter",
-        "Load jobs done by Fetch (the peer offers its blocks for READ, or "
-        "WRITEs them).",
+        "Load jobs started by a Fetch (the peer offers its blocks for READ, "
+        "or WRITEs them; counted when submitted, like loads_read).",
         _PEER,
     ),
     LOADS_WRITTEN: MetricDef(
