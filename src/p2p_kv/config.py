@@ -28,6 +28,8 @@ HEARTBEAT_MS = (4, 600_000)
 #: and a shorter one than a millisecond is no network round trip.
 TIMEOUT_S = (0.001, 3600.0)
 IDLE_WAIT_MS = (1.0, 60_000.0)
+#: Addresses that bind every interface and reach none.
+WILDCARD_HOSTS = frozenset({"*", "0.0.0.0", "::", "0:0:0:0:0:0:0:0"})
 _TIMEOUT_KEYS = (
     "handshake_timeout_s",
     "lookup_timeout_s",
@@ -205,6 +207,15 @@ class TierConfig:
             raise bad("max_inbound_peers", f"{self.max_inbound_peers} must be >= 1")
         if not self.host:
             raise bad("host", "is empty; set the address peers dial")
+        if self.host.strip("[]") in WILDCARD_HOSTS:
+            # It is bound and also handed to peers (config_info's
+            # p2p_kv_address, which routers pass on): no peer can dial it.
+            raise bad(
+                "host",
+                f"{self.host!r} binds every interface but is also the address "
+                "peers dial, which none can; set this host's address or name "
+                "on the network the engines share",
+            )
 
     def timeouts(self) -> Timeouts:
         return Timeouts(

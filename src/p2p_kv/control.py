@@ -434,6 +434,10 @@ class ControlTransport:
             sock.close(linger=0)
 
     def close(self) -> None:
+        """Close every socket; a second call does nothing (direct users,
+        the doctor and benchmarks, close in ``finally`` blocks too)."""
+        if self._router.closed:
+            return
         for conn in list(self._dealers):
             self.close_conn(conn)
         self._poller.unregister(self._router)

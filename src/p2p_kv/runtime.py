@@ -673,9 +673,11 @@ class TierRuntime:
                     finally:
                         self.lock.release()
                     now = self.clock()
+                    # Read once: the engine's thread clears it unlocked.
+                    called_at = self._called_at
                     if not wanted:
                         self._called_at = None  # whatever was wanted is done
-                    elif self._called_at is None or now - self._called_at >= REWAKE_S:
+                    elif called_at is None or now - called_at >= REWAKE_S:
                         # Again if the engine has not come: a call it took
                         # without stepping (it was just finishing a step of
                         # its own) must not leave the lookup unserved.

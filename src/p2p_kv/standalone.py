@@ -97,9 +97,13 @@ class StandalonePeer:
             read_staging_bytes=read_staging_bytes,
             drain_timeout_s=drain_timeout_for((timeouts or Timeouts()).abort_ack_s),
         )
-        control = ControlTransport(
-            host, port, heartbeat_s=(timeouts or Timeouts()).heartbeat_interval_s
-        )
+        try:
+            control = ControlTransport(
+                host, port, heartbeat_s=(timeouts or Timeouts()).heartbeat_interval_s
+            )
+        except BaseException:
+            data.close()  # its agent and UCX's thread, not the collector's
+            raise
         me = Identity(
             engine_id=engine_id,
             hash_algo="sha256",

@@ -400,6 +400,41 @@ def test_a_failed_bind_names_what_to_fix() -> None:
             ControlTransport("127.0.0.1", s.getsockname()[1])
 
 
+def test_a_peer_whose_bind_fails_closes_its_data_plane(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The NIXL agent (and UCX's thread) made before the bind was left to
+    the collector, alive for as long as the caller kept the exception."""
+    import p2p_kv.standalone
+    from p2p_kv.data import NixlDataTransport
+
+    made: list[NixlDataTransport] = []
+
+    class Recorded(NixlDataTransport):
+        def __init__(self, *a: Any, **kw: Any) -> None:
+            super().__init__(*a, **kw)
+            made.append(self)
+
+    monkeypatch.setattr(p2p_kv.standalone, "NixlDataTransport", Recorded)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        with pytest.raises(OSError, match="pick a free port"):
+            StandalonePeer(4, 4096, engine_id="bind-fails", port=s.getsockname()[1])
+    (data,) = made
+    assert data._agent is None, "the failed peer's NIXL agent is still open"
+
+
+def test_closing_a_control_transport_twice_does_nothing() -> None:
+    """The second call raised KeyError (its socket already unregistered)
+    from a ``finally`` of the doctor's or a benchmark's."""
+    from p2p_kv.control import ControlTransport
+
+    control = ControlTransport("127.0.0.1", 0)
+    control.close()
+    control.close()
+
+
 def test_an_ipv6_host_may_be_written_in_brackets() -> None:
     from p2p_kv.control import ControlTransport
 

@@ -228,7 +228,9 @@ def test_fetch_into_gpu_memory(pair: tuple[Any, str, str, Any, str]) -> None:
     assert not any(report.values()), report
     # Every READ through NIXL went through staging, and left none taken;
     # a consumer that never READ through NIXL made none.
-    size = STAGING_BLOCKS.get(path, CONSUMER_BLOCKS) if path.startswith("nixl_read") else 0
+    size = (
+        STAGING_BLOCKS.get(path, CONSUMER_BLOCKS) if path.startswith("nixl_read") else 0
+    )
     assert consumer.runtime.data.staging_blocks() == (size, size, 0)
     # Only the read paths copy without NIXL: from a host region, or a GPU
     # region on our own GPU (one GPU here: NIXL's READs between two

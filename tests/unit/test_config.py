@@ -140,6 +140,16 @@ def test_a_value_of_the_wrong_type_is_refused_not_cast(key: str, value: object) 
         TierConfig.from_dict({key: value}, env={})
 
 
+@pytest.mark.parametrize("host", ["0.0.0.0", "*", "::", "[::]"])
+def test_a_wildcard_host_is_refused(host: str) -> None:
+    """``host`` is bound and handed to peers as the address to dial: a
+    wildcard bound and then advertised ``0.0.0.0:5800``, which no peer on
+    another host reaches (every lookup toward this engine failed)."""
+    with pytest.raises(ConfigError, match=r"host .* binds every interface"):
+        TierConfig.from_dict({"host": host}, env={})
+    assert TierConfig.from_dict({"host": "::1"}, env={}).host == "::1"
+
+
 def test_whole_floats_and_environment_strings_are_taken() -> None:
     assert TierConfig.from_dict({"port": 5801.0}, env={}).port == 5801
     env = {"VLLM_P2P_KV_PORT": "6000", "VLLM_P2P_KV_READ_PATH": "no"}
