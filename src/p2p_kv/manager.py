@@ -546,11 +546,7 @@ class LoadManager:
                 # whole deadline instead of the grace.
                 self._finished_kv.pop(kv_id, None)
                 self._finished_kv[kv_id] = now + self.parked_ttl_s
-                while self._finished_kv and (
-                    len(self._finished_kv) > MAX_FINISHED_KV
-                    or next(iter(self._finished_kv.values())) <= now
-                ):
-                    del self._finished_kv[next(iter(self._finished_kv))]
+                self._forget_finished_kv(now)
             self._feed_waiting(kv_id, now)
             self._gc_parked(kv_id)
 
@@ -961,6 +957,14 @@ class LoadManager:
             self._results.extend(serve.let_go(Event.PEER_LOST, False, "peer_down"))
         if len(self._retry_at) > 1024:
             self._retry_at = {p: t for p, t in self._retry_at.items() if t > now}
+        self._forget_finished_kv(now)
+
+    def _forget_finished_kv(self, now: float) -> None:
+        """Drop the finished producers past their TTL, and the oldest past
+        the cap: insertion order is deadline order (one TTL for all)."""
+        fk = self._finished_kv
+        while fk and (len(fk) > MAX_FINISHED_KV or next(iter(fk.values())) <= now):
+            del fk[next(iter(fk))]
 
     def next_deadline(self) -> float:
         best = self._deadlines[0][0] if self._deadlines else float("inf")

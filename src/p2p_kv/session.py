@@ -1095,7 +1095,9 @@ class Session:
                 msg.gen,
             )
             # Nothing read, and the producer offered rather than wrote: end
-            # it as an abort does, through the peer's ack (the fence).
+            # it as an abort does, through the peer's ack (the fence), but
+            # counted and reported as what it was.
+            self._count_failure(load, "bad_fetch_offer")
             load.fire(Event.ABORT)
             self._arm(load, now + self.timeouts.abort_ack_s)
             self._send(Abort(load.req, load.gen))

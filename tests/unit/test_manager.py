@@ -6,12 +6,13 @@ import contextlib
 from typing import Any
 
 import pytest
+import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from p2p_kv.lifecycle import State
 from p2p_kv.manager import Answer, JobResult, LoadManager, Roles
-from p2p_kv.protocol import Fetch, decode, encode
+from p2p_kv.protocol import Fetch, FetchOffer, decode, encode
 from p2p_kv.session import Timeouts, is_inbound
 
 from .memnet import FAST_TIMEOUTS, Net, key, payload
@@ -1117,6 +1118,57 @@ def test_an_abort_crossing_the_offer_is_acked_and_nothing_is_read() -> None:
     assert session.counters.protocol_errors == {"stale_fetch_offer": 1}
     assert not net.reads and not b.manager.state_report()["fenced_slots"]
     assert_drained(net)
+
+
+def test_a_bad_fetch_offer_fails_its_load_as_such_not_as_an_abort() -> None:
+    """An offer of 2 slots for 4 keys: the load ends through the peer's
+    AbortAck (the fence), and was counted and reported as ``abort``."""
+    net = Net()
+    b = net.engines["b"]
+    job = parked_fetch(net)
+    for _ in range(10):
+        net.step(deliver=False)
+        frames = [(e, p, decode(f)) for e, p, f in net.queue]
+        offers = [m for _, _, m in frames if isinstance(m, FetchOffer)]
+        if offers:
+            break
+        net.deliver_all()
+        net.serve()
+    (offer,) = offers
+    net.queue = [
+        (
+            e,
+            p,
+            encode(msgspec.structs.replace(m, slots=m.slots[:2]) if m is offer else m),
+        )
+        for e, p, m in frames
+    ]
+    net.run()
+    collect_all(net)
+    assert [(r.success, r.reason) for r in b.results[job]] == [
+        (False, "bad_fetch_offer")
+    ]
+    (session,) = b.manager.sessions()
+    assert session.counters.failures == {"bad_fetch_offer": 1}
+    assert session.counters.protocol_errors == {"bad_fetch_offer": 1}
+    assert not net.reads and b.manager.failed_ids() == {"d1"}  # recomputes
+    b.manager.on_request_finished("d1", net.now)
+    net.run()
+    assert_drained(net)
+
+
+def test_a_finished_producer_is_forgotten_at_its_ttl_without_another() -> None:
+    """Finished producers (for a retry's Fetch) were purged only when
+    another producer finished: an engine whose last one finished kept
+    them past their TTL for as long as it ran."""
+    net = Net()
+    a = net.engines["a"].manager
+    dec = Roles.parse({"remote_decoder": {"kv_request_id": "kv9"}})
+    a.on_new_request("p1", dec, net.now)
+    a.on_request_finished("p1", net.now)
+    assert list(a._finished_kv) == ["kv9"]
+    wait(net, a.parked_ttl_s + 0.5, dt=0.5)
+    assert a._finished_kv == {}
 
 
 def test_offered_parked_stores_outlive_a_lost_session_to_their_deadline() -> None:
