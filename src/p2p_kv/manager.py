@@ -922,11 +922,24 @@ class LoadManager:
         session.leave_engine()
         del self._sessions[peer]
         self._dirty.discard(peer)
+        self._forget_hits_through(peer)
         # One closed for room was healthy: the next request to it dials at
         # once (with a backoff, peers used in turn slightly past max_peers
         # missed for a second after each eviction).
         if not is_inbound(peer) and not session.evicted:
             self._retry_at[peer] = now + self.reconnect_backoff_s
+
+    def _forget_hits_through(self, peer: str) -> None:
+        """The hits a session answered died with it: the peer pinned them
+        for that session, so a load of them through the next one is
+        refused (``not pinned``) and recomputes. Asked again instead, as
+        keys never asked are. (Misses stay misses.) Runs once a session,
+        over the live requests: a session's end is rare."""
+        for consumer in self._consumers.values():
+            if consumer.source.peer != peer or consumer.fetched:
+                continue
+            if consumer.source.probe and any(consumer.keys.values()):
+                consumer.keys = {k: hit for k, hit in consumer.keys.items() if not hit}
 
     def tick(self, now: float) -> None:
         """Fire deadlines that have passed; O(due work), not O(peers)."""

@@ -5,8 +5,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-import pytest
 import msgspec
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -279,6 +279,29 @@ def test_aborting_one_request_waits_out_its_write_and_spares_the_others() -> Non
     assert not any(s.close_reason for s in b.manager.sessions())
     assert b.manager.failed_ids() == frozenset()
     b.manager.on_request_finished("r2", net.now)
+    net.run()
+    assert_drained(net)
+
+
+def test_hits_answered_through_a_lost_session_are_asked_again() -> None:
+    """The hits stayed hits after their session ended; vLLM loaded them
+    through the next session, whose producer holds no pins for them
+    (``not pinned``), and the request recomputed what the peer still had."""
+    net = make_net(timeouts=FAST_TIMEOUTS)
+    b = net.engines["b"].manager
+    assert probe(net, "r1", "kv1") == [Answer.HIT] * 4
+    net.cut("a", "b")
+    wait(net, 2.0)  # the session ends, the reconnect backoff passes
+    assert list(b.sessions()) == []
+    assert [b.lookup("r1", k) for k in KEYS] == [Answer.RETRY] * 4
+    net.run()
+    assert [b.lookup("r1", k) for k in KEYS] == [Answer.HIT] * 4
+    job = load(net, "r1", [1, 2, 3, 4])
+    net.run()
+    collect_all(net)
+    assert [r.success for r in net.engines["b"].results[job]] == [True]
+    assert b.failed_ids() == frozenset()
+    b.on_request_finished("r1", net.now)
     net.run()
     assert_drained(net)
 
