@@ -382,13 +382,8 @@ class LoadManager:
             consumer = Consumer(req_id, roles.source, next(self._gens))
             self._consumers[req_id] = consumer
             self._by_gen[consumer.gen] = consumer
-            peer = roles.source.peer
-            if self._session_for(peer, now) is None:
-                # Past max_peers only: in the reconnect backoff, or while
-                # the peer's last session closes, its lookups ask later.
-                consumer.refused = peer not in self._sessions and (
-                    now >= self._retry_at.get(peer, 0.0)
-                )
+            if self._session_for(roles.source.peer, now) is None:
+                consumer.refused = self._refused_dial(roles.source.peer, now)
         if roles.dest_kv_id:
             self._finished_kv.pop(roles.dest_kv_id, None)
             self._producers[req_id] = roles.dest_kv_id
@@ -439,6 +434,9 @@ class LoadManager:
             keys, consumer.unsent = consumer.unsent, []
             session = self._session_for(consumer.source.peer, now)
             if session is None:
+                # Refused for max_peers, the request is counted once and
+                # misses from now on, not dialled (and counted) each batch.
+                consumer.refused = self._refused_dial(consumer.source.peer, now)
                 consumer.keys.update(dict.fromkeys(keys, False))
                 consumer.asked.difference_update(keys)
                 continue
@@ -659,6 +657,12 @@ class LoadManager:
             return None
         self._to_connect.append(peer)
         return self._new_session(peer, now)
+
+    def _refused_dial(self, peer: str, now: float) -> bool:
+        """Whether :meth:`_session_for` found no session for ``peer`` because
+        max_peers refused the dial: in the reconnect backoff, or while the
+        peer's last session closes, its lookups ask later instead."""
+        return peer not in self._sessions and now >= self._retry_at.get(peer, 0.0)
 
     def _make_room(self) -> bool:
         """Close the dialled session used longest ago that nothing needs (no

@@ -306,6 +306,32 @@ def test_hits_answered_through_a_lost_session_are_asked_again() -> None:
     assert_drained(net)
 
 
+def test_a_request_refused_a_dial_at_max_peers_is_counted_once() -> None:
+    """Its session lost and the engine at max_peers, a request's every
+    lookup batch dialled again and counted another refusal (the runtime
+    logs ``dials_refused`` as requests)."""
+    net = make_net(names=("a", "b", "c"), timeouts=FAST_TIMEOUTS)
+    b = net.engines["b"].manager
+    probe(net, "r1", "kv1")  # a session to a, named by a live request
+    b.on_new_request("r2", net.roles("c", "kv2"), net.now)
+    net.run()
+    net.cut("b", "c")
+    wait(net, 2.0)  # c's session gone, the backoff over
+    b.max_peers = 1
+    answers = []
+    for i in range(5):
+        answers.append(b.lookup("r2", key(100 + i)))
+        net.run(1)
+    assert answers == [Answer.RETRY] + [Answer.MISS] * 4
+    assert b.refusals == {("other", "too_many_peers"): 1}
+    assert b.dials_refused == 1
+    for req in ("r1", "r2"):
+        b.on_request_finished(req, net.now)
+    net.run()
+    collect_all(net)
+    assert_drained(net)
+
+
 def test_session_close_fails_loads_but_not_finished_ids() -> None:
     net = make_net()
     j1, j2 = two_held_loads(net)
