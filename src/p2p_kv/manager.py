@@ -324,12 +324,14 @@ class LoadManager:
         #: every session together: lookup keys queued for our engine, and
         #: keys of fetches waiting for stores (Limits.engine_*)
         self._pending_keys, self._waiting_keys = KeyCount(), KeyCount()
-        #: (when, kv id): Fetches for such an id, refused then unless a
-        #: producer request for it came meanwhile
-        self._late_fetches: list[tuple[float, str]] = []
+        #: (when, id, kv id, its entry): Fetches for such an id, refused
+        #: then unless a producer request for it came meanwhile. The entry
+        #: it was armed for, as a later Fetch of the same id makes a new
+        #: one: that one's grace is its own, not cut short by this timer.
+        self._late_fetches: list[tuple[float, int, str, ParkedEntry]] = []
         #: Offered pins of sessions that ended, held to their deadline.
         self._orphans: list[tuple[float, int, Serve]] = []
-        self._orphan_ids = itertools.count()
+        self._heap_ids = itertools.count()
         self._jobs: dict[int, _Job] = {}
         self._results: list[LoadResult | StoreResult] = []
         self._finished: list[JobResult] = []
@@ -916,9 +918,7 @@ class LoadManager:
         self._closing.discard(peer)
         session.confirm_invalidated()
         for serve in session.orphans:
-            heapq.heappush(
-                self._orphans, (serve.deadline, next(self._orphan_ids), serve)
-            )
+            heapq.heappush(self._orphans, (serve.deadline, next(self._heap_ids), serve))
         session.orphans.clear()
         self._touch(session)
         self._collect(now)
@@ -948,9 +948,9 @@ class LoadManager:
     def tick(self, now: float) -> None:
         """Fire deadlines that have passed; O(due work), not O(peers)."""
         while self._late_fetches and self._late_fetches[0][0] <= now:
-            _, kv_id = heapq.heappop(self._late_fetches)
+            _, _, kv_id, armed = heapq.heappop(self._late_fetches)
             entry = self._parked.get(kv_id)
-            if entry is not None and entry.live_producers == 0:
+            if entry is armed and entry.live_producers == 0:
                 entry.producer_seen = True  # no producer came: none will
                 self._feed_waiting(kv_id, now)
         while self._deadlines and self._deadlines[0][0] <= now:
@@ -1001,7 +1001,7 @@ class LoadManager:
         it. A fixed 30 s was shorter than an offered READ's hold, which
         grows with its bytes (6 GB: 15 s + 16 s): vLLM's reset then found a
         job left and asserted."""
-        held = [at for at, _ in self._late_fetches]
+        held = [item[0] for item in self._late_fetches]
         held += [at for at, _, st in self._parked_heap if st.state is State.STORED]
         held += [at for at, _, sv in self._orphans if not sv.terminal]
         held += [s.latest_deadline() for s in self._sessions.values()]
@@ -1077,7 +1077,13 @@ class LoadManager:
                 # Fetch's deadline.
                 if self._finished_kv.get(serve.req, 0.0) > now:
                     heapq.heappush(
-                        self._late_fetches, (now + LATE_FETCH_GRACE_S, serve.req)
+                        self._late_fetches,
+                        (
+                            now + LATE_FETCH_GRACE_S,
+                            next(self._heap_ids),
+                            serve.req,
+                            entry,
+                        ),
                     )
             entry.waiting.append((session.peer, serve))
             self._waiting_kv.add(serve.req)

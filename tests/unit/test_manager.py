@@ -707,6 +707,43 @@ def test_a_fetch_after_its_producer_ended_with_nothing_parked_fails_at_once() ->
     assert_drained(net)
 
 
+def test_each_fetch_after_its_producer_ended_gets_its_own_grace() -> None:
+    """A first Fetch, aborted inside its grace, left its timer behind; when
+    it fired it ended the grace of a later Fetch of the same id, whose
+    retried producer, coming inside that later grace, found it refused."""
+    net = make_net(timeouts=Timeouts(fetch_floor_s=5.0))
+    a, b = net.engines["a"], net.engines["b"]
+    probe(net, "r0", "kv0")  # the session is up: each Fetch reaches a at once
+    b.manager.on_request_finished("r0", net.now)
+    dec = Roles.parse({"remote_decoder": {"kv_request_id": "kvW"}})
+    a.manager.on_new_request("p1", dec, net.now)
+    a.manager.on_request_finished("p1", net.now)  # nothing was stored
+    b.manager.on_new_request("d1", net.roles("a", "kvW", probe=False), net.now)
+    load(net, "d1", [1, 2, 3, 4])
+    net.run(2)
+    assert len(a.manager._late_fetches) == 1  # d1's Fetch waits at a
+    start = net.now
+    b.manager.on_request_finished("d1", net.now)
+    net.run()
+    wait(net, 0.6)
+    b.manager.on_new_request("d2", net.roles("a", "kvW", probe=False), net.now)
+    job = load(net, "d2", [5, 6, 7, 8])
+    net.run(2)
+    wait(net, 1.2 - (net.now - start))  # past d1's grace, inside d2's
+    collect_all(net)
+    assert job not in b.results, b.results[job]
+    a.manager.on_new_request("p2", dec, net.now)  # the retried producer
+    a.store(a.new_job(), "p2", KEYS, [20, 21, 22, 23], net.now)
+    a.manager.on_request_finished("p2", net.now)
+    net.run()
+    collect_all(net)
+    assert [r.success for r in b.results[job]] == [True]
+    b.manager.on_request_finished("d2", net.now)
+    net.run()
+    collect_all(net)
+    assert_drained(net)
+
+
 def test_a_retry_after_a_decoder_took_the_stores_fails_after_the_grace() -> None:
     """A producer that ended with its stores parked, read by a first
     decoder: a second Fetch under that id (a decoder's retry) waited out
