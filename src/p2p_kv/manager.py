@@ -1103,7 +1103,14 @@ class LoadManager:
                 or serve.state is not State.FETCH_WAITING
             ):
                 continue
-            stores, entry.stores = entry.stores, []
+            # A Fetch takes the stores only if it names a block of theirs:
+            # one that names none (a stranger's guess at the id) took them
+            # all and, failing, failed them, and the decoder they were
+            # parked for found nothing.
+            wanted = set(serve.fetch.keys) if serve.fetch is not None else set()
+            stores: list[ParkedStore] = []
+            if any(not wanted.isdisjoint(s.slots) for s in entry.stores):
+                stores, entry.stores = entry.stores, []
             session.attach_parked(serve, stores, complete, now)
             self._touch(session)
             if serve.state is State.FETCH_WAITING:

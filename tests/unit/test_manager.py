@@ -744,6 +744,37 @@ def test_each_fetch_after_its_producer_ended_gets_its_own_grace() -> None:
     assert_drained(net)
 
 
+def test_a_fetch_naming_none_of_the_parked_blocks_leaves_them_to_the_decoder() -> None:
+    """Another peer's parked Fetch under the same kv id, for a block never
+    stored: it took every store, failed them when the producer ended, and
+    the decoder they were parked for recomputed."""
+    net = make_net(names=("a", "b", "c"))
+    a, b, c = (net.engines[n] for n in "abc")
+    c.manager.on_new_request("c0", net.roles("a", "kvC"), net.now)
+    net.run()  # c's session to a is up
+    dec = Roles.parse({"remote_decoder": {"kv_request_id": "kv9"}})
+    a.manager.on_new_request("p1", dec, net.now)
+    a.store(a.new_job(), "p1", KEYS, [20, 21, 22, 23], net.now)
+    for k, s in zip(KEYS, [20, 21, 22, 23], strict=True):
+        a.region[s * 16 : (s + 1) * 16] = payload(k)
+    (cs,) = c.manager.sessions()
+    stranger = Fetch("kv9", 999, 1, [key(77)], [1], parked=True, read=True)
+    cs._send(stranger)
+    c.manager._touch(cs)
+    net.run(1)
+    a.manager.on_request_finished("p1", net.now)
+    net.run()
+    collect_all(net)  # the stranger's Fetch failed: "blocks not stored"
+    assert a.manager.parked_store_count() == 1
+    result = pd_load(net, "d1", "kv9", [1, 2, 3, 4])
+    assert result.success, result
+    for m, req in ((b.manager, "d1"), (c.manager, "c0")):
+        m.on_request_finished(req, net.now)
+    net.run()
+    collect_all(net)
+    assert_drained(net)
+
+
 def test_a_retry_after_a_decoder_took_the_stores_fails_after_the_grace() -> None:
     """A producer that ended with its stores parked, read by a first
     decoder: a second Fetch under that id (a decoder's retry) waited out
