@@ -379,7 +379,18 @@ class LoadManager:
         replaced = req_id in self._consumers or req_id in self._producers
         if replaced:
             tally(self.protocol_errors, "reused_live_id", "other")
+            # The same prefill again: its kv id stays open across the swap,
+            # or a decoder's Fetch waiting on it is refused as if no
+            # producer could come, just before this one parks the stores.
+            same = self._producers.get(req_id)
+            kept = None
+            if same is not None and same == roles.dest_kv_id:
+                kept = self._parked.get(same)
+            if kept is not None:
+                kept.live_producers += 1
             self.on_request_finished(req_id, now)
+            if kept is not None:
+                kept.live_producers -= 1
         if roles.source is not None:
             consumer = Consumer(req_id, roles.source, next(self._gens))
             self._consumers[req_id] = consumer

@@ -775,6 +775,34 @@ def test_a_fetch_naming_none_of_the_parked_blocks_leaves_them_to_the_decoder() -
     assert_drained(net)
 
 
+def test_a_producer_id_reused_live_keeps_the_decoders_fetch_waiting() -> None:
+    """vLLM reuses a live prefill's id for the same kv id: ending the old
+    request left no live producer for a moment, and the decoder's waiting
+    Fetch was refused just before the new request parked its stores."""
+    net = make_net()
+    a, b = net.engines["a"], net.engines["b"]
+    probe(net, "r0", "kv0")  # the session is up: the Fetch waits at a now
+    b.manager.on_request_finished("r0", net.now)
+    dec = Roles.parse({"remote_decoder": {"kv_request_id": "kv9"}})
+    a.manager.on_new_request("p1", dec, net.now)
+    b.manager.on_new_request("d1", net.roles("a", "kv9", probe=False), net.now)
+    job = load(net, "d1", [1, 2, 3, 4])
+    net.run(2)
+    assert a.manager.on_new_request("p1", dec, net.now) is True
+    net.run(1)
+    a.store(a.new_job(), "p1", KEYS, [20, 21, 22, 23], net.now)
+    for k, s in zip(KEYS, [20, 21, 22, 23], strict=True):
+        a.region[s * 16 : (s + 1) * 16] = payload(k)
+    a.manager.on_request_finished("p1", net.now)
+    net.run()
+    collect_all(net)
+    assert [r.success for r in b.results[job]] == [True]
+    b.manager.on_request_finished("d1", net.now)
+    net.run()
+    collect_all(net)
+    assert_drained(net)
+
+
 def test_a_retry_after_a_decoder_took_the_stores_fails_after_the_grace() -> None:
     """A producer that ended with its stores parked, read by a first
     decoder: a second Fetch under that id (a decoder's retry) waited out
