@@ -270,7 +270,7 @@ _GREETING_TAGS = frozenset(t.__struct_config__.tag for t in get_args(Greeting))
 def _tag_of(frame: bytes | bytearray | memoryview) -> str | None:
     try:
         return _tag_decoder.decode(frame).t
-    except msgspec.MsgspecError:
+    except (msgspec.MsgspecError, RecursionError):
         return None
 
 
@@ -312,6 +312,11 @@ def decode(frame: bytes | bytearray | memoryview, *, greeting: bool = False) -> 
         raise ProtocolError(f"invalid message: {exc}") from None
     except msgspec.DecodeError as exc:
         raise ProtocolError(f"undecodable frame: {exc}") from None
+    except RecursionError:
+        # msgspec walks nesting in C recursion, even in a field it skips:
+        # about 1,000 levels (1 KB from anyone who reaches the port) raised
+        # this out of the engine's step.
+        raise ProtocolError("undecodable frame: nested too deep") from None
     if isinstance(msg, LookupResp) and msg.slots and len(msg.slots) != len(msg.hits):
         raise ProtocolError(
             f"lookup_resp {msg.req!r}: {len(msg.hits)} hits but {len(msg.slots)} slots"

@@ -775,6 +775,25 @@ def test_a_flood_of_bad_frames_is_counted_each_and_logged_once(
         peer.close()
 
 
+def test_a_deeply_nested_frame_is_a_bad_frame_not_an_engine_crash() -> None:
+    """1 KB of nested arrays, even in a field the decoder skips, made
+    msgspec raise RecursionError, which nothing caught: from anyone who
+    reaches the port, secret or not, out of the engine's step."""
+    peer = StandalonePeer(4, BLOCK, engine_id=f"deep-{os.getpid()}", secret=SECRET)
+    raw = Raw(peer.address)
+    enc = msgspec.msgpack.Encoder()
+    try:
+        for tag in ("heartbeat", "hello", "lookup"):
+            raw.send(b"\x93" + enc.encode(tag) + b"\x01" + b"\x91" * 5000 + b"\x01")
+        end = time.monotonic() + 10
+        while peer.manager.protocol_errors.get("decode", 0) < 3:
+            assert time.monotonic() < end, peer.manager.protocol_errors
+            peer.step(wait=False)
+    finally:
+        raw.close()
+        peer.close()
+
+
 def test_a_party_without_the_secret_costs_a_session_and_a_line_at_most(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

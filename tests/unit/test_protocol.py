@@ -451,3 +451,15 @@ def test_a_malformed_greeting_is_a_plain_decode_error() -> None:
         with pytest.raises(ProtocolError) as info:
             decode(frame, greeting=True)
         assert info.value.reason == "decode", frame
+
+
+@pytest.mark.parametrize("greeting", [True, False])
+@pytest.mark.parametrize("tag", ["heartbeat", "hello", "lookup", "fetch"])
+def test_deep_nesting_is_a_decode_error(tag: str, greeting: bool) -> None:
+    """msgspec raises RecursionError, not one of its own errors, at about
+    1,000 levels, even inside a field it would skip: it escaped decode."""
+    deep = b"\x91" * 5000 + b"\x01"
+    for frame in (b"\x93" + msgspec.msgpack.encode(tag) + b"\x01" + deep, deep):
+        with pytest.raises(ProtocolError, match=r"nested too deep|invalid") as info:
+            decode(frame, greeting=greeting)
+        assert info.value.reason == "decode"
