@@ -75,6 +75,10 @@ PEER_KINDS = ("engine", "standalone")
 #: as an argument the tier ignores with a warning).
 _FACTORY_KEYS = ("type", "module_path", "backpressure")
 
+#: Larger is no KV block (vLLM's are KiB to a few MiB): a typo, which
+#: crashed the check allocating it.
+MAX_BLOCK_BYTES = 1 << 30
+
 _NIXL_FIX = (
     "install the lean pair 'pip install --no-deps nixl==1.5.1 nixl-cu13==1.5.1' "
     "(make install does), not the 'nixl' meta package, which pulls CUDA torch"
@@ -106,7 +110,22 @@ _REFUSAL_FIXES = {
         "sides must set the same secret, or neither"
     ),
     "replay": "retry: the peer echoed our nonce",
+    "max_inbound_peers": (
+        "the peer is at its max_inbound_peers (that many engines connected, "
+        "or connections still handshaking): raise max_inbound_peers there, "
+        "or find who connects (its refusals metric, too_many_inbound / "
+        "too_many_handshaking)"
+    ),
 }
+
+
+def _shown(text: str, limit: int = 300) -> str:
+    """Peer-chosen text (a Goodbye's reason, a layout string) as one line:
+    control characters escaped, so that a party at ``--peer`` cannot write
+    lines of its own ("OK ... READY") into the report, and cut to a
+    reasonable length."""
+    out = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text[:limit])
+    return out + ("..." if len(text) > limit else "")
 
 
 @dataclass
@@ -549,14 +568,39 @@ def check_peer(peer: str, spec: PeerSpec, timeout_s: float = 5.0) -> CheckResult
             return CheckResult(
                 name, False, f"cannot hash like the engine: {exc}", "", details
             )
-    if spec.block_bytes <= 0:
+    if not 0 < spec.block_bytes <= MAX_BLOCK_BYTES:
         return CheckResult(
             name,
             False,
-            f"--block-bytes must be positive, got {spec.block_bytes}",
+            f"--block-bytes must be in 1..{MAX_BLOCK_BYTES}, got {spec.block_bytes}",
             "pass the engine's block size in bytes",
             details,
         )
+    if not 0 < timeout_s <= 3600:  # NaN too: it said "no handshake within nan s"
+        return CheckResult(
+            name,
+            False,
+            f"--timeout must be in (0, 3600] s, got {timeout_s:g}",
+            "pass how long to wait for the peer, in seconds",
+            details,
+        )
+    if spec.secret is not None:
+        # As the tier's config checks it: an empty one authenticates nothing
+        # (it meant none here, silently), and one that is not UTF-8 crashed
+        # the check after the sockets were made, leaving them open.
+        why = "is empty" if not spec.secret else ""
+        try:
+            spec.secret.encode()
+        except UnicodeEncodeError:
+            why = "is not UTF-8 text"
+        if why:
+            return CheckResult(
+                name,
+                False,
+                f"--secret (or VLLM_P2P_KV_SECRET) {why}",
+                "pass the tier's 'secret' as it is set there, or none if it has none",
+                details,
+            )
     return _handshake(peer, host, port, spec, canon, timeout_s, details)
 
 
@@ -679,19 +723,22 @@ def _not_ready(
         return CheckResult(
             "peer",
             False,
-            f"{target} refused by us: {refusal.reason}: {refusal.detail}",
+            f"{target} refused by us: {refusal.reason}: {_shown(refusal.detail)}",
             _REFUSAL_FIXES.get(refusal.reason, ""),
             details,
         )
     why = str(session.close_reason)
     marker = "said goodbye: refused: "
     if marker in why:
-        reason, _, detail = why.split(marker, 1)[1].partition(": ")
+        said = why.split(marker, 1)[1]
+        reason, _, detail = said.partition(": ")
+        if said.endswith(", max_inbound_peers"):  # the manager's own words
+            reason, detail = "max_inbound_peers", said
         details.update(state="refused", by="peer", reason=reason, detail=detail)
         return CheckResult(
             "peer",
             False,
-            f"{target} refused us: {reason}: {detail}",
+            f"{target} refused us: {_shown(said)}",
             _REFUSAL_FIXES.get(reason, ""),
             details,
         )
@@ -712,7 +759,7 @@ def _not_ready(
         return CheckResult(
             "peer",
             False,
-            f"{target} closed the session: {why}",
+            f"{target} closed the session: {_shown(why)}",
             "check the peer's log (logger vllm.p2p_kv)",
             details,
         )

@@ -21,10 +21,11 @@ import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import replace
+from typing import Any
 
 import nixl._api  # noqa: F401  (fail, not skip, without NIXL)
 import pytest
-import zmq  # noqa: F401  (fail, not skip, without ZeroMQ)
+import zmq  # fails, not skips, without ZeroMQ
 
 from p2p_kv import doctor
 from p2p_kv.adapter.engines import free_port
@@ -310,6 +311,50 @@ def test_a_listener_that_never_answers_the_handshake_times_out() -> None:
     assert "host/port" in result.fix
 
 
+def _goodbye_at(reason: str) -> tuple[str, threading.Thread]:
+    """A listener that answers the first frame with a plain Goodbye."""
+    from p2p_kv.protocol import Goodbye, encode
+
+    ctx = zmq.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 1000)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+
+    def answer() -> None:
+        try:
+            if router.poll(10_000):
+                ident, _ = router.recv_multipart()
+                router.send_multipart([ident, encode(Goodbye(reason=reason))])
+        finally:
+            router.close()
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    return f"127.0.0.1:{port}", thread
+
+
+def test_a_peers_goodbye_cannot_write_lines_into_the_report() -> None:
+    """The peer's words went into the report as they came: anything at
+    ``--peer`` could print "OK ... READY" lines of its own."""
+    forged = "refused: auth: x\n\x1b[2K\rOK   peer  127.0.0.1 READY (forged)"
+    target, thread = _goodbye_at(forged)
+    result = check_peer(target, GOOD, timeout_s=5)
+    thread.join(5)
+    assert not result.ok and result.details["state"] == "refused"
+    assert "\n" not in result.summary and "\x1b" not in result.summary
+    assert "READY (forged)" in result.summary  # shown, escaped, on one line
+
+
+def test_a_peer_at_max_inbound_peers_gets_its_fix() -> None:
+    """Its Goodbye ("refused: 512 peers connected, max_inbound_peers") was
+    split at its first ": ", and the report said what but not what to do."""
+    target, thread = _goodbye_at("refused: 512 peers connected, max_inbound_peers")
+    result = check_peer(target, GOOD, timeout_s=5)
+    thread.join(5)
+    assert result.details["reason"] == "max_inbound_peers", result
+    assert result.fix == doctor._REFUSAL_FIXES["max_inbound_peers"]
+
+
 def test_engine_canonical_hashes_follow_vllms_recipe() -> None:
     """vLLM's NONE_HASH = hash_fn(seed); block i = hash_fn((parent, tokens,
     None)) (checked against vLLM 0.32 itself when this was written)."""
@@ -328,3 +373,25 @@ def test_engine_canonical_hashes_follow_vllms_recipe() -> None:
     assert doctor.engine_canonical_hashes("1") != hashes
     with contextlib.suppress(ImportError):  # cbor2 ships with vLLM
         assert doctor.engine_canonical_hashes("0", "sha256_cbor") != hashes
+
+
+@pytest.mark.parametrize(
+    ("change", "timeout", "says"),
+    [
+        ({"secret": ""}, 5.0, "--secret (or VLLM_P2P_KV_SECRET) is empty"),
+        ({"secret": "s\udcff"}, 5.0, "--secret (or VLLM_P2P_KV_SECRET) is not UTF-8"),
+        ({"block_bytes": 1 << 47}, 5.0, "--block-bytes must be in 1.."),
+        ({}, -3.0, "--timeout must be in (0, 3600] s, got -3"),
+        ({}, float("nan"), "--timeout must be in (0, 3600] s, got nan"),
+    ],
+)
+def test_bad_peer_arguments_are_named_before_anything_is_made(
+    change: dict[str, Any], timeout: float, says: str
+) -> None:
+    """An empty secret meant none; one not UTF-8 crashed the check after
+    its sockets were made (and left them open); a 128 TiB block crashed
+    allocating it; a negative timeout blamed the peer for not answering."""
+    before = len(os.listdir("/proc/self/fd"))
+    result = check_peer("127.0.0.1:9", replace(GOOD, **change), timeout_s=timeout)
+    assert not result.ok and result.summary.startswith(says), result
+    assert len(os.listdir("/proc/self/fd")) == before
