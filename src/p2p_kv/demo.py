@@ -19,7 +19,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from p2p_kv.adapter.engines import EngineProcess, EngineSpec
+from p2p_kv.adapter.engines import EngineError, EngineProcess, EngineSpec
 from p2p_kv.tiny_model import BENCH, TINY, ModelSpec, ensure_model
 
 
@@ -222,6 +222,30 @@ def _lengths(text: str) -> list[int]:
     return lengths
 
 
+def _count(text: str) -> int:
+    """``--repeats``: 0 divided by zero and a negative count indexed past
+    the list, both after the engines had started."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a count of 1 or more")
+    return n
+
+
+def _port(text: str) -> int:
+    """A control port: the engine's config refused one past 65535, after
+    the engine had loaded its model, with a traceback here."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port in 0..65535")
+    return port
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="p2p-kv demo", description=__doc__)
     parser.add_argument(
@@ -237,15 +261,17 @@ def main(argv: list[str] | None = None) -> int:
         default="256,1024,2048",
         help="prompt lengths in tokens, comma-separated",
     )
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=_count, default=3)
     parser.add_argument(
-        "--port-a", type=int, default=0, help="A's control port (0: a free one)"
+        "--port-a", type=_port, default=0, help="A's control port (0: a free one)"
     )
     parser.add_argument(
-        "--port-b", type=int, default=0, help="B's control port (0: a free one)"
+        "--port-b", type=_port, default=0, help="B's control port (0: a free one)"
     )
     parser.add_argument("--json", action="store_true", help="print JSON only")
     args = parser.parse_args(argv)
+    if args.port_a and args.port_a == args.port_b:
+        parser.error(f"--port-a and --port-b are both {args.port_a}")
     t0 = time.monotonic()
     try:
         result = run(
@@ -260,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted: engines stopped", file=sys.stderr)
         return 130
+    except EngineError as exc:  # it names the engine's log
+        print(f"demo failed: {exc}", file=sys.stderr)
+        return 1
     result["wall_s"] = round(time.monotonic() - t0, 1)
     if args.json:
         print(json.dumps(result))

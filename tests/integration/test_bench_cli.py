@@ -5,9 +5,12 @@ through an importable module; run as ``p2p_kv_bench`` it could not)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 
 def test_a_benchmark_with_worker_processes_runs_from_the_cli(tmp_path: Path) -> None:
@@ -93,3 +96,37 @@ def test_bench_help_lists_the_benchmarks_and_demo_refuses_bad_lengths() -> None:
     assert out.returncode == 2, out.stderr[-2000:]
     assert "argument --lengths: '64,abc' is not a comma-separated list" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--repeats", "0"], "argument --repeats: '0': give a count of 1 or more"),
+        (["--repeats", "-2"], "argument --repeats: '-2': give a count of 1 or more"),
+        (["--port-a", "70000"], "argument --port-a: '70000' is not a port in 0..65535"),
+        (["--port-a", "5900", "--port-b", "5900"], "are both 5900"),
+    ],
+)
+def test_demo_refuses_bad_arguments_before_starting_engines(
+    args: list[str], says: str
+) -> None:
+    """Each ended in a traceback (ZeroDivisionError, IndexError, or the
+    engine's config error), after both engines had loaded their model."""
+    exe = str(Path(sys.executable).with_name("p2p-kv"))
+    out = subprocess.run(
+        [exe, "demo", *args], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 2 and says in out.stderr, out.stderr[-2000:]
+
+
+def test_demo_whose_engine_fails_says_so_without_a_traceback() -> None:
+    exe = str(Path(sys.executable).with_name("p2p-kv"))
+    out = subprocess.run(
+        [exe, "demo", "--model-dir", "/nonexistent", "--repeats", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONHASHSEED": "0"},
+    )
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert "demo failed: " in out.stderr and "Traceback" not in out.stderr
