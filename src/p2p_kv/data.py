@@ -384,7 +384,16 @@ def _may_copy(
     n = len(local)
     if n < IPC_MIN_RUNS or len(remote) != n:
         return False  # (a mismatch is refused, with its reason, below)
-    return not (local[-1] - local[0] == n - 1 == remote[-1] - remote[0])
+    if not local[-1] - local[0] == n - 1 == remote[-1] - remote[0]:
+        return True
+    # The ends say one run; a shuffled middle has the same ends (a few us
+    # to be sure, against the plan's 100).
+    return not (_consecutive(local) and _consecutive(remote))
+
+
+def _consecutive(blocks: Indices) -> bool:
+    first = int(blocks[0])
+    return list(map(int, blocks)) == list(range(first, first + len(blocks)))
 
 
 def _copy_always(mapping: PeerMapping | CudaIpcMapping) -> bool:
@@ -1444,10 +1453,13 @@ class NixlDataTransport:
             try:
                 self._give_up(list(self._inflight), wait=True)
                 self._done.clear()
-                if self._zombies and self._stage_mem is not None:
+                running = [z for z in self._zombies if not z.gone]
+                if running and self._stage_mem is not None:
                     # UCX may still write into their staging until the agent
                     # is gone, and we cannot know when that is: it is kept
-                    # for the life of the process (at most the pool).
+                    # for the life of the process (at most the pool). Those
+                    # failed with their peer's endpoint cannot: their agents
+                    # are dropped below, before the staging is freed.
                     _KEPT_STAGING.append(self._stage_mem.buffer)
                 for z in self._zombies:
                     self._release(z.handle)

@@ -150,8 +150,14 @@ def _plan_np(
     proves it holds no duplicate. 256 blocks in order plan in 30 us here
     against 41 with a sort of both sides."""
     n = len(src)
-    s = np.fromiter(src, np.int64, n)
-    d = np.fromiter(dst, np.int64, n)
+    try:
+        s = np.fromiter(src, np.int64, n)
+    except OverflowError:  # past int64: outside any region (ValueError, below)
+        raise _index_error("src", src, local_blocks, "local") from None
+    try:
+        d = np.fromiter(dst, np.int64, n)
+    except OverflowError:
+        raise _index_error("dst", dst, remote_blocks, "remote") from None
     # Bounds first, on every index: inside them no difference overflows, so
     # a strictly rising side is proven free of duplicates by its diffs. On
     # the diffs alone, int64 wrapped ([0, 5, -2**63, -3, ...] rises) and

@@ -742,6 +742,42 @@ def test_a_read_given_up_on_while_it_runs_lands_only_in_staging(
             assert landed == [4, 5, 6, 7]
 
 
+def test_closing_after_a_dead_peers_reads_frees_the_staging(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """READs that failed with their peer's endpoint (it closed mid-READ)
+    cannot land once its agent is dropped, which close does: their
+    staging was still kept for the life of the process, as for READs that
+    may still run."""
+    import p2p_kv.data
+    from p2p_kv.data import NixlDataTransport
+
+    monkeypatch.setenv("UCX_TLS", TCP_ONLY)
+    bs, n = 64 * KIB, 16
+    src = np.ones(n * bs, dtype=np.uint8)
+    dst = np.zeros(n * bs, dtype=np.uint8)
+    prod = NixlDataTransport(src, bs, name="dead-prod", same_host=False)
+    cons = NixlDataTransport(
+        dst, bs, name="dead-cons", same_host=False, read_staging_bytes=8 * bs
+    )
+    kept = len(p2p_kv.data._KEPT_STAGING)
+    try:
+        cons.add_peer(prod.local_region())
+        cons.post_read(prod.agent_name, list(range(10)), list(range(10)))
+        time.sleep(0.2)
+        cons.poll_completions()
+        prod.close()
+        end = time.monotonic() + STEP_TIMEOUT_S
+        while not cons._zombies or not all(z.gone for z in cons._zombies):
+            assert time.monotonic() < end, [(z.gone, z.lost) for z in cons._zombies]
+            cons.poll_completions()
+            time.sleep(0.01)
+    finally:
+        cons.close()
+        prod.close()
+    assert len(p2p_kv.data._KEPT_STAGING) == kept
+
+
 def test_staging_larger_than_the_region_is_the_region(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

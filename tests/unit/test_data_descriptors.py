@@ -275,3 +275,24 @@ def test_module_imports_without_nixl(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delitem(sys.modules, "p2p_kv.data")
     fresh = importlib.import_module("p2p_kv.data")
     assert fresh.build_descs(0, 4096, 0, [1], [2]) == [(4096, 8192, 0)]
+
+
+@pytest.mark.parametrize("as_array", [False, True])
+def test_a_load_whose_ends_line_up_but_middle_does_not_is_copied(
+    as_array: bool,
+) -> None:
+    """From another GPU, 64 runs and more are our copy, one run NIXL's:
+    one run was judged by the first and last index alone, so 64 blocks
+    with their middle swapped in pairs went to NIXL, into the slots."""
+    from p2p_kv.data import IPC_MIN_RUNS, _may_copy
+    from p2p_kv.same_host_cuda import CudaIpcMapping
+
+    other_gpu = CudaIpcMapping.__new__(CudaIpcMapping)
+    other_gpu.same_gpu = False
+    n = IPC_MIN_RUNS
+    local = list(range(n))
+    swapped = [0] + [x for i in range(1, n - 1, 2) for x in (i + 1, i)] + [n - 1]
+    assert len(plan_write(local, swapped, n, n).counts) >= IPC_MIN_RUNS
+    wrap = np.asarray if as_array else list
+    assert _may_copy(other_gpu, wrap(local), wrap(swapped))
+    assert not _may_copy(other_gpu, wrap(local), wrap(local))  # one run: NIXL

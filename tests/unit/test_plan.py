@@ -163,6 +163,18 @@ def test_indices_that_wrap_int64_are_refused(side: str, wrapping: list[int]) -> 
     assert _outcome(_plan_np, *args) == _outcome(_plan_py, *args)
 
 
+@pytest.mark.parametrize("side", ["src", "dst"])
+@pytest.mark.parametrize("n", [8, 200])  # the Python and numpy planners
+def test_an_index_past_int64_is_a_range_error(side: str, n: int) -> None:
+    """The numpy planner raised OverflowError, not the ValueError both
+    planners promise for a bad index."""
+    bad, good = list(range(n)), list(range(n))
+    bad[5] = 2**63
+    src, dst = (bad, good) if side == "src" else (good, bad)
+    with pytest.raises(ValueError, match=rf"{side} block index"):
+        plan_write(src, dst, local_blocks=1000, remote_blocks=1000)
+
+
 def test_range_check_accepts_edges() -> None:
     plan = plan_write([0, 3], [7, 0], local_blocks=4, remote_blocks=8)
     assert plan.runs() == [(0, 7, 1), (3, 0, 1)]
