@@ -363,6 +363,9 @@ class CudaCopier:
             torch.cuda.Event()  # type: ignore[no-untyped-call]
             for _ in self._streams[1:]
         ]
+        #: recorded on the caller's current stream before a copy is queued
+        #: and waited for by every side stream (reused, as the joins are)
+        self._ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
         self._bb = block_bytes
         #: id(host mapping) -> its pages as a tensor, for each host region
         #: registered with CUDA (and only those)
@@ -412,6 +415,13 @@ class CudaCopier:
         copy)."""
         torch = self._torch
         main = self._streams[0]
+        # Work already queued on the caller's stream may still write the
+        # destination slots (a zeroing of blocks freed and given to this
+        # load, a kernel of the step that used them): the copy goes after
+        # it, as vLLM's own loads do, or it lands first and is overwritten.
+        self._ready.record(torch.cuda.current_stream(self._device))
+        for stream in self._streams:
+            stream.wait_event(self._ready)
         try:
             if self._batch is None and self._memcpy is None:
                 with torch.cuda.stream(main):

@@ -333,3 +333,52 @@ def test_a_cuda_ipc_offer_past_its_allocation_is_refused() -> None:
         proc.join(10)
         if proc.is_alive():
             proc.kill()
+
+
+@pytest.mark.parametrize("scattered", [False, True], ids=["one_run", "runs"])
+def test_a_copy_into_gpu_slots_waits_for_work_queued_before_it(
+    scattered: bool,
+) -> None:
+    """Work the caller queued on its stream before the load (a zeroing of
+    the slots, a kernel still using them) ran after our copy, on its own
+    side streams, and overwrote the loaded bytes: vLLM's own loads wait
+    for the compute stream, ours did not."""
+    import socket
+
+    import torch
+
+    from p2p_kv.plan import plan_write
+    from p2p_kv.procfs import socket_inode
+    from p2p_kv.same_host import PeerMapping, find_backing, shared_region
+    from p2p_kv.same_host_cuda import CudaCopier
+
+    _devices()  # skips, saying why, without CUDA
+    bs, n = 64 * KIB, 64
+    src = shared_region(n * bs)
+    src[:] = np.repeat(np.arange(n, dtype=np.uint8) + 1, bs)
+    info = find_backing(src.ctypes.data, src.size)
+    assert info is not None
+    server = socket.create_server(("127.0.0.1", 0))
+    ours = socket.create_connection(server.getsockname())
+    theirs, _ = server.accept()
+    inode = socket_inode(theirs.fileno())
+    assert inode is not None
+    peer = PeerMapping(info, inode)
+    dst = torch.zeros(n * bs, dtype=torch.uint8, device="cuda:0")
+    copier = CudaCopier(dst, bs)
+    copier.register(peer)
+    try:
+        local = list(range(n))
+        remote = local[::-1] if scattered else local
+        torch.cuda.synchronize()
+        torch.cuda._sleep(300_000_000)  # the caller's stream busy a while
+        dst.fill_(7)  # then it writes the slots
+        copier.copy(peer, plan_write(local, remote, n, n))
+        torch.cuda.synchronize()
+        got = dst.view(n, bs)[:, 0].cpu().numpy()
+        assert got.tolist() == [r + 1 for r in remote]
+    finally:
+        copier.unregister(peer)
+        peer.close()
+        for s in (ours, theirs, server):
+            s.close()
