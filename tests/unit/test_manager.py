@@ -283,29 +283,6 @@ def test_aborting_one_request_waits_out_its_write_and_spares_the_others() -> Non
     assert_drained(net)
 
 
-def test_hits_answered_through_a_lost_session_are_asked_again() -> None:
-    """The hits stayed hits after their session ended; vLLM loaded them
-    through the next session, whose producer holds no pins for them
-    (``not pinned``), and the request recomputed what the peer still had."""
-    net = make_net(timeouts=FAST_TIMEOUTS)
-    b = net.engines["b"].manager
-    assert probe(net, "r1", "kv1") == [Answer.HIT] * 4
-    net.cut("a", "b")
-    wait(net, 2.0)  # the session ends, the reconnect backoff passes
-    assert list(b.sessions()) == []
-    assert [b.lookup("r1", k) for k in KEYS] == [Answer.RETRY] * 4
-    net.run()
-    assert [b.lookup("r1", k) for k in KEYS] == [Answer.HIT] * 4
-    job = load(net, "r1", [1, 2, 3, 4])
-    net.run()
-    collect_all(net)
-    assert [r.success for r in net.engines["b"].results[job]] == [True]
-    assert b.failed_ids() == frozenset()
-    b.on_request_finished("r1", net.now)
-    net.run()
-    assert_drained(net)
-
-
 def test_a_request_refused_a_dial_at_max_peers_is_counted_once() -> None:
     """Its session lost and the engine at max_peers, a request's every
     lookup batch dialled again and counted another refusal (the runtime
@@ -348,16 +325,25 @@ def test_session_close_fails_loads_but_not_finished_ids() -> None:
     assert b.manager.failed_ids() == frozenset()
 
 
-def test_a_request_that_outlives_its_session_asks_again_through_a_new_one() -> None:
+@pytest.mark.parametrize("answered", [False, True], ids=["unasked", "answered"])
+def test_a_request_that_outlives_its_session_asks_again_through_a_new_one(
+    answered: bool,
+) -> None:
     """A request waiting in vLLM's queue when its peer's session drops asks
     nothing until it runs. Its lookups answered MISS for as long as no
     other request dialled that peer again: its remote hits were lost for
     good (and so were those of an id reused after a late failure closed
-    the session). They ask through a new session now."""
+    the session). They ask through a new session now. *answered*: its hits
+    came through the session that ended; they stayed hits, and vLLM loaded
+    them through the next session, whose producer holds no pins for them
+    (``not pinned``): asked again too (session 18)."""
     net = make_net(timeouts=FAST_TIMEOUTS)
     b = net.engines["b"].manager
     assert probe(net, "warm", "w") == [Answer.HIT] * 4
-    b.on_new_request("old", net.roles("a", "kv-old"), net.now)
+    if answered:
+        assert probe(net, "old", "kv-old") == [Answer.HIT] * 4
+    else:
+        b.on_new_request("old", net.roles("a", "kv-old"), net.now)
     net.cut("a", "b")
     wait(net, 2.0)  # the session ends, and the reconnect backoff passes
     assert not list(b.sessions())
@@ -733,15 +719,7 @@ def test_each_fetch_after_its_producer_ended_gets_its_own_grace() -> None:
     collect_all(net)
     assert job not in b.results, b.results[job]
     a.manager.on_new_request("p2", dec, net.now)  # the retried producer
-    a.store(a.new_job(), "p2", KEYS, [20, 21, 22, 23], net.now)
-    a.manager.on_request_finished("p2", net.now)
-    net.run()
-    collect_all(net)
-    assert [r.success for r in b.results[job]] == [True]
-    b.manager.on_request_finished("d2", net.now)
-    net.run()
-    collect_all(net)
-    assert_drained(net)
+    park_then_load(net, "p2", "d2", job)
 
 
 def test_a_fetch_naming_none_of_the_parked_blocks_leaves_them_to_the_decoder() -> None:
@@ -755,8 +733,6 @@ def test_a_fetch_naming_none_of_the_parked_blocks_leaves_them_to_the_decoder() -
     dec = Roles.parse({"remote_decoder": {"kv_request_id": "kv9"}})
     a.manager.on_new_request("p1", dec, net.now)
     a.store(a.new_job(), "p1", KEYS, [20, 21, 22, 23], net.now)
-    for k, s in zip(KEYS, [20, 21, 22, 23], strict=True):
-        a.region[s * 16 : (s + 1) * 16] = payload(k)
     (cs,) = c.manager.sessions()
     stranger = Fetch("kv9", 999, 1, [key(77)], [1], parked=True, read=True)
     cs._send(stranger)
@@ -790,17 +766,7 @@ def test_a_producer_id_reused_live_keeps_the_decoders_fetch_waiting() -> None:
     net.run(2)
     assert a.manager.on_new_request("p1", dec, net.now) is True
     net.run(1)
-    a.store(a.new_job(), "p1", KEYS, [20, 21, 22, 23], net.now)
-    for k, s in zip(KEYS, [20, 21, 22, 23], strict=True):
-        a.region[s * 16 : (s + 1) * 16] = payload(k)
-    a.manager.on_request_finished("p1", net.now)
-    net.run()
-    collect_all(net)
-    assert [r.success for r in b.results[job]] == [True]
-    b.manager.on_request_finished("d1", net.now)
-    net.run()
-    collect_all(net)
-    assert_drained(net)
+    park_then_load(net, "p1", "d1", job)
 
 
 def test_a_retry_after_a_decoder_took_the_stores_fails_after_the_grace() -> None:
@@ -1155,12 +1121,26 @@ def parked_fetch(net: Net, kv_id: str = "kv9") -> int:
     dec = Roles.parse({"remote_decoder": {"kv_request_id": kv_id}})
     a.manager.on_new_request("p1", dec, net.now)
     a.store(a.new_job(), "p1", KEYS, [20, 21, 22, 23], net.now)
-    for k, s in zip(KEYS, [20, 21, 22, 23], strict=True):
-        a.region[s * 16 : (s + 1) * 16] = payload(k)
     a.manager.on_request_finished("p1", net.now)
     b.manager.on_new_request("d1", net.roles("a", kv_id, probe=False), net.now)
     assert b.manager.lookup("d1", KEYS[0]) is Answer.HIT
     return load(net, "d1", [40, 41, 42, 43])
+
+
+def park_then_load(net: Net, producer: str, decoder: str, job: int) -> None:
+    """a's ``producer`` request parks the four blocks and ends; b's
+    ``decoder`` request's waiting load ``job`` then succeeds, the decoder
+    ends, and nothing is left on either side."""
+    a, b = net.engines["a"], net.engines["b"]
+    a.store(a.new_job(), producer, KEYS, [20, 21, 22, 23], net.now)
+    a.manager.on_request_finished(producer, net.now)
+    net.run()
+    collect_all(net)
+    assert [r.success for r in b.results[job]] == [True]
+    b.manager.on_request_finished(decoder, net.now)
+    net.run()
+    collect_all(net)
+    assert_drained(net)
 
 
 def until_read_posted(net: Net, rounds: int = 10) -> None:
