@@ -58,7 +58,7 @@ class Identity:
 
     engine_id: str
     hash_algo: str
-    hash_seed: str
+    hash_seed: str = field(repr=False)  # it keeps block hashes unguessable
     canonical_hashes: tuple[bytes, ...]
     layout: str
     block_bytes: int

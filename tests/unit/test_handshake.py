@@ -455,3 +455,10 @@ def test_a_goodbye_after_our_proof_checked_is_sealed_and_taken() -> None:
     deliver(b, a)
     assert a.closed and a.refusal is None
     assert a.close_reason == "peer_down: peer said goodbye: shutdown"
+
+
+def test_an_identity_shows_neither_its_seed_nor_its_secret() -> None:
+    """The raw hash seed keeps block hashes unguessable: the handshake
+    sends only its digest, and a logged or printed Identity showed it."""
+    me = Identity("e", "sha256", "s33d-value", (b"x",), "L", 1, 1, secret=b"k3y")
+    assert "s33d-value" not in repr(me) and "k3y" not in repr(me)
