@@ -50,6 +50,25 @@ class ConfigError(ValueError):
         self.env = env
 
 
+def secret_problem(secret: str) -> str:
+    """What is wrong with a secret as set, or "" (the tier's config and the
+    doctor's ``--secret`` alike). Never its value: the text reaches logs."""
+    if not secret:
+        return (
+            "is empty, which authenticates nothing: set the fleet's shared "
+            f"secret, or leave the key (and {ENV_PREFIX}SECRET) unset for none"
+        )
+    try:
+        secret.encode()
+    except UnicodeEncodeError:
+        # It failed later, as the tier built its identity in the engine's step.
+        return (
+            "is not valid UTF-8 text (an environment variable in another "
+            "encoding?): peers hash its UTF-8 bytes; set it as UTF-8"
+        )
+    return ""
+
+
 @dataclass(frozen=True)
 class TierConfig:
     #: Address this engine's control socket binds to and that peers dial.
@@ -178,25 +197,8 @@ class TierConfig:
                 f"{self.read_staging_mib} must be >= 0 and finite (0 turns "
                 "staging off)",
             )
-        if self.secret is not None:
-            if not self.secret:
-                raise bad(
-                    "secret",
-                    "is empty, which authenticates nothing: set the fleet's "
-                    "shared secret, or leave the key (and "
-                    f"{ENV_PREFIX}SECRET) unset for none",
-                )
-            try:
-                self.secret.encode()
-            except UnicodeEncodeError:
-                # Never shown: the message reaches logs. It failed later, as
-                # the tier built its identity inside the engine's step.
-                raise bad(
-                    "secret",
-                    "is not valid UTF-8 text (an environment variable in "
-                    "another encoding?): peers hash its UTF-8 bytes; set it "
-                    "as UTF-8",
-                ) from None
+        if self.secret is not None and (problem := secret_problem(self.secret)):
+            raise bad("secret", problem)
         if not 1 <= self.max_peers <= MAX_PEERS:
             raise bad(
                 "max_peers",

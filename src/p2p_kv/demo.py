@@ -16,6 +16,7 @@ import random
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -222,28 +223,23 @@ def _lengths(text: str) -> list[int]:
     return lengths
 
 
-def _count(text: str) -> int:
-    """``--repeats``: 0 divided by zero and a negative count indexed past
-    the list, both after the engines had started."""
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give a count of 1 or more")
-    return n
+def _int_in(low: int, high: int, what: str) -> Callable[[str], int]:
+    """An argparse type: an int in ``low..high``, or a usage error naming
+    ``what``. Checked before any engine starts: ``--repeats 0`` divided by
+    zero, a negative count indexed past a list, and a port past 65535 was
+    refused by the engine's config, each a traceback after both engines
+    had loaded their model."""
 
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+        return value
 
-def _port(text: str) -> int:
-    """A control port: the engine's config refused one past 65535, after
-    the engine had loaded its model, with a traceback here."""
-    try:
-        port = int(text)
-    except ValueError:
-        port = -1
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port in 0..65535")
-    return port
+    return parse
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -261,12 +257,15 @@ def main(argv: list[str] | None = None) -> int:
         default="256,1024,2048",
         help="prompt lengths in tokens, comma-separated",
     )
-    parser.add_argument("--repeats", type=_count, default=3)
     parser.add_argument(
-        "--port-a", type=_port, default=0, help="A's control port (0: a free one)"
+        "--repeats", type=_int_in(1, 1 << 20, "a count of 1 or more"), default=3
+    )
+    port = _int_in(0, 65535, "a port in 0..65535")
+    parser.add_argument(
+        "--port-a", type=port, default=0, help="A's control port (0: a free one)"
     )
     parser.add_argument(
-        "--port-b", type=_port, default=0, help="B's control port (0: a free one)"
+        "--port-b", type=port, default=0, help="B's control port (0: a free one)"
     )
     parser.add_argument("--json", action="store_true", help="print JSON only")
     args = parser.parse_args(argv)

@@ -59,7 +59,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from p2p_kv.config import ConfigError, TierConfig, check_hash_seed
+from p2p_kv.config import (
+    TIMEOUT_S,
+    ConfigError,
+    TierConfig,
+    check_hash_seed,
+    secret_problem,
+)
 from p2p_kv.config import check_nixl as _config_check_nixl
 
 if TYPE_CHECKING:
@@ -585,31 +591,25 @@ def check_peer(peer: str, spec: PeerSpec, timeout_s: float = 5.0) -> CheckResult
             "pass the engine's block size in bytes",
             details,
         )
-    if not 0 < timeout_s <= 3600:  # NaN too: it said "no handshake within nan s"
+    low, high = TIMEOUT_S  # the tier's own deadlines' bounds
+    if not low <= timeout_s <= high:  # NaN too: it said "no handshake within nan s"
         return CheckResult(
             name,
             False,
-            f"--timeout must be in (0, 3600] s, got {timeout_s:g}",
+            f"--timeout must be in {low:g}..{high:g} s, got {timeout_s:g}",
             "pass how long to wait for the peer, in seconds",
             details,
         )
-    if spec.secret is not None:
-        # As the tier's config checks it: an empty one authenticates nothing
-        # (it meant none here, silently), and one that is not UTF-8 crashed
-        # the check after the sockets were made, leaving them open.
-        why = "is empty" if not spec.secret else ""
-        try:
-            spec.secret.encode()
-        except UnicodeEncodeError:
-            why = "is not UTF-8 text"
-        if why:
-            return CheckResult(
-                name,
-                False,
-                f"--secret (or VLLM_P2P_KV_SECRET) {why}",
-                "pass the tier's 'secret' as it is set there, or none if it has none",
-                details,
-            )
+    # As the tier checks it: an empty one meant none here, silently, and one
+    # not UTF-8 crashed the check after its sockets were made.
+    if spec.secret is not None and (why := secret_problem(spec.secret)):
+        return CheckResult(
+            name,
+            False,
+            f"--secret (or VLLM_P2P_KV_SECRET) {why}",
+            "pass the tier's 'secret' as it is set there, or none if it has none",
+            details,
+        )
     return _handshake(peer, host, port, spec, canon, timeout_s, details)
 
 
@@ -625,22 +625,21 @@ def _handshake(
     import msgspec
     import numpy as np
 
-    from p2p_kv.control import ControlTransport
     from p2p_kv.data import NixlDataTransport
     from p2p_kv.handshake import Identity
     from p2p_kv.manager import Answer, LoadManager, Roles, Source, format_peer
-    from p2p_kv.runtime import TierRuntime, fresh_nonce
+    from p2p_kv.runtime import TierRuntime, fresh_nonce, open_transports
     from p2p_kv.session import Timeouts
 
     name = "peer"
     target = format_peer(host, port)
     region = np.zeros(spec.block_bytes, dtype=np.uint8)
-    data = NixlDataTransport(region, spec.block_bytes, name="p2p_kv-doctor")
-    try:
-        control = ControlTransport("127.0.0.1", 0)
-    except BaseException:
-        data.close()
-        raise
+    data, control = open_transports(
+        lambda: NixlDataTransport(region, spec.block_bytes, name="p2p_kv-doctor"),
+        "127.0.0.1",
+        0,
+        heartbeat_s=0.5,
+    )
     me = Identity(
         engine_id=f"p2p_kv-doctor@{socket.gethostname()}/{data.agent_name}",
         hash_algo=spec.hash_algo,

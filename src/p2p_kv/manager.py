@@ -377,20 +377,15 @@ class LoadManager:
         finish cannot say which request it meant; it ends this one, which
         then recomputes: never wrong bytes."""
         replaced = req_id in self._consumers or req_id in self._producers
+        carried = ""
         if replaced:
             tally(self.protocol_errors, "reused_live_id", "other")
-            # The same prefill again: its kv id stays open across the swap,
-            # or a decoder's Fetch waiting on it is refused as if no
-            # producer could come, just before this one parks the stores.
-            same = self._producers.get(req_id)
-            kept = None
-            if same is not None and same == roles.dest_kv_id:
-                kept = self._parked.get(same)
-            if kept is not None:
-                kept.live_producers += 1
+            # The same prefill again: its producer leg carries over, or a
+            # decoder's Fetch waiting on the id is refused as if no producer
+            # could come, just before this one parks the stores.
+            if roles.dest_kv_id and self._producers.get(req_id) == roles.dest_kv_id:
+                carried = self._producers.pop(req_id)
             self.on_request_finished(req_id, now)
-            if kept is not None:
-                kept.live_producers -= 1
         if roles.source is not None:
             consumer = Consumer(req_id, roles.source, next(self._gens))
             self._consumers[req_id] = consumer
@@ -401,7 +396,7 @@ class LoadManager:
             self._finished_kv.pop(roles.dest_kv_id, None)
             self._producers[req_id] = roles.dest_kv_id
             entry = self._parked.setdefault(roles.dest_kv_id, ParkedEntry())
-            entry.live_producers += 1
+            entry.live_producers += 0 if carried else 1
             entry.producer_seen = True
         return replaced
 
@@ -1118,9 +1113,11 @@ class LoadManager:
             # one that names none (a stranger's guess at the id) took them
             # all and, failing, failed them, and the decoder they were
             # parked for found nothing.
-            wanted = set(serve.fetch.keys) if serve.fetch is not None else set()
+            # (A view's isdisjoint walks the Fetch's keys and stops at the
+            # first held: no set of up to 65,536 keys per store parked.)
+            keys = serve.fetch.keys if serve.fetch is not None else ()
             stores: list[ParkedStore] = []
-            if any(not wanted.isdisjoint(s.slots) for s in entry.stores):
+            if any(not s.slots.keys().isdisjoint(keys) for s in entry.stores):
                 stores, entry.stores = entry.stores, []
             session.attach_parked(serve, stores, complete, now)
             self._touch(session)

@@ -1237,9 +1237,7 @@ class Session:
         if ok:
             self.counters.bytes_loaded += load.nbytes
             reason = ""
-        elif load.failed_as:
-            reason = load.failed_as  # counted when it timed out
-        elif msg.ok:
+        elif msg.ok or load.failed_as:  # (failed_as: it timed out first)
             reason = self._count_failure(load, "abort")
         else:
             self._count_failure(load, "transfer_failed")

@@ -18,11 +18,10 @@ from dataclasses import dataclass, field
 import msgspec
 import numpy as np
 
-from p2p_kv.control import ControlTransport
 from p2p_kv.data import NixlDataTransport, drain_timeout_for
 from p2p_kv.handshake import Identity
 from p2p_kv.manager import Answer, JobResult, LoadManager, Roles
-from p2p_kv.runtime import TierRuntime, fresh_nonce
+from p2p_kv.runtime import TierRuntime, fresh_nonce, open_transports
 from p2p_kv.same_host import shared_region
 from p2p_kv.session import PinResult, Timeouts
 from p2p_kv.staging import DEFAULT_READ_STAGING_BYTES
@@ -89,21 +88,19 @@ class StandalonePeer:
             shared_region(num_blocks * block_bytes) if region is None else region
         )
         self.block_bytes = block_bytes
-        data = NixlDataTransport(
-            self.region,  # type: ignore[arg-type]
-            block_bytes,
-            name=engine_id,
-            same_host=same_host,
-            read_staging_bytes=read_staging_bytes,
-            drain_timeout_s=drain_timeout_for((timeouts or Timeouts()).abort_ack_s),
+        data, control = open_transports(
+            lambda: NixlDataTransport(
+                self.region,  # type: ignore[arg-type]
+                block_bytes,
+                name=engine_id,
+                same_host=same_host,
+                read_staging_bytes=read_staging_bytes,
+                drain_timeout_s=drain_timeout_for((timeouts or Timeouts()).abort_ack_s),
+            ),
+            host,
+            port,
+            (timeouts or Timeouts()).heartbeat_interval_s,
         )
-        try:
-            control = ControlTransport(
-                host, port, heartbeat_s=(timeouts or Timeouts()).heartbeat_interval_s
-            )
-        except BaseException:
-            data.close()  # its agent and UCX's thread, not the collector's
-            raise
         me = Identity(
             engine_id=engine_id,
             hash_algo="sha256",

@@ -101,8 +101,8 @@ def test_bench_help_lists_the_benchmarks_and_demo_refuses_bad_lengths() -> None:
 @pytest.mark.parametrize(
     ("args", "says"),
     [
-        (["--repeats", "0"], "argument --repeats: '0': give a count of 1 or more"),
-        (["--repeats", "-2"], "argument --repeats: '-2': give a count of 1 or more"),
+        (["--repeats", "0"], "argument --repeats: '0' is not a count of 1 or more"),
+        (["--repeats", "-2"], "argument --repeats: '-2' is not a count of 1 or more"),
         (["--port-a", "70000"], "argument --port-a: '70000' is not a port in 0..65535"),
         (["--port-a", "5900", "--port-b", "5900"], "are both 5900"),
     ],

@@ -384,10 +384,14 @@ def test_engine_canonical_hashes_follow_vllms_recipe() -> None:
     ("change", "timeout", "says"),
     [
         ({"secret": ""}, 5.0, "--secret (or VLLM_P2P_KV_SECRET) is empty"),
-        ({"secret": "s\udcff"}, 5.0, "--secret (or VLLM_P2P_KV_SECRET) is not UTF-8"),
+        (
+            {"secret": "s\udcff"},
+            5.0,
+            "--secret (or VLLM_P2P_KV_SECRET) is not valid UTF-8",
+        ),
         ({"block_bytes": 1 << 47}, 5.0, "--block-bytes must be in 1.."),
-        ({}, -3.0, "--timeout must be in (0, 3600] s, got -3"),
-        ({}, float("nan"), "--timeout must be in (0, 3600] s, got nan"),
+        ({}, -3.0, "--timeout must be in 0.001..3600 s, got -3"),
+        ({}, float("nan"), "--timeout must be in 0.001..3600 s, got nan"),
     ],
 )
 def test_bad_peer_arguments_are_named_before_anything_is_made(

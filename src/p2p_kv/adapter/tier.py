@@ -199,9 +199,8 @@ class P2PKVTier(SecondaryTierManager):
         if self.cfg.require_hash_seed:
             check_hash_seed()
         check_nixl()
-        from p2p_kv.control import ControlTransport
         from p2p_kv.data import NixlDataTransport, drain_timeout_for
-        from p2p_kv.runtime import TierRuntime, fresh_nonce
+        from p2p_kv.runtime import TierRuntime, fresh_nonce, open_transports
 
         region = (
             primary_kv_view.cast("B") if primary_kv_view.ndim != 1 else primary_kv_view
@@ -217,21 +216,19 @@ class P2PKVTier(SecondaryTierManager):
                     f"p2p_kv: port {self.cfg.port} + data-parallel rank {rank} "
                     f"is {port}, past 65535: set a port of at most {65535 - rank}"
                 )
-        data = NixlDataTransport(
-            region,
-            block_bytes,
-            name="p2p_kv",
-            same_host=self.cfg.same_host_copy,
-            read_staging_bytes=int(self.cfg.read_staging_mib * (1 << 20)),
-            drain_timeout_s=drain_timeout_for(self.cfg.abort_ack_timeout_s),
+        data, control = open_transports(
+            lambda: NixlDataTransport(
+                region,
+                block_bytes,
+                name="p2p_kv",
+                same_host=self.cfg.same_host_copy,
+                read_staging_bytes=int(self.cfg.read_staging_mib * (1 << 20)),
+                drain_timeout_s=drain_timeout_for(self.cfg.abort_ack_timeout_s),
+            ),
+            self.cfg.host,
+            port,
+            self.cfg.heartbeat_ms / 1000,
         )
-        try:
-            control = ControlTransport(
-                self.cfg.host, port, heartbeat_s=self.cfg.heartbeat_ms / 1000
-            )
-        except BaseException:
-            data.close()  # its NIXL agent and UCX thread, not left to the GC
-            raise
         self.address = control.address
         spec = offloading_spec
         algo = _hash_algo()
