@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
@@ -330,6 +331,9 @@ def _goodbye_at(reason: str) -> tuple[str, threading.Thread]:
             if router.poll(10_000):
                 ident, _ = router.recv_multipart()
                 router.send_multipart([ident, encode(Goodbye(reason=reason))])
+                # Open until the doctor has read it: a close at once raced
+                # the Goodbye ("connection lost" in one fresh-clone run).
+                time.sleep(3)
         finally:
             router.close()
 
