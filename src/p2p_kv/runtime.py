@@ -60,6 +60,11 @@ REWAKE_S = 0.05
 #: moves only as our side makes progress too).
 DATA_TICK_S = 0.01
 
+#: A cache reset's drain polls transfers still in flight, backing off
+#: from 50 us to this while none ends (a stalled peer's runs to its
+#: deadline; a READ that is merely large needs our progress calls).
+DRAIN_TICK_MAX_S = 0.001
+
 #: The waker's longest sleep while the data plane has no such work.
 #: Frames wake it on their descriptors and deadlines are timed, so this
 #: bounds only a descriptor edge some other call took (none known: sends
@@ -627,9 +632,19 @@ class TierRuntime:
         READ)."""
         m, start = self.manager, self.clock()
         end = start + timeout_s if timeout_s is not None else m.drain_deadline(start)
+        polls_unchanged, in_flight = 0, len(self._xfers)
         while m.jobs_unended(self.clock()) and self.clock() < end:
             self.poll(wait=not self._xfers)
-            time.sleep(0 if self._xfers else 0.001)
+            if not self._xfers:
+                time.sleep(0.001)
+                continue
+            # Our transfers move only on our progress calls, so poll on;
+            # but one stuck on a stalled peer runs to its deadline, and
+            # polling it without a pause spun a core that long.
+            if len(self._xfers) != in_flight:
+                polls_unchanged, in_flight = 0, len(self._xfers)
+            time.sleep(min(DRAIN_TICK_MAX_S, 50e-6 * 2**polls_unchanged))
+            polls_unchanged = min(polls_unchanged + 1, 16)
         left = m.jobs_unended(self.clock())
         if left:
             log.error(

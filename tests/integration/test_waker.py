@@ -667,6 +667,41 @@ def test_an_aborted_read_neither_holds_nor_spins_the_idle_engine(
         producer.close()
 
 
+def test_a_cache_resets_drain_waits_for_a_stuck_read_without_spinning(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM's cache reset drains the tier's jobs on the engine's thread. A
+    load whose READ is stuck on a stalled producer (over TCP a READ needs
+    the producer's progress) ends only at its deadline, and the drain
+    polled for it without sleeping: a whole core until then (seconds,
+    for a large load). It still polls, since our READs move only on our
+    progress calls, but backs off between polls while nothing ends."""
+    monkeypatch.setenv("UCX_TLS", TCP_ONLY)
+    producer, consumer, keys = _hits_to_read_in_place(
+        "dr", Timeouts(heartbeat_interval_s=10.0, silence_s=30.0)
+    )
+    m, rt = consumer.manager, consumer.runtime
+    try:
+        rt.submit_load(7, "r", keys, [4, 5, 6, 7])  # the producer stalls now
+        assert rt.transfers_in_flight == 1
+        m.release_for_reset(rt.clock())  # what drain_jobs does first
+        cpu0, t0 = time.thread_time(), time.monotonic()
+        rt.drain(timeout_s=1.0)
+        cpu, wall = time.thread_time() - cpu0, time.monotonic() - t0
+        assert wall >= 1.0 and rt.transfers_in_flight == 1  # still stuck
+        assert cpu < 0.25 * wall, f"the drain spun: {cpu:.2f} s of CPU in {wall:.2f} s"
+        # The producer resumes: the READ lands and the load ends, ok.
+        t0 = time.monotonic()
+        while rt.transfers_in_flight:
+            assert time.monotonic() - t0 < IN_TIME_S, "the READ never ended"
+            producer.step(wait=False)
+            consumer.step(wait=False)
+        assert _stepped_to_result(consumer, 7).success
+    finally:
+        consumer.close()
+        producer.close()
+
+
 def test_a_short_abort_ack_deadline_does_not_end_the_session(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
