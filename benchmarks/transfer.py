@@ -41,7 +41,13 @@ descriptor per block on every path):
   and single-thread memcpy: ``benchmarks/raw_nixl.py``;
 * vLLM's in-tree p2p tier data transport
   (``vllm.v1.kv_offload.tiering.p2p.data.nixl.NixlTransport``), driven
-  directly between two processes: ``write_blocks`` then ``poll`` to done.
+  directly between two processes: ``write_blocks`` then ``poll`` to done;
+* a bare ZeroMQ round trip (pyzmq DEALER to a ROUTER that echoes, in
+  another process, both idle between trips as engines are between
+  fetches): the control plane's own floor. A lookup crosses it once, so
+  no design that looks up over ZeroMQ fetches end to end in less than raw
+  READ plus this; the verdicts print the small fetches' ratio to that sum
+  beside the ratio to raw READ alone.
 
 Targets (from the issue): p2p_kv >= 0.8x raw NIXL for fetches of 16 MiB
 and more; small fetches (<= 1 MiB) within 2x raw NIXL's latency.
@@ -427,6 +433,73 @@ class VllmPair(WorkerPair):
 
 
 # ---------------------------------------------------------------------------
+# the control plane's floor: a bare ZeroMQ round trip between two processes
+# ---------------------------------------------------------------------------
+
+#: Idle time between two round trips: both sides go back to waiting on
+#: their sockets, as a producer does between lookups (a busy loop of trips
+#: keeps both awake and measures less than any lookup can take).
+ZMQ_GAP_S = 0.001
+
+
+def _zmq_echo(out: Any, stop: Any) -> None:
+    import zmq
+
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    try:
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+        out.put(("ready", port))
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        while not stop.is_set():
+            if poller.poll(100):
+                router.send_multipart(router.recv_multipart())
+    except BaseException:
+        out.put(("error", traceback.format_exc()))
+    finally:
+        router.close(linger=0)
+        ctx.term()
+
+
+class ZmqRoundTrip:
+    """A DEALER here and an echoing ROUTER in another process, over TCP on
+    loopback as p2p_kv's control plane is; 64-byte messages, about a
+    one-key Lookup's size."""
+
+    def __init__(self) -> None:
+        import zmq
+
+        self._echo = ProducerProcess(_zmq_echo, timeout_s=_TIMEOUT_S)
+        (port,) = self._echo.ready
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.connect(f"tcp://127.0.0.1:{port}")
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+
+    def measure(self, repeats: int) -> dict[str, Any]:
+        msg = b"\x00" * 64
+        seconds = []
+        for i in range(repeats + 2):  # two warm-ups: the connection's first
+            time.sleep(ZMQ_GAP_S)
+            t0 = time.perf_counter()
+            self._sock.send(msg)
+            if not self._poller.poll(int(_TIMEOUT_S * 1000)):
+                raise RuntimeError("ZeroMQ echo did not answer")
+            if self._sock.recv() != msg:
+                raise AssertionError("ZeroMQ echo answered other bytes")
+            if i >= 2:
+                seconds.append(time.perf_counter() - t0)
+        return _median_summary(seconds, len(msg))
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+        self._ctx.term()
+        self._echo.close()
+
+
+# ---------------------------------------------------------------------------
 # driver
 # ---------------------------------------------------------------------------
 
@@ -452,6 +525,7 @@ def run(
         vllm = VllmPair()
     except Exception as exc:
         vllm_reason = f"{type(exc).__name__}: {exc}"
+    zmq_rt = ZmqRoundTrip()
     try:
         with RawNixlPair() as raw:
             for bs in dict.fromkeys(b for b, _ in cells):
@@ -459,12 +533,20 @@ def run(
                 with P2PPair(bs, max(counts)) as p2p:
                     for n in counts:
                         row, vllm_reason = _cell(
-                            raw, p2p, vllm, vllm_reason, bs, n, base_repeats, rounds
+                            raw,
+                            p2p,
+                            zmq_rt,
+                            (vllm, vllm_reason),
+                            bs,
+                            n,
+                            base_repeats,
+                            rounds,
                         )
                         rows.append(row)
                         if progress is not None:
                             progress(row)
     finally:
+        zmq_rt.close()
         if vllm is not None:
             vllm.close()
     return {
@@ -479,8 +561,8 @@ def run(
 def _cell(
     raw: RawNixlPair,
     p2p: P2PPair,
-    vllm: VllmPair | None,
-    vllm_reason: str,
+    zmq_rt: ZmqRoundTrip,
+    in_tree: tuple[VllmPair | None, str],
     bs: int,
     n: int,
     base_repeats: int,
@@ -489,16 +571,18 @@ def _cell(
     """One table row: every path measured ``rounds`` times, interleaved, so
     that the machine's noise (other tenants) falls on all of them alike; each
     path reports its median round (by GB/s)."""
+    vllm, vllm_reason = in_tree
     reps = _repeats(bs * n, base_repeats)
     src, dst = scattered_mapping(n)
     samples: dict[str, list[dict[str, Any]]] = {
-        k: [] for k in ("memcpy", "raw_nixl", "raw_read", *P2P_CELLS, "vllm")
+        k: [] for k in ("memcpy", "raw_nixl", "raw_read", "zmq_rt", *P2P_CELLS, "vllm")
     }
     for r in range(rounds):
         with p2p.idle():
             samples["memcpy"].append(measure_memcpy(bs, n, reps, src, dst))
             samples["raw_nixl"].append(raw.measure(bs, n, reps, src, dst))
             samples["raw_read"].append(raw.measure(bs, n, reps, src, dst, op="READ"))
+            samples["zmq_rt"].append(zmq_rt.measure(max(reps, 20)))
             if vllm is not None and not vllm_reason:
                 try:
                     samples["vllm"].append(vllm.measure(bs, n, reps))
@@ -530,6 +614,9 @@ def _cell(
         if "gbps" in cell:
             cell["ratio_raw"] = cell["gbps"] / row[base]["gbps"]
             cell["latency_x_raw"] = cell["latency_us"] / row[base]["latency_us"]
+    floor_us = row["raw_read"]["latency_us"] + row["zmq_rt"]["latency_us"]
+    for name in ("e2e", "n_e2e"):
+        row[name]["latency_x_floor"] = row[name]["latency_us"] / floor_us
     return row, vllm_reason
 
 
@@ -544,6 +631,15 @@ def _verdicts(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "max_latency_x_small": max(small) if small else None,
             "latency_ok": bool(small) and max(small) <= TARGET_LATENCY_X,
         }
+        floor = [
+            r[name]["latency_x_floor"]
+            for r in rows
+            if r["bytes"] <= SMALL_BYTES and "latency_x_floor" in r[name]
+        ]
+        if floor:
+            out[name]["max_latency_x_floor_small"] = max(floor)
+    small_rt = [r["zmq_rt"]["latency_us"] for r in rows if r["bytes"] <= SMALL_BYTES]
+    out["zmq_round_trip_us"] = statistics.median(small_rt) if small_rt else None
     return out
 
 
@@ -554,7 +650,7 @@ HEADER = (
     f"{'in place':>8} {'x raw':>5} | "
     f"{'raw WR':>7} {'us':>7} | {'write sub':>9} {'us':>7} {'x raw':>5} | "
     f"{'vLLM':>5} {'x raw':>5} | {'dp us':>6} {'nixl dp':>7} | "
-    f"{'pd sub':>7} {'us':>7} {'x raw':>5}"
+    f"{'pd sub':>7} {'us':>7} {'x raw':>5} | {'zmq rt':>6}"
 )
 
 
@@ -579,7 +675,8 @@ def _line(row: dict[str, Any]) -> str:
         f"{rw['gbps']:>7.2f} {rw['latency_us']:>7.1f} | "
         f"{wsub['gbps']:>9.2f} {wsub['latency_us']:>7.1f} {wsub['ratio_raw']:>5.2f} | "
         f"{vcell} | {row['dp']['latency_us']:>6.1f} {row['n_dp']['latency_us']:>7.1f} | "
-        f"{pd['gbps']:>7.2f} {pd['latency_us']:>7.1f} {pd['ratio_raw']:>5.2f}"
+        f"{pd['gbps']:>7.2f} {pd['latency_us']:>7.1f} {pd['ratio_raw']:>5.2f} | "
+        f"{row['zmq_rt']['latency_us']:>6.1f}"
     )
 
 
@@ -607,6 +704,13 @@ def _print_verdicts(result: dict[str, Any]) -> None:
                 f"{label}: <=1 MiB latency up to {v['max_latency_x_small']:.1f}x raw "
                 f"NIXL (target <= {TARGET_LATENCY_X}x): "
                 f"{'met' if v['latency_ok'] else 'NOT met'}"
+            )
+        if "max_latency_x_floor_small" in v:
+            print(
+                f"{label}: <=1 MiB latency up to {v['max_latency_x_floor_small']:.1f}x "
+                f"raw READ + one bare ZeroMQ round trip "
+                f"({result['targets']['zmq_round_trip_us']:.0f} us): "
+                "the floor of any lookup over ZeroMQ (not a target)"
             )
 
 
@@ -637,6 +741,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("write path (reads off) vs raw WRITE; pd = disaggregated prefill")
     print("(Fetch, offer of the parked stores, READ) vs raw READ;")
     print("dp = the read's data plane alone (post_read -> completion), us")
+    print("zmq rt = a bare ZeroMQ round trip between two processes, us")
     print(HEADER)
     result = run(cells, base, rounds, lambda row: print(_line(row), flush=True))
     _print_verdicts(result)

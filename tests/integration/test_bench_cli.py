@@ -62,6 +62,46 @@ def test_the_waker_benchmark_measures_all_three_producers(tmp_path: Path) -> Non
     assert all(r["lookups"] == 5 and r["median_ms"] > 0 for r in rows.values()), rows
 
 
+def test_the_transfer_benchmark_measures_the_control_planes_floor(
+    tmp_path: Path,
+) -> None:
+    """Every cell checks its bytes and measures, in the same run, a bare
+    ZeroMQ round trip beside raw NIXL: the small fetches' end to end is
+    reported against raw READ and against raw READ plus that trip (what
+    any lookup over ZeroMQ costs at least). No number is asserted but
+    that each was measured."""
+    exe = Path(sys.executable).with_name("p2p-kv")
+    out = subprocess.run(
+        [str(exe), "bench", "transfer", "--quick", "--repeats", "2", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    result = json.loads(out.stdout)
+    rows = result["rows"]
+    assert [(r["block_bytes"], r["num_blocks"]) for r in rows] == [
+        (64 * 1024, 1),
+        (64 * 1024, 16),
+        (64 * 1024, 256),
+        (2 * 1024 * 1024, 1),
+        (2 * 1024 * 1024, 16),
+    ]
+    for r in rows:
+        assert r["raw_read"]["verified"], r  # p2p_kv paths raise on wrong bytes
+        assert r["zmq_rt"]["latency_us"] > 0, r
+        floor = r["raw_read"]["latency_us"] + r["zmq_rt"]["latency_us"]
+        assert r["e2e"]["latency_x_floor"] == pytest.approx(
+            r["e2e"]["latency_us"] / floor
+        )
+    targets = result["targets"]
+    assert targets["zmq_round_trip_us"] > 0
+    assert targets["e2e"]["max_latency_x_floor_small"] == max(
+        r["e2e"]["latency_x_floor"] for r in rows if r["bytes"] <= 1024 * 1024
+    )
+
+
 def test_the_cli_refuses_a_mistyped_flag_and_passes_help_to_a_benchmark() -> None:
     """``p2p-kv model --presets bench`` built the tiny model (exit 0);
     ``p2p-kv bench waker --help`` printed the bench command's usage, not
