@@ -328,7 +328,17 @@ class TierRuntime:
             self._take_completions()
             for peer, msgs in m.take_outgoing(now):
                 self._send(peer, msgs, now)
-        for peer in m.take_closed():
+        closed = m.take_closed()
+        if len(closed) > 1:
+            # One give-up bound for all of them: fenced one session after
+            # another, each transfer stuck on a stalled peer waited out a
+            # bound of its own, so k such peers held this thread k bounds
+            # (at shutdown, or a partition that drops several at once).
+            going = set(closed)
+            self.data.cancel(
+                *[x for x, what in self._xfers.items() if what[0] in going]
+            )
+        for peer in closed:
             agent = self._agents.pop(peer, None)
             self._unproven.discard(peer)
             if agent is not None:

@@ -702,6 +702,61 @@ def test_a_cache_resets_drain_waits_for_a_stuck_read_without_spinning(
         producer.close()
 
 
+def test_closing_with_reads_stuck_on_two_stalled_producers_waits_one_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """At shutdown every session closes in one pump, and each closing
+    session's transfers are fenced before its slots are freed. An in-place
+    READ stuck on a stalled producer is waited for up to the data plane's
+    drain bound; fenced one session after another, each READ's bound began
+    only when its turn came, so two stalled producers held the engine's
+    thread two bounds (k producers, k). They now share one."""
+    monkeypatch.setenv("UCX_TLS", TCP_ONLY)
+    pid, bs, bound = os.getpid(), 64 * 1024, 0.6
+    producers = [
+        StandalonePeer(
+            16, bs, engine_id=f"two-p{i}-{pid}", timeouts=QUIET, same_host=False
+        )
+        for i in range(2)
+    ]
+    consumer = StandalonePeer(
+        16,
+        bs,
+        engine_id=f"two-c-{pid}",
+        timeouts=QUIET,
+        same_host=False,
+        read_staging_bytes=0,  # in place: a given-up READ waits its bound
+    )
+    m, rt = consumer.manager, consumer.runtime
+    keys = [make_key(i) for i in range(4)]
+    try:
+        for i, producer in enumerate(producers):
+            producer.fill(keys, [0, 1, 2, 3])
+            consumer.open(f"r{i}", producer.address, f"kv{i}")
+        end = time.monotonic() + IN_TIME_S
+        while any(
+            Answer.RETRY in [m.lookup(f"r{i}", k) for k in keys] for i in range(2)
+        ):
+            assert time.monotonic() < end, "no lookup answer"
+            rt.flush()
+            consumer.step()
+            for producer in producers:
+                producer.step(wait=False)
+        rt.data._drain_timeout_s = bound
+        # From here neither producer makes a NIXL call: both READs stall.
+        rt.submit_load(7, "r0", keys, [4, 5, 6, 7])
+        rt.submit_load(8, "r1", keys, [8, 9, 10, 11])
+        assert rt.transfers_in_flight == 2
+        t0 = time.monotonic()
+        consumer.close()
+        took = time.monotonic() - t0
+        assert bound <= took < 1.5 * bound, f"closing took {took:.2f} s"
+    finally:
+        consumer.close()
+        for producer in producers:
+            producer.close()
+
+
 def test_a_short_abort_ack_deadline_does_not_end_the_session(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
