@@ -160,7 +160,7 @@ class TierRuntime:
         work: nothing of its own to compute, no write in flight. With a
         waker, an engine without live requests must go idle instead."""
         m = self.manager
-        if self._xfers or m.has_lookups_to_serve or m.results_ready():
+        if self._awaited_transfers() or m.has_lookups_to_serve or m.results_ready():
             # A READ can end inside its post: its result is already here.
             return False
         if self.live_requests == 0:
@@ -169,6 +169,16 @@ class TierRuntime:
             # lookup it answered.
             return not self.has_waker
         return m.waiting_requests() >= self.live_requests
+
+    def _awaited_transfers(self) -> bool:
+        """A transfer in flight whose end someone waits for. Not one given
+        up on (an aborted request's READ, a WRITE past its serve's
+        deadline): it ends when UCX ends it or at its drain bound, and its
+        result helps nobody sooner. Counting those stopped an engine that
+        steps itself from ever waiting until they ended: back-to-back idle
+        steps, up to the drain bound. The wait looks at them every
+        :data:`DATA_TICK_S` instead."""
+        return any(not self.data.given_up(x) for x in self._xfers)
 
     def engine_hold_s(self) -> float:
         """How long an idle engine's thread may sleep at its step; 0: not
@@ -248,13 +258,19 @@ class TierRuntime:
         peers_moving = self.manager.peer_transfers()
         while True:
             due = min(end, self.manager.next_deadline())
-            if peers_moving:
+            if peers_moving or self._xfers:
                 due = min(due, self.clock() + DATA_TICK_S)
             if self._receive(max(0.0, due - self.clock())):
                 break
             now = self.clock()
             if peers_moving:
                 self.data.poll_notifs()
+            if self._xfers:
+                # Ours, given up on or waited through: their end is a
+                # result (and frees slots) only once it is taken.
+                self._take_completions()
+                if self.manager.results_ready():
+                    break
             if now >= self.manager.next_deadline():
                 # Heartbeats and deadlines need no engine step, unless
                 # they produced something the engine must see.

@@ -757,6 +757,46 @@ def test_closing_with_reads_stuck_on_two_stalled_producers_waits_one_bound(
             producer.close()
 
 
+def test_an_aborted_read_does_not_spin_an_engine_that_steps_itself(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An engine without a waker (in-process vLLM, a StandalonePeer) waits
+    on its sockets at each idle step. A READ given up on when its request
+    was aborted, stuck on a stalled producer, still counted as work in
+    flight: no step waited, and the idle engine stepped back to back until
+    the READ ended or met its drain bound (1 s by default, each vLLM step
+    about 4 ms of CPU). It waits now, looking at the data plane every
+    DATA_TICK_S, and the job's result comes when the READ ends."""
+    monkeypatch.setenv("UCX_TLS", TCP_ONLY)
+    producer, consumer, keys = _hits_to_read_in_place(
+        "sp", Timeouts(heartbeat_interval_s=10.0, silence_s=30.0, abort_ack_s=8.0)
+    )
+    consumer.runtime.data._drain_timeout_s = 3.0  # past this test's window
+    m, rt = consumer.manager, consumer.runtime
+    try:
+        rt.submit_load(7, "r", keys, [4, 5, 6, 7])  # the producer stalls now
+        rt.end_request("r")  # the client aborted
+        assert rt.transfers_in_flight == 1 and rt.live_requests == 0
+        steps, t0 = 0, time.monotonic()
+        while time.monotonic() - t0 < 0.5:
+            consumer.step()
+            steps += 1
+        assert steps <= 60, f"the idle engine stepped {steps} times in 0.5 s"
+        assert 7 not in consumer.results and rt.transfers_in_flight == 1
+        # The producer resumes: the READ ends, and a step returns the result.
+        t0 = time.monotonic()
+        while 7 not in consumer.results:
+            assert time.monotonic() - t0 < IN_TIME_S, "the result never came"
+            producer.step(wait=False)
+            consumer.step()
+        assert not consumer.results.pop(7).success  # aborted: never a hit
+        assert rt.transfers_in_flight == 0
+        assert not any(m.state_report().values()), m.state_report()
+    finally:
+        consumer.close()
+        producer.close()
+
+
 def test_a_short_abort_ack_deadline_does_not_end_the_session(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
