@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -47,17 +48,22 @@ def test_the_step_benchmark_settles_on_the_default_manager(tmp_path: Path) -> No
     assert "idle after 10k served" in out.stdout, out.stdout[-2000:]
 
 
-def test_the_waker_benchmark_measures_all_three_producers(tmp_path: Path) -> None:
+def _bench_json(tmp_path: Path, *args: str) -> Any:
+    """``p2p-kv bench ARGS --json``, run outside the checkout: its JSON."""
     exe = Path(sys.executable).with_name("p2p-kv")
     out = subprocess.run(
-        [str(exe), "bench", "waker", "--lookups", "5", "--json"],
+        [str(exe), "bench", *args, "--json"],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
         cwd=tmp_path,
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    rows = json.loads(out.stdout)
+    return json.loads(out.stdout)
+
+
+def test_the_waker_benchmark_measures_all_three_producers(tmp_path: Path) -> None:
+    rows = _bench_json(tmp_path, "waker", "--lookups", "5")
     assert set(rows) == {"stepping", "waker", "tick"}, rows
     assert all(r["lookups"] == 5 and r["median_ms"] > 0 for r in rows.values()), rows
 
@@ -70,16 +76,7 @@ def test_the_transfer_benchmark_measures_the_control_planes_floor(
     reported against raw READ and against raw READ plus that trip (what
     any lookup over ZeroMQ costs at least). No number is asserted but
     that each was measured."""
-    exe = Path(sys.executable).with_name("p2p-kv")
-    out = subprocess.run(
-        [str(exe), "bench", "transfer", "--quick", "--repeats", "2", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tmp_path,
-    )
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    result = json.loads(out.stdout)
+    result = _bench_json(tmp_path, "transfer", "--quick", "--repeats", "2")
     rows = result["rows"]
     assert [(r["block_bytes"], r["num_blocks"]) for r in rows] == [
         (64 * 1024, 1),

@@ -581,6 +581,36 @@ def _stepped_to_result(consumer: StandalonePeer, job: int) -> Any:
     return consumer.results.pop(job)
 
 
+def _result_once_resumed(
+    producer: StandalonePeer, consumer: StandalonePeer, job: int, step_consumer: bool
+) -> Any:
+    """The stalled ``producer`` steps again, its READ ends, and load
+    ``job``'s result comes: through the waker's call to the engine, or
+    through ``consumer``'s own steps (``step_consumer``)."""
+    t0 = time.monotonic()
+    while job not in consumer.results:
+        assert time.monotonic() - t0 < IN_TIME_S, "the result never came"
+        producer.step(wait=False)
+        if step_consumer:
+            consumer.step()
+        else:
+            time.sleep(0.005)
+    return consumer.results.pop(job)
+
+
+def _in_place_reader(tag: str, timeouts: Timeouts) -> StandalonePeer:
+    """A consumer of 16 64 KiB blocks whose NIXL READs land in place (no
+    same-host copy, no staging): a READ given up on waits its drain bound."""
+    return StandalonePeer(
+        16,
+        64 * 1024,
+        engine_id=f"{tag}-c-{os.getpid()}",
+        timeouts=timeouts,
+        same_host=False,
+        read_staging_bytes=0,
+    )
+
+
 def _hits_to_read_in_place(
     tag: str, timeouts: Timeouts
 ) -> tuple[StandalonePeer, StandalonePeer, list[bytes]]:
@@ -588,18 +618,14 @@ def _hits_to_read_in_place(
     request "r" has looked them all up, its NIXL READs landing in place.
     Over UCX's TCP transport (the caller sets UCX_TLS) a READ then stalls
     for as long as the producer makes no NIXL call."""
-    pid, bs = os.getpid(), 64 * 1024
     producer = StandalonePeer(
-        16, bs, engine_id=f"{tag}-p-{pid}", timeouts=QUIET, same_host=False
-    )
-    consumer = StandalonePeer(
         16,
-        bs,
-        engine_id=f"{tag}-c-{pid}",
-        timeouts=timeouts,
+        64 * 1024,
+        engine_id=f"{tag}-p-{os.getpid()}",
+        timeouts=QUIET,
         same_host=False,
-        read_staging_bytes=0,  # in place: a given-up READ waits its bound
     )
+    consumer = _in_place_reader(tag, timeouts)
     keys = [make_key(i) for i in range(4)]
     producer.fill(keys, [0, 1, 2, 3])
     try:
@@ -651,12 +677,8 @@ def test_an_aborted_read_neither_holds_nor_spins_the_idle_engine(
         assert 7 not in consumer.results and rt.transfers_in_flight == 1
         # The producer resumes: the READ ends, and the waker calls the
         # engine in for the job's result.
-        t0 = time.monotonic()
-        while 7 not in consumer.results:
-            assert time.monotonic() - t0 < IN_TIME_S, "the result never came"
-            producer.step(wait=False)
-            time.sleep(0.005)
-        assert not consumer.results.pop(7).success  # aborted: never a hit
+        result = _result_once_resumed(producer, consumer, 7, step_consumer=False)
+        assert not result.success  # aborted: never a hit
         with rt.lock:
             assert rt.transfers_in_flight == 0
             assert not any(m.state_report().values()), m.state_report()
@@ -712,21 +734,18 @@ def test_closing_with_reads_stuck_on_two_stalled_producers_waits_one_bound(
     only when its turn came, so two stalled producers held the engine's
     thread two bounds (k producers, k). They now share one."""
     monkeypatch.setenv("UCX_TLS", TCP_ONLY)
-    pid, bs, bound = os.getpid(), 64 * 1024, 0.6
+    bound = 0.6
     producers = [
         StandalonePeer(
-            16, bs, engine_id=f"two-p{i}-{pid}", timeouts=QUIET, same_host=False
+            16,
+            64 * 1024,
+            engine_id=f"two-p{i}-{os.getpid()}",
+            timeouts=QUIET,
+            same_host=False,
         )
         for i in range(2)
     ]
-    consumer = StandalonePeer(
-        16,
-        bs,
-        engine_id=f"two-c-{pid}",
-        timeouts=QUIET,
-        same_host=False,
-        read_staging_bytes=0,  # in place: a given-up READ waits its bound
-    )
+    consumer = _in_place_reader("two", QUIET)
     m, rt = consumer.manager, consumer.runtime
     keys = [make_key(i) for i in range(4)]
     try:
@@ -784,12 +803,8 @@ def test_an_aborted_read_does_not_spin_an_engine_that_steps_itself(
         assert steps <= 60, f"the idle engine stepped {steps} times in 0.5 s"
         assert 7 not in consumer.results and rt.transfers_in_flight == 1
         # The producer resumes: the READ ends, and a step returns the result.
-        t0 = time.monotonic()
-        while 7 not in consumer.results:
-            assert time.monotonic() - t0 < IN_TIME_S, "the result never came"
-            producer.step(wait=False)
-            consumer.step()
-        assert not consumer.results.pop(7).success  # aborted: never a hit
+        result = _result_once_resumed(producer, consumer, 7, step_consumer=True)
+        assert not result.success  # aborted: never a hit
         assert rt.transfers_in_flight == 0
         assert not any(m.state_report().values()), m.state_report()
     finally:
