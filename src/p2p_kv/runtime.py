@@ -157,8 +157,9 @@ class TierRuntime:
 
     def may_wait(self) -> bool:
         """True when blocking on the sockets cannot delay the engine's own
-        work: nothing of its own to compute, no write in flight. With a
-        waker, an engine without live requests must go idle instead."""
+        work: nothing of its own to compute, no transfer in flight that
+        someone waits for. With a waker, an engine without live requests
+        must go idle instead."""
         m = self.manager
         if self._awaited_transfers() or m.has_lookups_to_serve or m.results_ready():
             # A READ can end inside its post: its result is already here.
