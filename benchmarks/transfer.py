@@ -95,6 +95,8 @@ SMALL_BYTES = 1 * MIB  # latency target applies up to here
 TARGET_RATIO = 0.8
 TARGET_LATENCY_X = 2.0
 PATHS = ("read", "nixl_read", "nixl_read_in_place", "write", "pd")
+#: end-to-end cells also compared with raw READ plus one ZeroMQ round trip
+FLOOR_CELLS = ("e2e", "n_e2e")
 #: p2p_kv cells and the raw NIXL baseline each is compared with
 P2P_CELLS = {
     "submit": ("read", "submit", "raw_read"),
@@ -525,8 +527,9 @@ def run(
         vllm = VllmPair()
     except Exception as exc:
         vllm_reason = f"{type(exc).__name__}: {exc}"
-    zmq_rt = ZmqRoundTrip()
+    zmq_rt: ZmqRoundTrip | None = None
     try:
+        zmq_rt = ZmqRoundTrip()
         with RawNixlPair() as raw:
             for bs in dict.fromkeys(b for b, _ in cells):
                 counts = [n for b, n in cells if b == bs]
@@ -546,7 +549,8 @@ def run(
                         if progress is not None:
                             progress(row)
     finally:
-        zmq_rt.close()
+        if zmq_rt is not None:
+            zmq_rt.close()
         if vllm is not None:
             vllm.close()
     return {
@@ -615,7 +619,7 @@ def _cell(
             cell["ratio_raw"] = cell["gbps"] / row[base]["gbps"]
             cell["latency_x_raw"] = cell["latency_us"] / row[base]["latency_us"]
     floor_us = row["raw_read"]["latency_us"] + row["zmq_rt"]["latency_us"]
-    for name in ("e2e", "n_e2e"):
+    for name in FLOOR_CELLS:
         row[name]["latency_x_floor"] = row[name]["latency_us"] / floor_us
     return row, vllm_reason
 
@@ -631,13 +635,11 @@ def _verdicts(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "max_latency_x_small": max(small) if small else None,
             "latency_ok": bool(small) and max(small) <= TARGET_LATENCY_X,
         }
-        floor = [
-            r[name]["latency_x_floor"]
-            for r in rows
-            if r["bytes"] <= SMALL_BYTES and "latency_x_floor" in r[name]
-        ]
-        if floor:
-            out[name]["max_latency_x_floor_small"] = max(floor)
+        if name in FLOOR_CELLS:
+            floor = [
+                r[name]["latency_x_floor"] for r in rows if r["bytes"] <= SMALL_BYTES
+            ]
+            out[name]["max_latency_x_floor_small"] = max(floor) if floor else None
     small_rt = [r["zmq_rt"]["latency_us"] for r in rows if r["bytes"] <= SMALL_BYTES]
     out["zmq_round_trip_us"] = statistics.median(small_rt) if small_rt else None
     return out
@@ -705,7 +707,7 @@ def _print_verdicts(result: dict[str, Any]) -> None:
                 f"NIXL (target <= {TARGET_LATENCY_X}x): "
                 f"{'met' if v['latency_ok'] else 'NOT met'}"
             )
-        if "max_latency_x_floor_small" in v:
+        if v.get("max_latency_x_floor_small") is not None:
             print(
                 f"{label}: <=1 MiB latency up to {v['max_latency_x_floor_small']:.1f}x "
                 f"raw READ + one bare ZeroMQ round trip "

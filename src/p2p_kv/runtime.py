@@ -346,7 +346,7 @@ class TierRuntime:
             for peer, msgs in m.take_outgoing(now):
                 self._send(peer, msgs, now)
         closed = m.take_closed()
-        if len(closed) > 1:
+        if closed:
             # One give-up bound for all of them: fenced one session after
             # another, each transfer stuck on a stalled peer waited out a
             # bound of its own, so k such peers held this thread k bounds
