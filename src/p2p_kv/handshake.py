@@ -1,4 +1,5 @@
-"""What two peers must agree on before any request crosses between them.
+"""What two peers must agree on before any request crosses between them,
+and the cryptography that protects them once they agree.
 
 Pure functions over :class:`~p2p_kv.protocol.Hello`. A mismatch is refused
 with a reason that names the field, because the alternative -- peers that
@@ -9,18 +10,51 @@ The hash seed itself never leaves the process: peers compare a salted digest
 of it, plus the hashes of a canonical token sequence, which also catches a
 different hash *function* configured under the same name. Anyone who
 connects reads a Hello, and a guessable seed (a small PYTHONHASHSEED) falls
-to a search over those; so with a shared secret both are keyed with it, and
-compared only once the peer has proven the secret (a peer with another
-secret is then refused for ``auth``, not for its seed).
+to a search over those; so with a shared secret both are keyed with it
+(HMAC-SHA256, truncated to the value's length), and compared only once the
+peer has proven the secret (a peer with another secret is then refused for
+``auth``, not for its seed).
 
-With a shared secret, proving it in the handshake is not enough: a party
-without it can relay two engines' hellos and proofs to each other and end
-up holding a proven session to each. So every frame after the handshake is
-sealed under a key derived from the secret and both hellos
-(:class:`FrameKeys`: a MAC and a sequence number per direction), which a
-relay can pass on but never forge; and the data-plane region (NIXL memory
-keys, the shared file), which lets whoever holds it write our KV cache, is
-sent only after the peer's proof checked, encrypted under that key.
+Cryptography, with a shared secret (none of it runs without one: then there
+is no authentication and nothing is encrypted). Only vetted constructions
+are used, from the standard library and ``cryptography``:
+
+* **Proof of the secret** (:func:`handshake_mac`): each side sends
+  HMAC-SHA256 keyed with the secret over a fixed label and the SHA-256
+  digests of the sender's and the receiver's Hello. Each Hello carries a
+  fresh random nonce (16 bytes from the OS, ``runtime.fresh_nonce``), so a
+  proof is good for one session and one direction only: it can be neither
+  replayed nor reflected. Compared in constant time.
+* **Session keys** (:func:`frame_keys`): one 256-bit key per direction,
+  HKDF-SHA256 (RFC 5869) with the secret as input keying material, both
+  hellos' SHA-256 digests (sorted, so both sides agree) as salt, and a fixed
+  label followed by the *sender's* nonce as info. Both hellos in the salt
+  make every session's keys fresh; the sender's nonce in the info gives
+  each direction its own key, so a frame reflected back at its sender does
+  not open. The secret's other uses (the proof, keyed hashes) are HMACs
+  with distinct fixed labels, never a key or salt of HKDF.
+* **Frames** (:class:`FrameKeys`): every frame after the handshake is
+  sealed with ChaCha20-Poly1305 (RFC 8439, an AEAD: the frame is encrypted,
+  not only authenticated). The sealed frame is the byte :data:`SEALED`
+  followed by ciphertext and the 16-byte Poly1305 tag. The 96-bit AEAD
+  nonce is the count of frames sealed so far in that direction (12 bytes,
+  little-endian): under one key it never repeats, and it is not sent, so a
+  replayed, dropped or reordered frame is opened under the wrong nonce and
+  fails, which ends the session. The marker byte is the AEAD's associated
+  data (see :class:`FrameKeys`).
+
+The secret is used as key material as it is, not stretched: a secret that
+can be guessed falls to an offline search over one recorded handshake's
+proofs. It must be a random key (32 random bytes, hex-encoded, say), not a
+password.
+
+Proving the secret in the handshake is not enough on its own: a party
+without it can relay two engines' hellos and proofs to each other, and each
+proof checks. The sealed frames are what such a relay can pass on but
+neither forge nor read. The data-plane region (NIXL memory keys, the shared
+file), which lets whoever holds it write our KV cache, is sent only after
+the peer's proof checked, in a sealed frame like every other after the
+handshake: the seal is its encryption.
 """
 
 from __future__ import annotations
@@ -30,15 +64,25 @@ import hmac
 from dataclasses import dataclass, field
 from typing import Final
 
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from cryptography.hazmat.primitives.hashes import SHA256
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
 from p2p_kv.protocol import PROTOCOL_VERSION, Hello
 
 _SEED_SALT = b"p2p_kv/hash-seed/v1"
 _KEYED_SALT = b"p2p_kv/keyed-hash/v1"
 _MAC_SALT = b"p2p_kv/handshake-mac/v1"
-_KEY_SALT = b"p2p_kv/session-key/v1"
+#: HKDF info of a frame key, followed by the sending side's nonce.
+_FRAME_KEY_INFO = b"p2p_kv/frame-key/v1 from "
 #: First byte of a sealed frame: one msgpack never emits, so a sealed frame
 #: can never be taken for a plain one or the other way round.
 SEALED: Final = 0xC1
+_MARKER: Final = bytes([SEALED])
+#: ChaCha20-Poly1305's key, nonce and tag sizes.
+_KEY_BYTES: Final = 32
+_NONCE_BYTES: Final = 12
 _TAG_BYTES: Final = 16
 
 
@@ -175,71 +219,78 @@ def _hello_digest(hello: Hello) -> bytes:
 
 
 class FrameRefused(Exception):
-    """A frame whose seal does not check: forged, replayed, reordered, or
-    plain where a sealed one was due."""
+    """A frame that does not open: forged, tampered with, replayed,
+    reordered, after a dropped one, reflected, sealed under another secret,
+    or plain where a sealed one was due."""
 
 
 @dataclass(slots=True)
 class FrameKeys:
-    """One session's sealing keys, one per direction (each bound to its
-    sender's nonce, so a frame reflected back at its sender fails), and
-    the count of frames sealed and opened each way (so a replayed, dropped
-    or reordered frame fails)."""
+    """One session's frame keys, one per direction (``out`` seals what we
+    send, ``into`` opens what we get), and the count of frames sealed and
+    opened each way, which is each direction's AEAD nonce.
 
-    out: bytes
-    into: bytes
+    A sealed frame is ``SEALED`` + ChaCha20-Poly1305(key, nonce=count,
+    plaintext=frame, associated data=``SEALED``). The marker byte is the
+    associated data so that the tag covers every byte on the wire: nothing
+    of a sealed frame is outside its seal, and the marker cannot be
+    rewritten onto a ciphertext sealed as something else (a frame format
+    that adds a second marker stays bound to the one it was sealed with).
+    A frame whose first byte is not the marker is refused before any
+    decryption anyway; the associated data makes that rule part of the
+    construction rather than of the parser."""
+
+    out: bytes = field(repr=False)
+    into: bytes = field(repr=False)
     sent: int = 0
     received: int = 0
+    _seal: ChaCha20Poly1305 = field(init=False, repr=False, compare=False)
+    _open: ChaCha20Poly1305 = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._seal = ChaCha20Poly1305(self.out)
+        self._open = ChaCha20Poly1305(self.into)
 
     def seal(self, frame: bytes) -> bytes:
-        tag = _tag(self.out, self.sent, frame)
+        nonce = _nonce(self.sent)
         self.sent += 1
-        return bytes([SEALED]) + tag + frame
+        return _MARKER + self._seal.encrypt(nonce, frame, _MARKER)
 
     def open(self, frame: bytes) -> bytes:
-        if len(frame) <= 1 + _TAG_BYTES or frame[0] != SEALED:
+        if len(frame) < 1 + _TAG_BYTES or frame[0] != SEALED:
             raise FrameRefused("a plain frame where a sealed one was due")
-        body = frame[1 + _TAG_BYTES :]
-        if not hmac.compare_digest(
-            frame[1 : 1 + _TAG_BYTES], _tag(self.into, self.received, body)
-        ):
-            raise FrameRefused("a frame whose seal does not match our shared secret")
+        try:
+            plain = self._open.decrypt(
+                _nonce(self.received), memoryview(frame)[1:], _MARKER
+            )
+        except InvalidTag:
+            raise FrameRefused(
+                "a frame whose seal does not match our shared secret"
+            ) from None
         self.received += 1
-        return body
+        return plain
 
 
 def frame_keys(secret: bytes | None, mine: Hello, theirs: Hello) -> FrameKeys | None:
-    """The session's keys: both sides derive the same pair from the secret
-    and both hellos (fresh nonces each), so no two sessions share one."""
+    """The session's keys (see the module docstring): both sides derive the
+    same pair, each direction's key from the secret, both hellos and the
+    sender's nonce."""
     if secret is None:
         return None
     first, second = sorted((_hello_digest(mine), _hello_digest(theirs)))
-    session = hmac.new(secret, _KEY_SALT + first + second, hashlib.sha256).digest()
 
-    def direction(nonce: bytes) -> bytes:
-        return hmac.new(session, b"from" + nonce, hashlib.sha256).digest()
+    def direction(sender_nonce: bytes) -> bytes:
+        return HKDF(
+            algorithm=SHA256(),
+            length=_KEY_BYTES,
+            salt=first + second,
+            info=_FRAME_KEY_INFO + sender_nonce,
+        ).derive(secret)
 
     return FrameKeys(out=direction(mine.nonce), into=direction(theirs.nonce))
 
 
-def region_cipher(key: bytes, data: bytes) -> bytes:
-    """Encrypt or decrypt (the same operation) a region blob under a
-    direction key: XOR with an HMAC-SHA256 keystream. Each key encrypts one
-    region only (one per session and direction), so the stream never
-    repeats; the frame's seal covers its integrity."""
-    stream = bytearray()
-    counter = 0
-    while len(stream) < len(data):
-        stream += hmac.new(
-            key, b"region" + counter.to_bytes(8, "little"), hashlib.sha256
-        ).digest()
-        counter += 1
-    n = len(data)
-    mixed = int.from_bytes(data, "little") ^ int.from_bytes(stream[:n], "little")
-    return mixed.to_bytes(n, "little")
-
-
-def _tag(key: bytes, seq: int, frame: bytes) -> bytes:
-    return hashlib.blake2b(
-        seq.to_bytes(8, "little") + frame, key=key, digest_size=_TAG_BYTES
-    ).digest()
+def _nonce(count: int) -> bytes:
+    """The AEAD nonce of a direction's ``count``-th frame. Past 2**96
+    frames ``to_bytes`` raises rather than wrap (unreachable in practice)."""
+    return count.to_bytes(_NONCE_BYTES, "little")

@@ -44,7 +44,6 @@ from p2p_kv.handshake import (
     frame_keys,
     handshake_mac,
     make_hello,
-    region_cipher,
     verify_mac,
 )
 from p2p_kv.lifecycle import (
@@ -600,12 +599,14 @@ class Session:
     # -- sealing (with a shared secret; see p2p_kv.handshake) ----------------
 
     def seal(self, msg: Message, frame: bytes) -> bytes:
-        """The frame to put on the wire for ``msg``: sealed once the session
-        has keys, except the handshake's own two messages and a Goodbye
-        sent before the peer's proof checked (a refusal: a peer that failed
-        the handshake has no keys to open it, and must read why). Once it
-        checked, the peer has keys and may be ready, taking only sealed
-        frames: so is our Goodbye then."""
+        """The frame to put on the wire for ``msg``: sealed (encrypted and
+        authenticated, :class:`~p2p_kv.handshake.FrameKeys`) once the
+        session has keys, except the handshake's own two messages and a
+        Goodbye sent before the peer's proof checked (a refusal: a peer that
+        failed the handshake has no keys to open it, and must read why).
+        Once it checked, the peer has keys and may be ready, taking only
+        sealed frames: so is our Goodbye then. Everything else is sealed,
+        our Region first of all: its seal is what keeps it secret."""
         if self._keys is None or isinstance(msg, (Hello, HelloAck)):
             return frame
         if isinstance(msg, Goodbye) and not self._peer_acked:
@@ -740,20 +741,15 @@ class Session:
             return
         self._peer_acked = True
         # Only now, to a peer that proved itself: whoever holds our region
-        # can write our KV cache.
-        region = self._me.region
-        if self._keys is not None:
-            region = region_cipher(self._keys.out, region)
-        self._send(Region(region=region))
+        # can write our KV cache. With a secret its frame is sealed (see
+        # seal), which encrypts it.
+        self._send(Region(region=self._me.region))
 
     def _on_region(self, msg: Region, now: float) -> None:
         if not self._peer_acked or self._peer_region is not None:
             self._protocol_error("unexpected_region", "Region out of order")
             return
-        region = msg.region
-        if self._keys is not None:
-            region = region_cipher(self._keys.into, region)
-        self._peer_region = region
+        self._peer_region = msg.region
         self._maybe_ready(now)
 
     def _maybe_ready(self, now: float) -> None:

@@ -49,7 +49,6 @@ from p2p_kv.handshake import (
     frame_keys,
     handshake_mac,
     make_hello,
-    region_cipher,
 )
 from p2p_kv.manager import Answer
 from p2p_kv.protocol import (
@@ -179,15 +178,13 @@ class Raw:
 
     def greet(self, me: Identity, theirs: Hello, secret: bytes | None) -> None:
         """Our proof and our region, under ``secret``, to a peer whose Hello
-        is ``theirs`` (ours sent already): from here on frames are sealed."""
+        is ``theirs`` (ours sent already): from here on frames are sealed,
+        the Region's first (its seal encrypts it)."""
         assert self.hello is not None
         self.peer_hello = theirs
         self.send(HelloAck(mac=handshake_mac(secret, self.hello, theirs)))
         self.keys = frame_keys(secret, self.hello, theirs)
-        region = me.region
-        if self.keys is not None:
-            region = region_cipher(self.keys.out, region)
-        self.send(Region(region=region))
+        self.send(Region(region=me.region))
 
     def next_lookup(self, v: StandalonePeer) -> Lookup:
         """Step the victim until its next Lookup reaches us."""

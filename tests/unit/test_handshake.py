@@ -3,12 +3,26 @@ what they refuse and why, and what never crosses the wire."""
 
 from __future__ import annotations
 
+import hashlib
+import os
 from typing import Any
 
 import msgspec
 import pytest
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from cryptography.hazmat.primitives.hashes import SHA256
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from p2p_kv.handshake import Identity, check_hello, make_hello, seed_digest
+from p2p_kv.handshake import (
+    SEALED,
+    FrameKeys,
+    FrameRefused,
+    Identity,
+    check_hello,
+    frame_keys,
+    make_hello,
+    seed_digest,
+)
 from p2p_kv.manager import LoadManager
 from p2p_kv.protocol import (
     PROTOCOL_VERSION,
@@ -16,6 +30,7 @@ from p2p_kv.protocol import (
     Error,
     Fetch,
     Goodbye,
+    Heartbeat,
     Hello,
     HelloAck,
     Lookup,
@@ -47,12 +62,16 @@ def ident(name: str, **over: Any) -> Identity:
 
 
 class Wire:
-    """Two sessions and the frames between them (every frame is kept)."""
+    """Two sessions and the frames between them (every frame is kept), as
+    the runtime carries them: sealed by the sender, opened by the receiver
+    (a closed receiver reads nothing)."""
 
     def __init__(self, a: Session, b: Session) -> None:
         self.a, self.b = a, b
         self.frames: list[bytes] = []
         self.sent: dict[str, list[Message]] = {"a": [], "b": []}
+        #: each side's frames as on the wire, in step with ``sent``
+        self.wire: dict[str, list[bytes]] = {"a": [], "b": []}
 
     def pump(self, now: float = 0.0, rounds: int = 10) -> None:
         for _ in range(rounds):
@@ -60,10 +79,12 @@ class Wire:
             for name, src, dst in (("a", self.a, self.b), ("b", self.b, self.a)):
                 for msg in src.take_outbox(now):
                     moved = True
-                    frame = encode(msg)
+                    frame = src.seal(msg, encode(msg))
                     self.frames.append(frame)
                     self.sent[name].append(msg)
-                    dst.receive(decode(frame), now)
+                    self.wire[name].append(frame)
+                    if not dst.closed:
+                        dst.receive(dst.open(frame), now)
             if not moved:
                 return
 
@@ -109,14 +130,16 @@ def test_matching_peers_become_ready_with_the_same_config(
     assert ha.authenticated is (secret is not None)
     assert ha.version == PROTOCOL_VERSION
     # each side sent exactly Hello, HelloAck (a MAC only with a secret), and
-    # its region once the other's proof checked: encrypted with a secret
+    # its region once the other's proof checked: in a sealed frame with a
+    # secret (test_a_region_blob_is_unreadable_on_the_wire_only_with_a_secret)
     for name in "ab":
         assert sent_types(w.sent[name]) == [Hello, HelloAck, Region]
         ack, region = w.sent[name][1:]
         assert isinstance(ack, HelloAck) and isinstance(region, Region)
         assert (len(ack.mac) == 32) is (secret is not None)
-        plain = f"region-of-{name}".encode()
-        assert (region.region == plain) is (secret is None)
+        assert region.region == f"region-of-{name}".encode()
+        sealed = [f[0] == SEALED for f in w.wire[name]]
+        assert sealed == [False, False, secret is not None]
     assert w.a.peer_region == b"region-of-b" and w.b.peer_region == b"region-of-a"
     assert not w.a.counters.protocol_errors and not w.b.counters.protocol_errors
 
@@ -371,51 +394,219 @@ def test_handshake_timeout_closes() -> None:
 # sealing: frames after the handshake, under a shared secret
 # ---------------------------------------------------------------------------
 
+HELLO_A = make_hello(ident("a", secret=SECRET), b"A" * 16)
+HELLO_B = make_hello(ident("b", secret=SECRET), b"B" * 16)
+#: A frame whose bytes are easy to find on the wire.
+LOOKUP = Lookup("plain-request-id", 1, 1, [b"plain-key-bytes-0123456789"])
 
-def test_frames_after_the_handshake_are_sealed_and_checked() -> None:
-    """With a secret both sides seal every frame after their HelloAck, under
-    keys only the secret and both hellos give: a frame forged, replayed,
-    reflected back at its sender or plain is refused."""
-    from p2p_kv.handshake import FrameKeys, FrameRefused
 
+def frame_pair(secret: bytes = SECRET) -> tuple[FrameKeys, FrameKeys]:
+    """A's and B's keys for one session under ``secret``."""
+    ka, kb = frame_keys(secret, HELLO_A, HELLO_B), frame_keys(secret, HELLO_B, HELLO_A)
+    assert ka is not None and kb is not None
+    return ka, kb
+
+
+def refused(keys: FrameKeys, frame: bytes) -> bool:
+    """Whether ``keys`` refuses ``frame``; a refusal must not count it."""
+    before = keys.received
+    try:
+        keys.open(frame)
+    except FrameRefused:
+        assert keys.received == before
+        return True
+    return False
+
+
+def test_a_sealed_frame_opens_once_on_the_other_side() -> None:
+    ka, kb = frame_pair()
+    frame = encode(LOOKUP)
+    sealed = ka.seal(frame)
+    assert sealed[0] == SEALED
+    assert kb.open(sealed) == frame
+    assert (ka.sent, kb.received) == (1, 1)
+    assert refused(kb, sealed)  # replayed
+    assert kb.open(ka.seal(frame)) == frame  # the next one opens
+
+
+def test_a_sealed_frame_is_encrypted() -> None:
+    """The whole frame is ciphertext: none of its plain bytes show, and the
+    same frame sealed twice (two nonces) looks different each time."""
+    ka, _ = frame_pair()
+    frame = encode(LOOKUP)
+    first, second = ka.seal(frame), ka.seal(frame)
+    assert len(first) == 1 + len(frame) + 16  # marker, ciphertext, tag
+    for sealed in (first, second):
+        for plain in (b"plain-request-id", b"plain-key-bytes", frame[:8]):
+            assert plain not in sealed
+    assert first[1:] != second[1:]
+
+
+def test_the_seal_is_chacha20_poly1305_with_the_frame_count_as_nonce() -> None:
+    """The construction the module docstring states, pinned: the keys are
+    HKDF-SHA256 of the secret over both hellos and the sender's nonce, and
+    frame n is ChaCha20-Poly1305 under nonce n with the marker as
+    associated data."""
+    ka, kb = frame_pair()
+    digests = sorted(hashlib.sha256(encode(h)).digest() for h in (HELLO_A, HELLO_B))
+
+    def hkdf(nonce: bytes) -> bytes:
+        return HKDF(
+            algorithm=SHA256(),
+            length=32,
+            salt=b"".join(digests),
+            info=b"p2p_kv/frame-key/v1 from " + nonce,
+        ).derive(SECRET)
+
+    assert (ka.out, ka.into) == (hkdf(b"A" * 16), hkdf(b"B" * 16))
+    assert (kb.out, kb.into) == (ka.into, ka.out) and ka.out != ka.into
+    frame = encode(LOOKUP)
+    aead = ChaCha20Poly1305(ka.out)
+    for n in range(3):
+        nonce = n.to_bytes(12, "little")
+        assert ka.seal(frame) == b"\xc1" + aead.encrypt(nonce, frame, b"\xc1")
+    # the keys stay out of logs
+    assert ka.out.hex() not in repr(ka) and repr(ka.out) not in repr(ka)
+
+
+def test_a_dropped_or_reordered_frame_does_not_open() -> None:
+    """The count is the nonce and is not sent: a frame opens only as the
+    next one, so a gap or a swap fails (and in order both still open)."""
+    ka, kb = frame_pair()
+    f1, f2 = encode(LOOKUP), encode(Abort("r", 1))
+    s1, s2 = ka.seal(f1), ka.seal(f2)
+    assert refused(kb, s2)  # s1 dropped, or s2 ahead of it
+    assert kb.open(s1) == f1
+    assert refused(kb, s1)  # s1 again
+    assert kb.open(s2) == f2
+
+
+def test_a_frame_reflected_back_at_its_sender_does_not_open() -> None:
+    ka, kb = frame_pair()
+    sealed = ka.seal(encode(LOOKUP))
+    assert ka.received == 0  # the count matches: only the key differs
+    assert refused(ka, sealed)
+    assert kb.open(sealed) == encode(LOOKUP)
+
+
+@pytest.mark.parametrize("other", ["secret", "session", "forger"])
+def test_a_frame_sealed_under_other_keys_does_not_open(other: str) -> None:
+    """Another secret, another session under the same secret (the sender's
+    nonce the same, its peer's not), or keys made up: each seals frames
+    ours refuse."""
+    ka, kb = frame_pair()
+    frame = encode(LOOKUP)
+    if other == "secret":
+        theirs, _ = frame_pair(b"other-secret")
+    elif other == "session":  # A's nonce again, with a peer of another one
+        hello_c = make_hello(ident("c", secret=SECRET), b"C" * 16)
+        keys = frame_keys(SECRET, HELLO_A, hello_c)
+        assert keys is not None
+        theirs = keys
+    else:
+        theirs = FrameKeys(out=os.urandom(32), into=os.urandom(32))
+    assert refused(kb, theirs.seal(frame))
+    assert kb.open(ka.seal(frame)) == frame  # ours still opens
+
+
+@pytest.mark.parametrize("where", [1, 2, "middle", -17, -1])
+def test_a_tampered_frame_does_not_open(where: int | str) -> None:
+    """One bit flipped in the ciphertext (start, middle) or the tag (its
+    first and last byte)."""
+    ka, kb = frame_pair()
+    frame = encode(LOOKUP)
+    sealed = ka.seal(frame)
+    i = len(sealed) // 2 if where == "middle" else int(where)
+    tampered = bytearray(sealed)
+    tampered[i] ^= 0x01
+    assert refused(kb, bytes(tampered))
+    assert kb.open(sealed) == frame
+
+
+@pytest.mark.parametrize("marker", [0xC0, 0xC2, 0x00, 0x93])
+def test_a_frame_with_another_marker_does_not_open(marker: int) -> None:
+    ka, kb = frame_pair()
+    sealed = ka.seal(encode(LOOKUP))
+    assert refused(kb, bytes([marker]) + sealed[1:])
+    assert kb.open(sealed) == encode(LOOKUP)
+
+
+def test_the_marker_is_sealed_as_associated_data() -> None:
+    """A frame sealed with the right key and nonce but without the marker
+    as associated data (or with another) does not open: the tag covers
+    every byte on the wire."""
+    ka, kb = frame_pair()
+    frame = encode(LOOKUP)
+    aead, nonce = ChaCha20Poly1305(ka.out), bytes(12)
+    for aad in (None, b"", b"\xc0"):
+        assert refused(kb, b"\xc1" + aead.encrypt(nonce, frame, aad))
+    assert kb.open(b"\xc1" + aead.encrypt(nonce, frame, b"\xc1")) == frame
+
+
+@pytest.mark.parametrize("keep", [0, 1, 16, 17, -1, -16])
+def test_a_truncated_frame_does_not_open(keep: int) -> None:
+    ka, kb = frame_pair()
+    sealed = ka.seal(encode(LOOKUP))
+    assert refused(kb, sealed[:keep])
+    assert kb.open(sealed) == encode(LOOKUP)
+
+
+def test_sessions_seal_every_frame_after_the_handshake() -> None:
+    """With a secret a ready session seals what it sends, opens what it
+    gets, and refuses a plain frame where a sealed one is due; the
+    handshake's own frames stay plain (a peer without keys reads them)."""
     w = pair(ident("a", secret=SECRET), ident("b", secret=SECRET))
     w.pump()
     assert w.a.ready and w.b.ready
-    msg = Lookup("r1", 1, 1, [b"k1"])
-    frame = encode(msg)
-    sealed = w.a.seal(msg, frame)
-    assert sealed != frame and sealed[0] == 0xC1
-    assert w.b.unseal(sealed) == (frame, True)
+    frame = encode(LOOKUP)
+    sealed = w.a.seal(LOOKUP, frame)
+    assert sealed[0] == SEALED and frame not in sealed
+    assert w.b.open(sealed) == LOOKUP
     with pytest.raises(FrameRefused):
-        w.b.unseal(sealed)  # the same frame again
-    with pytest.raises(FrameRefused):
-        w.a.unseal(sealed)  # back at its sender
-    forged = FrameKeys(out=b"x" * 32, into=b"y" * 32).seal(frame)
-    with pytest.raises(FrameRefused):
-        w.b.unseal(forged)
-    tampered = bytearray(w.a.seal(msg, frame))
-    tampered[-1] ^= 1
-    with pytest.raises(FrameRefused):
-        w.b.unseal(bytes(tampered))
-    assert not w.b.admits_plain(msg)  # a plain frame where a sealed one is due
+        w.b.open(sealed)  # again
+    with pytest.raises(FrameRefused, match="plain Lookup"):
+        w.b.open(frame)  # plain where a sealed one is due
+    assert not w.b.admits_plain(LOOKUP)
     assert w.b.admits_plain(HelloAck(mac=b""))
-    # the handshake's own frames stay plain: a peer without keys reads them
     hello = w.a.peer_hello
     assert hello is not None and w.a.seal(hello, b"hello") == b"hello"
+    assert w.a.seal(HelloAck(mac=b""), b"ack") == b"ack"
+
+
+@pytest.mark.parametrize("secret", [None, SECRET], ids=["no-secret", "secret"])
+def test_a_region_blob_is_unreadable_on_the_wire_only_with_a_secret(
+    secret: bytes | None,
+) -> None:
+    """Both sides' Region frames, as the wire carries them: sealed (so
+    encrypted) under a secret; without one plain, blob and all."""
+    w = pair(ident("a", secret=secret), ident("b", secret=secret))
+    w.pump()
+    assert w.a.peer_region == b"region-of-b" and w.b.peer_region == b"region-of-a"
+    for name in "ab":
+        frames = [
+            f
+            for m, f in zip(w.sent[name], w.wire[name], strict=True)
+            if isinstance(m, Region)
+        ]
+        assert len(frames) == 1
+        (frame,) = frames
+        blob = f"region-of-{name}".encode()
+        assert (frame[0] == SEALED) is (secret is not None)
+        assert (blob in frame) is (secret is None)
 
 
 def test_without_a_secret_nothing_is_sealed() -> None:
     w = pair(ident("a"), ident("b"))
     w.pump()
-    msg = Lookup("r1", 1, 1, [b"k1"])
-    assert w.a.seal(msg, encode(msg)) == encode(msg)
-    assert w.b.admits_plain(msg)
+    assert w.a.seal(LOOKUP, encode(LOOKUP)) == encode(LOOKUP)
+    assert w.b.admits_plain(LOOKUP)
 
 
 def test_a_relay_of_two_engines_hellos_and_proofs_learns_no_region() -> None:
     """A party without the secret hands engine V's Hello and proof to R and
-    R's to V: each proof checks (it covers both hellos). What it then gets
-    from either is encrypted, and nothing it says unsealed is admitted."""
+    R's to V: each proof checks (it covers both hellos). The Region each
+    then sends is sealed on the wire, and nothing the relay says unsealed
+    is admitted."""
     v = Session("in:1", ident("v", secret=SECRET), 0.0, nonce=b"V" * 16)
     r = Session("in:2", ident("r", secret=SECRET), 0.0, nonce=b"R" * 16)
     (hello_v,) = v.take_outbox(0.0)
@@ -428,8 +619,12 @@ def test_a_relay_of_two_engines_hellos_and_proofs_learns_no_region() -> None:
     v.receive(decode(encode(ack_r)), 0.0)
     for session, name in ((v, b"region-of-v"), (r, b"region-of-r")):
         (region,) = session.take_outbox(0.0)
-        assert isinstance(region, Region) and region.region != name
-    assert not r.admits_plain(Lookup("x", 1, 1, [b"k1"]))
+        assert isinstance(region, Region)
+        frame = session.seal(region, encode(region))
+        assert frame[0] == SEALED and name not in frame
+    assert not r.admits_plain(LOOKUP) and not r.admits_plain(Heartbeat(seq=1))
+    with pytest.raises(FrameRefused, match="plain Heartbeat"):
+        r.open(encode(Heartbeat(seq=1)))
 
 
 def test_a_goodbye_after_our_proof_checked_is_sealed_and_taken() -> None:
