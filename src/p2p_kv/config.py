@@ -8,8 +8,10 @@ key is absent), named like vLLM's own: ``VLLM_P2P_KV_<KEY>``.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -18,12 +20,13 @@ from p2p_kv.session import Timeouts
 
 ENV_PREFIX = "VLLM_P2P_KV_"
 _CORE = Timeouts()
-#: Dials a ZeroMQ context has sockets for (three each: the socket and its
-#: monitor's pair; 1023 in all; 340 fitted), with room left for the bound
-#: socket and the dials of closing sessions.
-MAX_PEERS = 320
-#: heartbeat_ms that ZeroMQ's transport heartbeats can carry (ms).
-HEARTBEAT_MS = (4, 600_000)
+#: Most peers one engine may dial: each dial holds one descriptor, and the
+#: engine needs the rest of its limit for its own files.
+MAX_PEERS = 4096
+#: heartbeat_ms: a heartbeat leaves every quarter interval, so below 20 ms
+#: an idle session is mostly heartbeats; above ten minutes a dead peer
+#: holds its requests' slots that long.
+HEARTBEAT_MS = (20, 600_000)
 #: What the deadlines may be (s) and the idle wait (ms): every wait ends,
 #: and a shorter one than a millisecond is no network round trip.
 TIMEOUT_S = (0.001, 3600.0)
@@ -75,8 +78,14 @@ class TierConfig:
     host: str = "127.0.0.1"
     #: Control port (0: pick a free one; peers must then learn it).
     port: int = 5800
-    #: Shared secret; when set, peers must prove they know it (HMAC).
+    #: Shared secret; when set, peers must prove they know it (HMAC), and
+    #: every frame after the handshake is encrypted and authenticated.
     secret: str | None = None
+    #: Serve peers without a secret on an address other hosts can reach.
+    #: Off (the default), a tier bound to a non-loopback host without a
+    #: secret refuses to start: anyone who reaches the port could then read
+    #: the KV cache and feed it wrong blocks.
+    allow_unauthenticated: bool = False
     #: Longest wait on the control sockets inside an idle engine step: the
     #: idle engine's CPU (lower with longer waits) against the time it may
     #: take a fully idle vLLM 0.32 engine to start a new request.
@@ -109,11 +118,10 @@ class TierConfig:
     #: in pieces. 0: READs land in place, one copy fewer, with that risk.
     read_staging_mib: float = 64.0
     #: Most peers this engine dials at once. Clients name the peers (the
-    #: request's ``kv_transfer_params``), and each dial holds three ZeroMQ
-    #: sockets: a ZeroMQ context holds at most 1023, so without a bound a
-    #: burst of requests naming distinct addresses left the engine unable
-    #: to make a socket. A request naming a peer past the bound recomputes
-    #: (``refusals{reason="too_many_peers"}``).
+    #: request's ``kv_transfer_params``), and each dial holds a descriptor:
+    #: without a bound a burst of requests naming distinct addresses could
+    #: leave the engine unable to open a file. A request naming a peer past
+    #: the bound recomputes (``refusals{reason="too_many_peers"}``).
     max_peers: int = 256
     #: Most peers connected to this engine at once. Each bound on what one
     #: peer can make us hold (``docs/architecture.md``, Per-peer bounds)
@@ -179,8 +187,8 @@ class TierConfig:
             raise bad(
                 "heartbeat_ms",
                 f"{self.heartbeat_ms} is not in {HEARTBEAT_MS[0]}..{HEARTBEAT_MS[1]} "
-                "(ZeroMQ's heartbeat timeout rounds to none below, its TTL "
-                "overflows above)",
+                "ms (a heartbeat leaves every quarter interval; a peer silent "
+                "for 1.5 intervals is dropped)",
             )
         for name, low, high, unit in (
             ("idle_wait_ms", *IDLE_WAIT_MS, "ms"),
@@ -202,8 +210,7 @@ class TierConfig:
         if not 1 <= self.max_peers <= MAX_PEERS:
             raise bad(
                 "max_peers",
-                f"{self.max_peers} is not in 1..{MAX_PEERS} (three ZeroMQ "
-                "sockets a peer, 1023 in a context)",
+                f"{self.max_peers} is not in 1..{MAX_PEERS} (a descriptor a peer)",
             )
         if self.max_inbound_peers < 1:
             raise bad("max_inbound_peers", f"{self.max_inbound_peers} must be >= 1")
@@ -218,6 +225,19 @@ class TierConfig:
                 "peers dial, which none can; set this host's address or name "
                 "on the network the engines share",
             )
+        if (
+            self.secret is None
+            and not self.allow_unauthenticated
+            and not is_loopback(self.host)
+        ):
+            raise bad(
+                "host",
+                f"{self.host!r} is reachable from other hosts and no secret is "
+                "set: anyone who reaches the port could read this engine's KV "
+                f"cache and feed it wrong blocks. Set the fleet's shared "
+                f"'secret' (or {ENV_PREFIX}SECRET), or, on a network you trust "
+                "entirely, set allow_unauthenticated: true",
+            )
 
     def timeouts(self) -> Timeouts:
         return Timeouts(
@@ -229,6 +249,24 @@ class TierConfig:
             pin_ttl_s=self.pin_ttl_s,
             parked_wait_s=self.parked_ttl_s,
         )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether every address ``host`` names is a loopback address (a name
+    that does not resolve counts as reachable: the bind reports it)."""
+    host = host.strip("[]")
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    return bool(infos) and all(
+        ipaddress.ip_address(str(info[4][0]).split("%")[0]).is_loopback
+        for info in infos
+    )
 
 
 def check_hash_seed(env: Mapping[str, str] | None = None) -> str:
