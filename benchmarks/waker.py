@@ -5,7 +5,7 @@ has no request; p2p_kv's waker thread (``TierRuntime.start_waker``) handles
 the tier meanwhile and calls the engine in when a peer's lookup needs its
 primary tier. How long a consumer's lookup takes then, three ways in the
 same run, each producer and the consumer a ``StandalonePeer`` in this
-process (real ZeroMQ and NIXL):
+process (real TCP and NIXL):
 
 * ``stepping``: the producer engine steps itself, waiting on its sockets
   between steps (an in-process engine): the baseline, no waker involved;

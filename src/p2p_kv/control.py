@@ -1,16 +1,43 @@
-"""ZeroMQ control plane: bytes in, bytes out, nothing else.
+"""Control plane: length-prefixed frames over plain non-blocking TCP.
 
-One ROUTER socket bound per engine receives every inbound peer; one DEALER
-per outbound peer carries our requests to it. A connection is therefore one
-direction of use (we consume over our DEALERs, we produce over our ROUTER),
-which keeps each session's identity unambiguous without a second handshake
-to merge two connections.
+Bytes in, bytes out, nothing else: what a frame means is the session's
+business. Every frame on the wire is a 4-byte big-endian length, then that
+many bytes (one msgpack message, or one sealed with the session's keys).
+Each session has one TCP connection: we dial the peers we consume from
+(the connection is named by the ``host:port`` dialled) and accept the
+peers that consume from us (named ``in:<n>``, a counter).
 
-What pyzmq needs from us (and vLLM's in-tree tier got wrong): ``LINGER`` 0
-so closing never blocks the engine; a bounded high-water mark and
-non-blocking sends, so a stuck peer costs that peer its session, not our
-memory; ``MAXMSGSIZE`` so an oversized frame is dropped by libzmq before it
-is ever buffered; waiting with a Poller and a timeout instead of spinning.
+The sockets belong to the runtime's thread that holds its lock: there is
+no I/O thread of ours or anyone's, so nothing below us can assert, spin or
+hold memory we did not give it. That is why this is not ZeroMQ: libzmq's
+ROUTER aborts the process when a connecting party picks a routing id that
+collides with the one it assigns the next peer (a peer chooses its own id,
+and the assigned ones are predictable), before any frame of ours is read;
+its I/O threads cost two thread wake-ups each way on every round trip;
+and a listener flooded with half-open connections spun its I/O thread
+while the process ran out of descriptors. ``docs/architecture.md``
+("Control plane") has the numbers.
+
+What anyone who reaches the port can make us hold, and for how long:
+
+* **Connections still handshaking** (not yet :meth:`ControlTransport.trust`
+  ed): at most :data:`MAX_HANDSHAKING` in all and
+  :data:`MAX_HANDSHAKING_PER_HOST` from one address; a new one past either
+  bound closes the oldest of them. The session's handshake deadline closes
+  any that stays silent. An accepted descriptor within
+  :data:`FD_RESERVE` of the process's limit is closed at once, so a flood
+  cannot take the descriptors the engine itself needs.
+* **Frames before trust** are read only up to :data:`MAX_UNTRUSTED_FRAME`
+  bytes: a frame up to the largest greeting (a Region) waits unread until
+  the connection is trusted or its handshake deadline passes, and a longer
+  one ends the connection. After trust a frame is at most
+  :data:`MAX_WIRE_FRAME`; a longer one ends the connection.
+* **Per poll**: at most :data:`MAX_FRAMES_PER_POLL` frames from one
+  connection and :data:`MAX_BYTES_PER_POLL` bytes over all, the peers we
+  dialled read first, so a flood on the port cannot starve the replies our
+  own requests wait for; at most :data:`ACCEPTS_PER_POLL` accepts.
+* **Output** queued for one peer is at most :data:`MAX_OUT_BYTES`: past
+  it the send fails and the session ends (the peer stopped reading).
 """
 
 from __future__ import annotations
@@ -18,38 +45,65 @@ from __future__ import annotations
 import contextlib
 import errno
 import ipaddress
+import itertools
 import math
 import os
+import queue
+import resource
 import select
 import socket
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Final
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Final
 
-import zmq
-from zmq.utils.monitor import recv_monitor_message
+from p2p_kv.protocol import MAX_FRAME_BYTES, MAX_GREETING_BYTES
 
-from p2p_kv.procfs import socket_inode
-from p2p_kv.protocol import MAX_FRAME_BYTES
-
-HWM: Final = 10_000
-#: Frames libzmq queues for us per connection, inbound (anyone who reaches
-#: the port may open connections and send frames of up to 4 MiB before any
-#: handshake: at HWM that queued 40 GiB a connection) or dialled (clients
-#: name the peers we dial). A peer past it is held back by TCP, and its own
-#: SNDHWM (HWM) queues the rest, so a healthy peer's burst is not lost;
-#: only the memory moves to it.
-RCV_HWM: Final = 256
-#: Frames taken from one socket in one poll. A peer sending faster than we
-#: read held the engine's step inside poll (5.5 s and 1.7 M frames for one
-#: flood of 8-byte frames); the rest waits for the next poll.
+#: A frame's length prefix: 4 bytes, big-endian.
+HEADER: Final = 4
+#: Largest frame after trust: a protocol frame, sealed, with room.
+MAX_WIRE_FRAME: Final = MAX_FRAME_BYTES + 1024
+#: Largest frame read before trust. A Hello, HelloAck, Goodbye or Error is
+#: a few hundred bytes (their text fields are bounded at 1,024 characters).
+#: A larger one up to :data:`MAX_GREETING_BYTES` (the peer's Region, which
+#: may arrive in one read with the proof that earns trust) waits unread;
+#: past that it breaks the framing.
+MAX_UNTRUSTED_FRAME: Final = 16 * 1024
+#: Connections still handshaking, in all and from one address.
+MAX_HANDSHAKING: Final = 64
+MAX_HANDSHAKING_PER_HOST: Final = 8
+#: Descriptors kept free for the engine: an accepted connection whose
+#: descriptor number comes within this of ``RLIMIT_NOFILE`` is closed.
+FD_RESERVE: Final = 64
+#: Frames taken from one connection in one poll (the rest stay buffered
+#: for the next, which then does not wait).
 MAX_FRAMES_PER_POLL: Final = 4096
-#: Bytes taken in one poll, over all sockets: 4,096 frames of 4 MiB were
-#: 16 GiB held in one list before any of it was looked at. The peers we
-#: dialled are read first, each to a quarter of it, so a flood on the port
-#: cannot starve the replies and heartbeats our own sessions wait for.
+#: Bytes read in one poll, over all connections; a dialled peer reads at
+#: most a quarter of it first.
 MAX_BYTES_PER_POLL: Final = 64 * 1024 * 1024
+#: Largest single read.
+RECV_CHUNK: Final = 1024 * 1024
+#: Connections accepted in one poll.
+ACCEPTS_PER_POLL: Final = 64
+#: Bytes queued for one peer before a send fails.
+MAX_OUT_BYTES: Final = 64 * 1024 * 1024
+#: How long accepting pauses after the process ran out of descriptors.
+ACCEPT_PAUSE_S: Final = 0.1
+#: How long a connection we closed waits for the peer's end before its
+#: descriptor goes (closing with unread input would reset the connection
+#: and could lose the Goodbye we just sent), and how many may wait.
+CLOSE_LINGER_S: Final = 1.0
+MAX_LINGERING: Final = 256
+#: The largest greeting as it goes on the wire (sealed).
+_MAX_GREETING_WIRE: Final = MAX_GREETING_BYTES + 64
+#: Buffers one ``sendmsg`` takes (the kernel's IOV_MAX is 1024).
+_IOV: Final = 512
+
+_IN, _OUT = select.POLLIN, select.POLLOUT
+_GONE = select.POLLHUP | select.POLLERR | select.POLLNVAL
 
 
 def parse_peer(peer: str) -> tuple[str, int]:
@@ -62,47 +116,14 @@ def parse_peer(peer: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def zmq_endpoint(host: str, port: int) -> str:
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        return f"tcp://{host}:{port}"
-    return f"tcp://[{ip}]:{port}" if ip.version == 6 else f"tcp://{ip}:{port}"
-
-
-def _drain(
-    sock: zmq.Socket[bytes], budget: int, multipart: bool = False
-) -> tuple[list[Any], int, bool]:
-    """What ``sock`` holds, up to :data:`MAX_FRAMES_PER_POLL` messages or
-    ``budget`` bytes (the message that crosses it included): the messages,
-    their bytes, and whether any were left unread."""
-    got: list[Any] = []
-    used = 0
-    for _ in range(MAX_FRAMES_PER_POLL):
-        if used >= budget:
-            return got, used, True
-        try:
-            msg: Any = (
-                sock.recv_multipart(flags=zmq.NOBLOCK)
-                if multipart
-                else sock.recv(flags=zmq.NOBLOCK)
-            )
-        except zmq.Again:
-            return got, used, False
-        used += len(msg[-1]) if multipart else len(msg)
-        got.append(msg)
-    return got, used, True
-
-
 def resolve_bind_host(host: str) -> str:
-    """libzmq binds interfaces or literal addresses, not names: resolve."""
+    """The address to bind for ``host`` (a name is resolved once, here, at
+    start)."""
     try:
         ipaddress.ip_address(host)
         return host
     except ValueError:
         pass
-    if host == "*":
-        return host
     try:
         infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
     except OSError as exc:
@@ -119,8 +140,7 @@ def resolve_bind_host(host: str) -> str:
 
 def _bind_fix(errno_: int | None) -> str:
     """What to change when a bind fails: the port is taken, or the host is
-    not an address of this machine (the fix named only the port, whatever
-    the cause)."""
+    not an address of this machine."""
     if errno_ == errno.EADDRINUSE:
         return "pick a free port with the tier's 'port' key"
     if errno_ == errno.EADDRNOTAVAIL:
@@ -128,280 +148,560 @@ def _bind_fix(errno_: int | None) -> str:
     return "check the tier's 'host' and 'port' keys"
 
 
-#: Why a dial is lost when nothing accepts the connection.
-UNREACHABLE = "nothing accepts connections there (refused or unreachable)"
+def _family(host: str) -> socket.AddressFamily:
+    return (
+        socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+    )
+
+
+#: Why a dial ends, told apart (the operator's fix differs for each).
+REFUSED = "connection refused: nothing listens there"
+LOST = "connection lost"
 
 
 @dataclass(frozen=True, slots=True)
 class Inbound:
-    """A frame from a peer: ``conn`` is ``in:<identity hex>`` for inbound
-    connections or the ``host:port`` we dialled for outbound ones. ``lost``:
-    no frame, the connection itself went down."""
+    """What a poll saw on one connection: a frame; ``new``, an inbound
+    connection accepted (no frame); or ``lost``, the connection went down
+    (no frame), ``why`` saying how, ``bad`` set when it was ended for
+    breaking the framing (a frame too large for its state)."""
 
     conn: str
     frame: bytes
-    new: bool
+    new: bool = False
     lost: bool = False
-    #: why it went down, for the log (``lost`` only)
     why: str = ""
+    bad: bool = False
 
 
-def wait_readable(fds: list[int], timeout_s: float) -> None:
-    """Sleep until one of ``fds`` is readable (or its peer hung up) or
-    ``timeout_s`` passes (see :meth:`ControlTransport.readiness_fds`).
+@dataclass(eq=False, slots=True)
+class _Conn:
+    name: str
+    inbound: bool
+    sock: socket.socket | None = None
+    fd: int = -1
+    #: the far end's address, for the per-address bound (inbound only)
+    host: str = ""
+    trusted: bool = False
+    #: outbound: resolving its name (no socket yet) or connect() running
+    resolving: bool = False
+    connecting: bool = False
+    rbuf: bytearray = field(default_factory=bytearray)
+    out: deque[memoryview] = field(default_factory=deque)
+    out_bytes: int = 0
+    #: the poll mask registered for ``fd`` (0: not registered)
+    mask: int = 0
+    #: our socket's inode once connected (outbound: the same-host proof)
+    inode: str | None = None
+    #: why it went down, once it did (reported once, then it waits for
+    #: close_conn), and whether for breaking the framing
+    dead: str = ""
+    bad: bool = False
+
+    @property
+    def cap(self) -> int:
+        return MAX_WIRE_FRAME if self.trusted else MAX_UNTRUSTED_FRAME
+
+
+class FramingError(Exception):
+    """A peer broke the framing: the connection ends."""
+
+
+def wait_readable(fds: list[tuple[int, int]], timeout_s: float) -> None:
+    """Sleep until one of ``fds`` (descriptor, poll events) is ready or
+    hung up, or ``timeout_s`` passes (see
+    :meth:`ControlTransport.readiness_fds`).
 
     A descriptor closed under us (the engine's thread ended its session
-    after the list was taken) is reported at once, every time: it is
-    dropped and the wait goes on over the others, so it neither spins nor
-    hides a frame arriving on them (sleeping the whole timeout instead
-    held a lookup for the waker's idle bound). A list the kernel refuses
-    (a negative descriptor) sleeps the timeout."""
+    after the list was taken) is dropped and the wait goes on over the
+    others, so it neither spins nor hides a frame arriving on them. A list
+    the kernel refuses sleeps the timeout."""
     end = time.monotonic() + timeout_s
     live = list(fds)
     while live:
         poller = select.poll()
         try:
-            for fd in live:
-                poller.register(fd, select.POLLIN)
+            for fd, events in live:
+                poller.register(fd, events)
             left = max(0.0, end - time.monotonic())
-            events = poller.poll(math.ceil(left * 1000))
+            ready = poller.poll(math.ceil(left * 1000))
         except (OSError, ValueError):
             break
-        closed = {fd for fd, ev in events if ev & select.POLLNVAL}
-        if len(closed) < len(events) or not events:
-            return  # readable, hung up, or the timeout
-        live = [fd for fd in live if fd not in closed]
+        closed = {fd for fd, ev in ready if ev & select.POLLNVAL}
+        if len(closed) < len(ready) or not ready:
+            return  # ready, hung up, or the timeout
+        live = [(fd, ev) for fd, ev in live if fd not in closed]
     time.sleep(max(0.0, end - time.monotonic()))
 
 
 class ControlTransport:
-    """Non-blocking ZeroMQ sockets with a bounded wait."""
+    """Non-blocking TCP connections with a bounded wait. Not thread-safe
+    but for :meth:`wake`: callers hold the runtime's lock."""
 
     def __init__(
         self,
         host: str,
         port: int,
         *,
-        heartbeat_s: float = 0.5,
-        ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
+        max_handshaking: int = MAX_HANDSHAKING,
+        max_handshaking_per_host: int = MAX_HANDSHAKING_PER_HOST,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not 0 <= port <= 65535:
-            # libzmq would bind it modulo 65536, and peers could not dial
-            # the port we advertise.
             raise ValueError(f"p2p_kv: control port {port} is not in 0..65535")
         host = host.strip("[]")  # an IPv6 literal as written beside a port
         bind_host = resolve_bind_host(host)
-        self._ctx = ctx or zmq.Context.instance()
-        self._heartbeat_ms = max(1, int(heartbeat_s * 1000))
-        self._router = self._socket(zmq.ROUTER)
-        self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._clock = clock
+        self.max_handshaking = max_handshaking
+        self.max_handshaking_per_host = max_handshaking_per_host
+        listener = socket.socket(_family(bind_host), socket.SOCK_STREAM)
         try:
-            if port == 0:
-                port = self._router.bind_to_random_port(zmq_endpoint(bind_host, 0)[:-2])
-            else:
-                self._router.bind(zmq_endpoint(bind_host, port))
-        except zmq.ZMQError as exc:
-            self._router.close(linger=0)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((bind_host, port))
+            listener.listen(128)
+            listener.setblocking(False)
+        except OSError as exc:
+            listener.close()
             raise OSError(
                 exc.errno,
-                f"p2p_kv cannot bind its control socket on {host}:{port}: {exc} "
-                f"({_bind_fix(exc.errno)})",
+                f"p2p_kv cannot bind its control socket on {host}:{port}: "
+                f"{exc.strerror or exc} ({_bind_fix(exc.errno)})",
             ) from exc
-        self.host, self.port = host, port
-        self._dealers: dict[str, zmq.Socket[bytes]] = {}
-        self._monitors: dict[zmq.Socket[bytes], str] = {}
-        self._conn_inodes: dict[str, str] = {}
-        self._by_socket: dict[zmq.Socket[bytes], str] = {}
-        self._known_inbound: set[bytes] = set()
-        self._poller = zmq.Poller()
-        self._poller.register(self._router, zmq.POLLIN)
-        # A self-pipe lets another thread (an engine driver with new work)
-        # cut an idle wait short.
+        self._listener: socket.socket | None = listener
+        self._listen_fd = listener.fileno()
+        self.host, self.port = host, int(listener.getsockname()[1])
+        self._poller = select.poll()
+        self._poller.register(self._listen_fd, _IN)
+        self._accept_paused_until = 0.0
+        self._conns: dict[str, _Conn] = {}
+        self._by_fd: dict[int, _Conn] = {}
+        #: inbound connections not yet trusted, oldest first
+        self._handshaking: dict[str, _Conn] = {}
+        self._inbound_ids = itertools.count(1)
+        #: connections with complete frames still buffered, or lost ones
+        #: not yet reported: the next poll does not wait
+        self._backlog: set[_Conn] = set()
+        #: closed by us, waiting for the peer's end: fd -> (socket, until)
+        self._lingering: dict[int, tuple[socket.socket, float]] = {}
+        self._resolver: ThreadPoolExecutor | None = None
+        self._resolved: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        # A self-pipe lets another thread (an engine driver with new work,
+        # the resolver) cut a wait short.
         self._wake_r, self._wake_w = os.pipe()
         self._wake_lock = threading.Lock()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self._poller.register(self._wake_r, zmq.POLLIN)
-        self.dropped_sends = 0
+        self._poller.register(self._wake_r, _IN)
         self._woken = False
+        self._fd_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        #: what the port saw, for metrics and tests
+        self.counters: dict[str, int] = {
+            "accepted": 0,
+            "evicted_handshaking": 0,
+            "refused_fd_reserve": 0,
+            "accept_errors": 0,
+            "framing_errors": 0,
+            "send_overflows": 0,
+        }
 
-    def _socket(self, kind: int) -> zmq.Socket[bytes]:
-        sock: zmq.Socket[bytes] = self._ctx.socket(kind)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IPV6, 1)
-        sock.setsockopt(zmq.SNDHWM, HWM)
-        sock.setsockopt(zmq.RCVHWM, RCV_HWM)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 64)
-        sock.setsockopt(zmq.RECONNECT_IVL, 100)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
-        # ZMTP heartbeats run on libzmq's I/O thread: a dead or hung peer is
-        # found even while our engine step is blocked. A link that goes dark
-        # (no FIN, no RST) is noticed only through a PING left unanswered,
-        # so detection takes at most one PING interval plus the wait: kept
-        # at 1.5 intervals, inside the two-interval target with room for
-        # the poll loop. Frequent PINGs leave most of that to the wait, and
-        # the wait is what a live peer must answer within: a process stalled
-        # longer (a VM pause, a starved I/O thread) loses its sessions and
-        # its loads fall back. PING every 1/8 interval, wait 11/8: a stall
-        # of 1.375 intervals is survived (0.69 s at the default 0.5 s; with
-        # a PING every 1/2 and a wait of 1, one interval).
-        # (PING every interval with a two-interval wait took 2.5-2.9
-        # intervals in the netns partition test.)
-        ping_ms = max(1, self._heartbeat_ms // 8)
-        sock.setsockopt(zmq.HEARTBEAT_IVL, ping_ms)
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * self._heartbeat_ms // 2 - ping_ms)
-        sock.setsockopt(zmq.HEARTBEAT_TTL, 2 * self._heartbeat_ms)
-        return sock
+    # -- addresses -----------------------------------------------------------
 
     @property
     def address(self) -> str:
         host = self.host if ":" not in self.host else f"[{self.host}]"
         return f"{host}:{self.port}"
 
-    def connect(self, peer: str) -> None:
-        """Dial ``host:port``; frames to it may be sent at once (queued).
-        Raises ValueError for an address libzmq refuses, leaving nothing
-        open."""
-        if peer in self._dealers:
-            return
-        host, port = parse_peer(peer)
-        sock = monitor = None
-        try:
-            # Each of these may fail for want of sockets or descriptors
-            # (EMFILE): the dial fails, the engine's step goes on.
-            sock = self._socket(zmq.DEALER)
-            # The monitor first: on loopback the connection can be up before
-            # connect() returns, and its CONNECTED event names our socket.
-            monitor = sock.get_monitor_socket(
-                zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
-            )
-            sock.connect(zmq_endpoint(host, port))
-        except Exception as exc:
-            if sock is not None:
-                if monitor is not None:
-                    sock.disable_monitor()
-                    monitor.close(linger=0)
-                sock.close(linger=0)
-            if isinstance(exc, zmq.ZMQError | UnicodeError):
-                raise ValueError(f"cannot dial {peer}: {exc}") from exc
-            raise
-        self._dealers[peer] = sock
-        self._by_socket[sock] = peer
-        self._poller.register(sock, zmq.POLLIN)
-        self._monitors[monitor] = peer
-        self._poller.register(monitor, zmq.POLLIN)
+    # -- dialling ------------------------------------------------------------
 
-    def send(self, conn: str, frames: list[bytes]) -> bool:
-        """Queue frames without blocking; False means the connection is
-        unusable (queue full or peer unknown) and its session must close."""
-        if conn.startswith("in:"):  # our names for inbound connections
-            sock = self._router
-        else:
-            found = self._dealers.get(conn)
-            if found is None:
-                return False
-            sock = found
+    def connect(self, peer: str) -> None:
+        """Dial ``host:port``; frames to it may be sent at once (queued until
+        it connects). A name is resolved off this thread. Raises ValueError
+        for an address that is not ``host:port``, leaving nothing open."""
+        known = self._conns.get(peer)
+        if known is not None and not known.dead:
+            return
+        if known is not None:
+            self.close_conn(peer)
+        host, port = parse_peer(peer)
+        conn = _Conn(peer, inbound=False)
+        self._conns[peer] = conn
         try:
-            if sock is self._router:
-                ident = bytes.fromhex(conn[3:])
-                for frame in frames:
-                    sock.send_multipart([ident, frame], flags=zmq.NOBLOCK)
-            else:
-                for frame in frames:
-                    sock.send(frame, flags=zmq.NOBLOCK)
-        except zmq.ZMQError:
-            self.dropped_sends += 1
-            return False
-        finally:
-            # A send, refused ones included, may take the edge of ZMQ_FD
-            # that a frame arriving meanwhile raised: a thread asleep on
-            # that descriptor (the waker) would not see the frame. The wake
-            # pipe says it.
-            with contextlib.suppress(zmq.ZMQError):
-                if int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-                    self.wake()
-        return True
+            ipaddress.ip_address(host)
+        except ValueError:
+            conn.resolving = True
+            if self._resolver is None:
+                self._resolver = ThreadPoolExecutor(2, thread_name_prefix="p2p_kv-dns")
+            self._resolver.submit(_resolve, host, port).add_done_callback(
+                lambda done: self._on_resolved(peer, done)
+            )
+            return
+        self._dial(conn, (host, port))
+
+    def _on_resolved(self, peer: str, done: Future[tuple[str, int]]) -> None:
+        """The resolver thread's end: handed to the next poll."""
+        try:
+            result: object = done.result()
+        except Exception as exc:
+            result = exc
+        self._resolved.put((peer, result))
+        self.wake()
+
+    def _dial(self, conn: _Conn, addr: tuple[str, int]) -> None:
+        conn.resolving = False
+        try:
+            sock = socket.socket(_family(addr[0]), socket.SOCK_STREAM)
+        except OSError as exc:
+            self._kill(conn, f"cannot make a socket: {exc.strerror or exc}")
+            return
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn.sock, conn.fd = sock, sock.fileno()
+        self._by_fd[conn.fd] = conn
+        err = sock.connect_ex(addr)
+        if err in (errno.EINPROGRESS, errno.EWOULDBLOCK):
+            conn.connecting = True
+        elif err:
+            self._kill(conn, _dial_error(err, conn.name))
+            return
+        else:
+            self._connected(conn)
+        self._update(conn)
+
+    def _connected(self, conn: _Conn) -> None:
+        conn.connecting = False
+        with contextlib.suppress(OSError):
+            conn.inode = str(os.fstat(conn.fd).st_ino)
+        self._flush(conn)
+
+    # -- sending -------------------------------------------------------------
+
+    def send(self, conn: str, frames: list[bytes]) -> str:
+        """Queue ``frames`` for ``conn`` and write what the socket takes now,
+        never blocking. Returns "" or why the connection is unusable (its
+        session must end): unknown, gone, or its peer stopped reading."""
+        c = self._conns.get(conn)
+        if c is None:
+            return "no such connection"
+        if c.dead:
+            return c.dead
+        size = sum(HEADER + len(f) for f in frames)
+        if c.out_bytes + size > MAX_OUT_BYTES:
+            self.counters["send_overflows"] += 1
+            return f"more than {MAX_OUT_BYTES} bytes queued: the peer stopped reading"
+        for frame in frames:
+            c.out.append(memoryview(len(frame).to_bytes(HEADER, "big")))
+            c.out.append(memoryview(frame))
+        c.out_bytes += size
+        if c.sock is not None and not c.connecting:
+            self._flush(c)
+            self._update(c)
+        return c.dead
+
+    def _flush(self, c: _Conn) -> None:
+        """Write what the socket takes of ``c``'s queue."""
+        sock = c.sock
+        while c.out and sock is not None:
+            bufs = list(itertools.islice(c.out, _IOV))
+            try:
+                sent = sock.sendmsg(bufs)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                self._kill(c, f"{LOST}: {exc.strerror or exc}")
+                return
+            c.out_bytes -= sent
+            while sent:
+                head = c.out[0]
+                if sent >= len(head):
+                    sent -= len(head)
+                    c.out.popleft()
+                else:
+                    c.out[0] = head[sent:]
+                    sent = 0
+
+    # -- receiving -----------------------------------------------------------
 
     def poll(self, timeout_s: float) -> list[Inbound]:
-        """Drain everything readable; wait up to ``timeout_s`` if nothing is."""
+        """Everything that arrived, up to the per-poll bounds; waits up to
+        ``timeout_s`` if nothing has."""
         out: list[Inbound] = []
-        events = dict(self._poller.poll(max(0, math.ceil(timeout_s * 1000))))
-        if not events:
-            return out
-        if self._wake_r in events:
-            self._woken = True
-            with contextlib.suppress(BlockingIOError):
-                os.read(self._wake_r, 4096)
-        more = False
-        budget = MAX_BYTES_PER_POLL
-        for sock, peer in list(self._by_socket.items()):
-            if sock in events:
-                frames, used, left = _drain(sock, min(budget, MAX_BYTES_PER_POLL // 4))
-                budget -= used
-                more |= left
-                out.extend(Inbound(peer, f, False) for f in frames)
-        if self._router in events:
-            # What the peers we dialled left, and at least their share.
-            frames, _, left = _drain(
-                self._router, max(budget, MAX_BYTES_PER_POLL // 4), multipart=True
-            )
-            more |= left
-            for parts in frames:
-                if len(parts) != 2:
-                    continue
-                ident, frame = parts
-                new = ident not in self._known_inbound
-                if new:
-                    self._known_inbound.add(ident)
-                out.append(Inbound(f"in:{ident.hex()}", frame, new))
-        for monitor, peer in list(self._monitors.items()):
-            if monitor not in events:
+        now = self._clock()
+        if self._accept_paused_until and now >= self._accept_paused_until:
+            self._accept_paused_until = 0.0
+            if self._listener is not None:
+                self._poller.register(self._listen_fd, _IN)
+        wait_s = 0.0 if self._backlog or not self._resolved.empty() else timeout_s
+        if self._accept_paused_until:
+            wait_s = min(wait_s, self._accept_paused_until - now)
+        if self._lingering:
+            wait_s = min(wait_s, CLOSE_LINGER_S)
+        try:
+            ready = self._poller.poll(max(0, math.ceil(wait_s * 1000)))
+        except InterruptedError:
+            ready = []
+        if self._lingering:
+            self._linger(ready)
+        readable: dict[_Conn, bool] = {}  # -> hung up
+        accept = False
+        for fd, ev in ready:
+            if fd == self._wake_r:
+                self._woken = True
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self._wake_r, 4096)
                 continue
-            lost = ""
-            while True:
-                try:
-                    event = recv_monitor_message(monitor, flags=zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                if event["event"] == zmq.EVENT_CONNECTED:
-                    if lost == UNREACHABLE:
-                        lost = ""  # libzmq's retry got through after all
-                    # The fd is libzmq's, in this process, and live now:
-                    # name its socket before it can be closed and reused.
-                    inode = socket_inode(int(event["value"]))
-                    if inode is not None:
-                        self._conn_inodes[peer] = inode
-                elif event["event"] == zmq.EVENT_DISCONNECTED:
-                    lost = "connection lost"
-                    self._conn_inodes.pop(peer, None)
-                elif event["event"] == zmq.EVENT_CONNECT_RETRIED:
-                    # The dial failed (refused, unreachable) and libzmq will
-                    # retry: it says nothing else, so a dial to a peer that
-                    # is down waited out the handshake (5 s) a request.
-                    lost = lost or UNREACHABLE
-            if lost:
-                out.append(Inbound(peer, b"", False, lost=True, why=lost))
-        if more:
-            # Left unread: the next poll must not wait (and a waker asleep
-            # on the edge-triggered ZMQ_FD would not see them).
-            self.wake()
+            if fd == self._listen_fd:
+                accept = True
+                continue
+            c = self._by_fd.get(fd)
+            if c is None or c.dead:
+                continue
+            if c.connecting:
+                err = (
+                    c.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                    if c.sock
+                    else 0
+                )
+                if err:
+                    self._kill(c, _dial_error(err, c.name))
+                    continue
+                if ev & (_OUT | _IN):
+                    self._connected(c)
+            elif ev & _OUT:
+                self._flush(c)
+            if ev & (_IN | _GONE) and not c.dead:
+                readable[c] = bool(ev & _GONE)
+            self._update(c)
+        while not self._resolved.empty():
+            peer, result = self._resolved.get_nowait()
+            c = self._conns.get(peer)
+            if c is None or not c.resolving:
+                continue
+            if isinstance(result, tuple):
+                self._dial(c, result)
+            else:
+                host = parse_peer(peer)[0]
+                self._kill(c, f"cannot resolve the host {host!r}: {result}")
+        # Dialled peers first, each to a quarter of the budget, then the
+        # connections that proved themselves, then those handshaking.
+        for c in self._backlog:
+            readable.setdefault(c, False)
+        budget = MAX_BYTES_PER_POLL
+        for c in sorted(readable, key=lambda c: (c.inbound, not c.trusted)):
+            if c.dead:
+                continue
+            share = budget if c.inbound else min(budget, MAX_BYTES_PER_POLL // 4)
+            budget -= self._read(c, share, readable[c], out)
+        if accept:
+            self._accept(out)
+        for c in [c for c in self._backlog if c.dead]:
+            out.append(Inbound(c.name, b"", lost=True, why=c.dead, bad=c.bad))
+            self._backlog.discard(c)
         return out
+
+    def _read(self, c: _Conn, budget: int, gone: bool, out: list[Inbound]) -> int:
+        """Take ``c``'s frames into ``out``; the bytes read. ``gone``: the
+        poll said the connection hung up or failed."""
+        used = 0
+        eof = ""
+        self._backlog.discard(c)
+        sock = c.sock
+        while sock is not None and used < budget:
+            room = c.cap + HEADER - len(c.rbuf)
+            if room <= 0:
+                if gone:  # nothing more can come, and it cannot be read
+                    eof = LOST
+                break
+            want = min(RECV_CHUNK, room, budget - used)
+            try:
+                chunk = sock.recv(want)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as exc:
+                eof = f"{LOST}: {exc.strerror or exc}"
+                break
+            if not chunk:
+                eof = f"{LOST}: closed by the peer"
+                break
+            c.rbuf += chunk
+            used += len(chunk)
+            if len(chunk) < want and not gone:
+                break  # drained: the poll says when more comes
+        try:
+            more = self._frames(c, out)
+        except FramingError as exc:
+            self.counters["framing_errors"] += 1
+            self._kill(c, str(exc), bad=True)
+            return used
+        if more:
+            self._backlog.add(c)
+        elif eof:
+            self._kill(c, eof)
+        self._update(c)
+        return used
+
+    def _frames(self, c: _Conn, out: list[Inbound]) -> bool:
+        """Move ``c``'s complete frames into ``out``; True if more are
+        buffered past the per-poll bound."""
+        buf, pos, end, taken = c.rbuf, 0, len(c.rbuf), 0
+        name = c.name
+        try:
+            while end - pos >= HEADER:
+                size = int.from_bytes(buf[pos : pos + HEADER], "big")
+                if size > c.cap or size == 0:
+                    if c.trusted or size == 0 or size > _MAX_GREETING_WIRE:
+                        cap = c.cap if c.trusted else _MAX_GREETING_WIRE
+                        raise FramingError(
+                            f"a frame of {size} bytes (at most {cap} here)"
+                        )
+                    return False  # held until trusted or its deadline
+                if end - pos - HEADER < size:
+                    return False
+                if taken == MAX_FRAMES_PER_POLL:
+                    return True
+                out.append(
+                    Inbound(name, bytes(buf[pos + HEADER : pos + HEADER + size]))
+                )
+                pos += HEADER + size
+                taken += 1
+            return False
+        finally:
+            if pos:
+                del buf[:pos]
+
+    def _accept(self, out: list[Inbound]) -> None:
+        listener = self._listener
+        for _ in range(ACCEPTS_PER_POLL):
+            if listener is None:
+                return
+            try:
+                sock, addr = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if exc.errno == errno.ECONNABORTED:
+                    continue
+                # Out of descriptors or memory: stop asking for a while (the
+                # listener stays readable, and asking at once would spin).
+                self.counters["accept_errors"] += 1
+                self._poller.unregister(self._listen_fd)
+                self._accept_paused_until = self._clock() + ACCEPT_PAUSE_S
+                return
+            if sock.fileno() >= self._fd_limit - FD_RESERVE:
+                self.counters["refused_fd_reserve"] += 1
+                sock.close()
+                continue
+            self.counters["accepted"] += 1
+            sock.setblocking(False)
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            host = str(addr[0]) if isinstance(addr, tuple) else ""
+            self._make_room(host, out)
+            c = _Conn(f"in:{next(self._inbound_ids)}", inbound=True, host=host)
+            c.sock, c.fd = sock, sock.fileno()
+            self._conns[c.name] = c
+            self._by_fd[c.fd] = c
+            self._handshaking[c.name] = c
+            self._update(c)
+            out.append(Inbound(c.name, b"", new=True))
+
+    def _make_room(self, host: str, out: list[Inbound]) -> None:
+        """Before a new connection from ``host``: end the oldest still
+        handshaking from there past the per-address bound, and the oldest of
+        all past the global one."""
+        same = [c for c in self._handshaking.values() if c.host == host]
+        victims = []
+        if len(same) >= self.max_handshaking_per_host:
+            victims.append(same[0])
+        elif len(self._handshaking) >= self.max_handshaking:
+            victims.append(next(iter(self._handshaking.values())))
+        for c in victims:
+            self.counters["evicted_handshaking"] += 1
+            why = "closed: too many connections still handshaking"
+            self._kill(c, why)
+            self._backlog.discard(c)
+            out.append(Inbound(c.name, b"", lost=True, why=why))
+
+    # -- state changes -------------------------------------------------------
+
+    def trust(self, conn: str) -> None:
+        """``conn``'s peer proved itself (the session checked its handshake):
+        it may send frames of any legal size, and no longer counts against
+        the bounds on connections still handshaking."""
+        c = self._conns.get(conn)
+        if c is None or c.trusted:
+            return
+        c.trusted = True
+        self._handshaking.pop(conn, None)
+        if c.rbuf:
+            self._backlog.add(c)  # a frame held back for this
+        self._update(c)
+
+    def _kill(self, c: _Conn, why: str, bad: bool = False) -> None:
+        """``c`` went down: reported by the next poll (once), closed by
+        :meth:`close_conn`."""
+        if c.dead:
+            return
+        c.dead = why or LOST
+        c.out.clear()
+        c.out_bytes = 0
+        c.rbuf.clear()
+        c.bad = bad
+        self._handshaking.pop(c.name, None)
+        self._backlog.add(c)
+        if c.fd >= 0 and c.mask:
+            self._poller.unregister(c.fd)
+            c.mask = 0
+
+    def _update(self, c: _Conn) -> None:
+        """Register what ``c`` waits for: input while its buffer has room,
+        output while it has some queued or is connecting."""
+        if c.dead or c.fd < 0:
+            return
+        mask = 0
+        if c.connecting:
+            mask = _OUT
+        else:
+            if len(c.rbuf) < c.cap + HEADER:
+                mask |= _IN
+            if c.out:
+                mask |= _OUT
+        if mask == c.mask:
+            return
+        if c.mask and mask:
+            self._poller.modify(c.fd, mask)
+        elif mask:
+            self._poller.register(c.fd, mask)
+        else:
+            self._poller.unregister(c.fd)
+        c.mask = mask
 
     def connection_inode(self, peer: str) -> str | None:
         """Socket inode of our live TCP connection to ``peer`` (outbound
         only; None before it connects or after it drops)."""
-        return self._conn_inodes.get(peer)
+        c = self._conns.get(peer)
+        return None if c is None or c.dead or c.inbound else c.inode
 
-    def readiness_fds(self) -> list[int]:
-        """Plain OS descriptors that turn readable when something may have
-        arrived: each socket's ``ZMQ_FD`` and the wake pipe. Taken under the
-        runtime's lock, they let another thread sleep until traffic comes
-        (:func:`wait_readable`) without touching a ZeroMQ socket, which is
-        not thread-safe. ``ZMQ_FD`` is edge-triggered and any call on its
-        socket may consume the edge, so a wait that ends is a hint to poll,
-        and a wait that does not end must still be bounded."""
-        socks = [self._router, *self._dealers.values(), *self._monitors]
-        return [self._wake_r, *(int(s.getsockopt(zmq.FD)) for s in socks)]
+    def connected(self, peer: str) -> bool:
+        """Whether our dial to ``peer`` ever connected."""
+        c = self._conns.get(peer)
+        return c is not None and c.inode is not None
+
+    def readiness_fds(self) -> list[tuple[int, int]]:
+        """Descriptors and the events to wait for, when something may have
+        arrived or may be written: the wake pipe, the listener, and every
+        connection as :meth:`poll` waits on it. Taken under the runtime's
+        lock, they let another thread sleep until traffic comes
+        (:func:`wait_readable`) without touching the transport."""
+        fds = [(self._wake_r, _IN)]
+        if self._listener is not None and not self._accept_paused_until:
+            fds.append((self._listen_fd, _IN))
+        fds.extend((c.fd, c.mask) for c in self._by_fd.values() if c.mask)
+        fds.extend((fd, _IN) for fd in self._lingering)
+        return fds
+
+    def pending(self) -> bool:
+        """Whether a poll now would return without waiting."""
+        return bool(self._backlog) or not self._resolved.empty()
 
     def take_woken(self) -> bool:
         """Whether :meth:`wake` was called since the last check."""
@@ -409,41 +709,99 @@ class ControlTransport:
         return woken
 
     def wake(self) -> None:
-        """End a wait in :meth:`poll` now; safe from any thread, also
-        after :meth:`close` (then it does nothing: the pipe's number may
-        already name somebody else's file)."""
+        """End a wait in :meth:`poll` now; safe from any thread, also after
+        :meth:`close` (then it does nothing: the pipe's number may already
+        name somebody else's file)."""
         with self._wake_lock, contextlib.suppress(BlockingIOError, OSError):
             if self._wake_w >= 0:
                 os.write(self._wake_w, b"!")
 
+    # -- closing -------------------------------------------------------------
+
     def close_conn(self, conn: str) -> None:
-        if conn.startswith("in:"):
-            self._known_inbound.discard(bytes.fromhex(conn[3:]))
+        """Close ``conn``: what is queued for it is written if the socket
+        takes it now, then our end is shut, and the descriptor waits (at
+        most :data:`CLOSE_LINGER_S`) for the peer's end so that unread input
+        does not reset the connection under the frames just sent."""
+        c = self._conns.pop(conn, None)
+        if c is None:
             return
-        sock = self._dealers.pop(conn, None)
-        self._conn_inodes.pop(conn, None)
-        if sock is not None:
-            for monitor in [m for m, p in self._monitors.items() if p == conn]:
-                self._poller.unregister(monitor)
-                del self._monitors[monitor]
-                with contextlib.suppress(zmq.ZMQError):
-                    sock.disable_monitor()
-                monitor.close(linger=0)
-            self._poller.unregister(sock)
-            del self._by_socket[sock]
-            sock.close(linger=0)
+        self._handshaking.pop(conn, None)
+        self._backlog.discard(c)
+        if c.fd >= 0:
+            self._by_fd.pop(c.fd, None)
+            if c.mask:
+                self._poller.unregister(c.fd)
+                c.mask = 0
+        sock, c.sock = c.sock, None
+        if sock is None:
+            return
+        if not c.dead and not c.connecting:
+            self._flush(c)
+        if c.dead or c.connecting or len(self._lingering) >= MAX_LINGERING:
+            sock.close()
+            return
+        try:
+            sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            sock.close()
+            return
+        self._lingering[c.fd] = (sock, self._clock() + CLOSE_LINGER_S)
+        self._poller.register(c.fd, _IN)
+
+    def _linger(self, ready: list[tuple[int, int]]) -> None:
+        """Read and drop what closing connections still send; close each at
+        the peer's end or its deadline."""
+        now = self._clock()
+        hit = {fd for fd, _ in ready if fd in self._lingering}
+        for fd, (sock, until) in list(self._lingering.items()):
+            done = now >= until
+            if fd in hit and not done:
+                try:
+                    done = not sock.recv(RECV_CHUNK)
+                except (BlockingIOError, InterruptedError):
+                    pass
+                except OSError:
+                    done = True
+            if done:
+                del self._lingering[fd]
+                self._poller.unregister(fd)
+                sock.close()
 
     def close(self) -> None:
-        """Close every socket; a second call does nothing (direct users,
-        the doctor and benchmarks, close in ``finally`` blocks too)."""
-        if self._router.closed:
+        """Close every connection and the listener; a second call does
+        nothing."""
+        if self._listener is None:
             return
-        for conn in list(self._dealers):
-            self.close_conn(conn)
-        self._poller.unregister(self._router)
-        self._router.close(linger=0)
+        for name in list(self._conns):
+            self.close_conn(name)
+        for sock, _ in self._lingering.values():
+            sock.close()
+        self._lingering.clear()
+        if not self._accept_paused_until:
+            self._poller.unregister(self._listen_fd)
+        self._listener.close()
+        self._listener = None
+        if self._resolver is not None:
+            self._resolver.shutdown(wait=False, cancel_futures=True)
         with self._wake_lock:
             fds, self._wake_r, self._wake_w = (self._wake_r, self._wake_w), -1, -1
         for fd in fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+
+def _resolve(host: str, port: int) -> tuple[str, int]:
+    """The first TCP address of ``host`` (on the resolver thread)."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    if not infos:
+        raise OSError(f"no address for {host!r}")
+    addr = infos[0][4]
+    return str(addr[0]), int(addr[1])
+
+
+def _dial_error(err: int, peer: str) -> str:
+    """Why a dial to ``peer`` failed, as the operator's fix differs."""
+    if err == errno.ECONNREFUSED:
+        return f"{REFUSED} ({peer})"
+    return f"cannot reach {peer}: {os.strerror(err)}"

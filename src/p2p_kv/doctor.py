@@ -15,8 +15,6 @@ The checks, in order:
     Two NIXL agents in this process register a small buffer each and one
     WRITEs into the other over UCX; the bytes and the notification are
     verified. Reports ``UCX_TLS`` (and the other ``UCX_*`` settings).
-``zmq``
-    pyzmq imports; the libzmq version.
 ``port``
     The control socket binds ``host:port`` (the tier's ``host``/``port``
     keys, their ``VLLM_P2P_KV_*`` variables, or ``--host``/``--port``).
@@ -27,7 +25,7 @@ The checks, in order:
     ``--config`` (the tier's ``secondary_tiers`` entry, as JSON) validates
     exactly as the tier validates it at engine start.
 ``peer``
-    With ``--peer HOST:PORT``: a real handshake (ZeroMQ control, NIXL
+    With ``--peer HOST:PORT``: a real handshake (TCP control, NIXL
     metadata) with that peer under an identity built from ``--layout``,
     ``--block-bytes``, ``--hash-seed``, ``--hash-algo``, ``--block-tokens``
     and ``--secret``, then one lookup round trip. Reports READY, or the
@@ -338,30 +336,8 @@ def check_loopback(block_bytes: int = 4096) -> CheckResult:
 
 
 # ---------------------------------------------------------------------------
-# 2. ZeroMQ, 3. the control port
+# 2. the control port
 # ---------------------------------------------------------------------------
-
-
-def check_zmq() -> CheckResult:
-    try:
-        import zmq
-    except ImportError as exc:
-        return CheckResult(
-            "zmq", False, f"pyzmq is not importable ({exc})", "pip install 'pyzmq>=25'"
-        )
-    libzmq = str(zmq.zmq_version())
-    details = {"pyzmq": str(zmq.pyzmq_version()), "libzmq": libzmq}
-    if tuple(int(x) for x in libzmq.split(".")[:2]) < (4, 3):
-        return CheckResult(
-            "zmq",
-            False,
-            f"libzmq {libzmq} is too old: p2p_kv needs ZMTP heartbeats (4.3+)",
-            "pip install -U pyzmq (its wheels bundle a current libzmq)",
-            details,
-        )
-    return CheckResult(
-        "zmq", True, f"pyzmq {details['pyzmq']}, libzmq {libzmq}", details=details
-    )
 
 
 def check_port(host: str, port: int) -> CheckResult:
@@ -371,7 +347,7 @@ def check_port(host: str, port: int) -> CheckResult:
         from p2p_kv.control import ControlTransport
     except ImportError as exc:
         return CheckResult(
-            "port", False, f"cannot test: {exc}", "pip install 'pyzmq>=25'", details
+            "port", False, f"cannot test: {exc}", "reinstall p2p_kv", details
         )
     try:
         control = ControlTransport(host, port)
@@ -564,7 +540,7 @@ def check_peer(peer: str, spec: PeerSpec, timeout_s: float = 5.0) -> CheckResult
         return CheckResult(name, False, str(exc), "pass --peer HOST:PORT", details)
     except ImportError as exc:
         return CheckResult(
-            name, False, f"cannot test: {exc}", "pip install 'pyzmq>=25'", details
+            name, False, f"cannot test: {exc}", "reinstall p2p_kv", details
         )
     try:
         _config_check_nixl()
@@ -638,7 +614,6 @@ def _handshake(
         lambda: NixlDataTransport(region, spec.block_bytes, name="p2p_kv-doctor"),
         "127.0.0.1",
         0,
-        heartbeat_s=0.5,
     )
     me = Identity(
         engine_id=f"p2p_kv-doctor@{socket.gethostname()}/{data.agent_name}",
@@ -670,11 +645,13 @@ def _handshake(
         if session is None:  # pragma: no cover - a fresh manager always dials
             return CheckResult(name, False, "could not start a session", "", details)
         rt.pump()
+        connected = False  # the dial ever connected (the session closes it)
         while not (session.ready or session.closed) and time.monotonic() < end:
             rt.poll(wait=True)
+            connected = connected or control.connected(target)
         details["handshake_ms"] = round((time.monotonic() - t0) * 1000, 2)
         if not session.ready:
-            return _not_ready(session, target, timeout_s, details)
+            return _not_ready(session, target, timeout_s, details, connected)
         hello = session.peer_hello
         details["peer_engine_id"] = hello.engine_id if hello else None
         # One lookup proves the peer's session is READY too and that its
@@ -688,7 +665,7 @@ def _handshake(
             rt.poll(wait=True)
             answer = m.lookup(req, key)
         if session.closed:
-            return _not_ready(session, target, timeout_s, details)
+            return _not_ready(session, target, timeout_s, details, connected)
         if answer is Answer.RETRY:
             details["state"] = "no_answer"
             return CheckResult(
@@ -722,7 +699,11 @@ def _handshake(
 
 
 def _not_ready(
-    session: Session, target: str, timeout_s: float, details: dict[str, Any]
+    session: Session,
+    target: str,
+    timeout_s: float,
+    details: dict[str, Any],
+    connected: bool,
 ) -> CheckResult:
     refusal = session.refusal
     if refusal is not None:
@@ -750,18 +731,30 @@ def _not_ready(
             _REFUSAL_FIXES.get(reason, ""),
             details,
         )
-    from p2p_kv.control import UNREACHABLE
+    from p2p_kv.control import REFUSED
 
-    if UNREACHABLE in why:
-        details.update(state="unreachable", detail=why)
-        return CheckResult(
-            "peer",
-            False,
-            f"{target}: {UNREACHABLE}",
-            "check the peer engine runs with the p2p_kv tier, that HOST:PORT "
-            "is its tier's host/port, and that no firewall blocks the port",
-            details,
-        )
+    for marker, state, fix in (
+        (
+            "cannot resolve the host",
+            "unresolved",
+            "check the host name in --peer (this machine's resolver cannot "
+            "find it), or pass its address",
+        ),
+        (
+            REFUSED,
+            "refused",
+            "check the peer engine runs with the p2p_kv tier and that "
+            "HOST:PORT is its tier's host/port",
+        ),
+        (
+            "cannot reach",
+            "unreachable",
+            "check the route to the peer's host and that no firewall drops the port",
+        ),
+    ):
+        if marker in why:
+            details.update(state=state, detail=why)
+            return CheckResult("peer", False, f"{target}: {_shown(why)}", fix, details)
     if session.closed and not why.startswith("handshake_timeout"):
         details.update(state="closed", detail=why)
         return CheckResult(
@@ -769,6 +762,16 @@ def _not_ready(
             False,
             f"{target} closed the session: {_shown(why)}",
             "check the peer's log (logger vllm.p2p_kv)",
+            details,
+        )
+    if not connected:
+        details["state"] = "never_connected"
+        return CheckResult(
+            "peer",
+            False,
+            f"no connection to {target} within {timeout_s:g} s: nothing answered "
+            "our dial",
+            "check the peer's host is up and that no firewall drops the port",
             details,
         )
     details["state"] = "timeout"
@@ -882,7 +885,6 @@ def run_checks(args: argparse.Namespace) -> list[CheckResult]:
     results = [
         _guard("nixl", check_nixl),
         _guard("loopback", check_loopback),
-        _guard("zmq", check_zmq),
     ]
     try:
         raw = parse_config(args.config)

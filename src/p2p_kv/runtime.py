@@ -37,6 +37,7 @@ from p2p_kv.data import NixlDataTransport, RegionInfo
 from p2p_kv.handshake import FrameRefused
 from p2p_kv.manager import JobResult, LoadManager, Roles
 from p2p_kv.protocol import Heartbeat, Message, ProtocolError, encode
+from p2p_kv.ratelog import PeerLog
 from p2p_kv.session import Pinner, is_inbound
 
 log = logging.getLogger("vllm.p2p_kv")
@@ -82,7 +83,7 @@ def fresh_nonce() -> bytes:
 
 
 def open_transports(
-    data: Callable[[], NixlDataTransport], host: str, port: int, heartbeat_s: float
+    data: Callable[[], NixlDataTransport], host: str, port: int
 ) -> tuple[NixlDataTransport, ControlTransport]:
     """The data plane, then the control socket bound to ``host:port``; a
     bind that fails closes the data plane (its NIXL agent and UCX's thread
@@ -90,7 +91,7 @@ def open_transports(
     exception)."""
     plane = data()
     try:
-        return plane, ControlTransport(host, port, heartbeat_s=heartbeat_s)
+        return plane, ControlTransport(host, port)
     except BaseException:
         plane.close()
         raise
@@ -125,12 +126,8 @@ class TierRuntime:
         self._me_ready = False
         #: manager.dials_refused when last logged, and when to log again
         self._dials_log = _Throttle()
-        #: undecodable frames dropped (anyone who reaches the port may send
-        #: them: a line each let a party without the secret flood the log)
-        self._bad_frames = 0
-        self._bad_frames_log = _Throttle()
-        self._refused_frames = 0
-        self._refused_log = _Throttle()
+        #: lines that peers cause: one per kind per interval, naming the peer
+        self._peer_log = PeerLog(clock=clock)
         #: Held by whoever is inside the runtime: the engine's thread or the
         #: waker (vLLM 0.33 also calls from its tier-poll thread).
         self.lock = threading.RLock()
@@ -446,69 +443,65 @@ class TierRuntime:
         inbound_frames = self.control.poll(timeout)
         if self.control.take_woken():
             work = True
+        m = self.manager
         for inbound in inbound_frames:
             now = self.clock()
+            conn = inbound.conn
             if inbound.lost:
-                self.manager.on_disconnected(inbound.conn, inbound.why, now)
+                if inbound.bad:
+                    m.on_bad_frame(conn, "framing")
+                    self._peer_log.warning(
+                        "framing", conn, "connection ended: %s", inbound.why
+                    )
+                m.on_disconnected(conn, inbound.why, now)
                 work = True
                 continue
             if inbound.new:
-                self.manager.on_inbound(now, inbound.conn)
-            session = self.manager.session(inbound.conn)
+                m.on_inbound(now, conn)
+                continue
+            session = m.session(conn)
             if session is None:
                 # A connection refused (max_inbound) or whose session ended:
-                # its frames go unread, and the transport forgets a peer's
-                # connection again (each frame made it new, for good).
-                if is_inbound(inbound.conn):
-                    self.control.close_conn(inbound.conn)
+                # its frames go unread.
+                if is_inbound(conn):
+                    self.control.close_conn(conn)
                 continue
             if session.closed:
                 # Ended in this poll (the pump retires it): the rest of its
-                # frames go unread. Each was refused and logged again, up
-                # to 4,096 lines a poll from a party without the secret.
+                # frames go unread.
                 continue
             try:
                 msg = session.open(inbound.frame)
             except ProtocolError as exc:
-                self.manager.on_bad_frame(inbound.conn, exc.reason)
-                self._bad_frames += 1
-                self._bad_frames_log.warn(
-                    self._bad_frames,
-                    now,
-                    "p2p_kv: dropped %d bad frames (counted in protocol_errors), "
-                    "the last from %s: %s",
-                    inbound.conn,
-                    exc,
+                m.on_bad_frame(conn, exc.reason)
+                self._peer_log.warning(
+                    "bad_frame", conn, "dropped a bad frame (protocol_errors): %s", exc
                 )
                 continue
             except FrameRefused as exc:
-                self._refuse_frame(inbound.conn, exc)
+                self._refuse_frame(conn, exc)
                 work = True
                 continue
             if not isinstance(msg, Heartbeat):
                 work = True
-            self.manager.on_message(inbound.conn, msg, now)
-            self._maybe_add_agent(inbound.conn)
+            m.on_message(conn, msg, now)
+            if session.proven:
+                self.control.trust(conn)
+            self._maybe_add_agent(conn)
         if work:
             self._idle_streak = 0  # stay responsive while work flows
         return work
 
     def _refuse_frame(self, conn: str, exc: FrameRefused) -> None:
         """A frame that failed its seal ends its session: a party without
-        the secret is speaking (or a frame was lost, which over one ZeroMQ
-        connection only a dropped session does). Logged at most once a
-        minute (a line each let such a party, opening connection after
-        connection, write the log); the refusals metric counts them all."""
-        self._refused_frames += 1
-        self._refused_log.warn(
-            self._refused_frames,
-            self.clock(),
-            "p2p_kv: refused %d frames (failed seals end their sessions), "
-            "the last from %s: %s",
-            conn,
-            exc,
-        )
+        the secret is speaking (over one TCP connection nothing else loses
+        or reorders a frame). The refusals metric counts each; the log
+        says so at most once per interval (such a party may open
+        connection after connection)."""
         self.manager.on_frame_refused(conn, exc)
+        self._peer_log.warning(
+            "auth", conn, "refused a frame whose seal does not check: %s", exc
+        )
 
     def _send(self, peer: str, msgs: list[Message], now: float) -> None:
         frames = []
@@ -521,10 +514,9 @@ class TierRuntime:
                 log.error(
                     "p2p_kv: not sending %s to %s: %s", type(msg).__name__, peer, exc
                 )
-        if not self.control.send(peer, frames):
-            self.manager.on_disconnected(
-                peer, "send failed (queue full or peer gone)", now
-            )
+        why = self.control.send(peer, frames)
+        if why:
+            self.manager.on_disconnected(peer, f"send failed: {why}", now)
 
     def _take_completions(self) -> None:
         done = self.data.poll_completions()
@@ -758,7 +750,7 @@ class TierRuntime:
 
     def _waker_sweep(
         self, interval_s: float, idle_s: float
-    ) -> tuple[bool, list[int], float]:
+    ) -> tuple[bool, list[tuple[int, int]], float]:
         """One pass of the waker under :attr:`lock`: whether the engine is
         wanted, the descriptors to sleep on, and for how long at most."""
         if not self._identity_ready():

@@ -96,18 +96,23 @@ class Timeouts:
     abort_ack_s: float = 2.0
     pin_ttl_s: float = 15.0
     parked_wait_s: float = 30.0
-    #: Application-level silence that kills a session. Dead *connections*
-    #: are found faster, by the transport's own heartbeats (libzmq answers
-    #: them on its I/O thread even while a long prefill blocks the engine's
-    #: step): this is the backstop for a peer that is connected but hung.
-    silence_s: float = 10.0
     #: Share of a peer's announced pin lifetime that our READs may use; the
     #: rest absorbs delivery delay and timer lateness on both sides.
     read_window: float = 0.75
 
     @property
+    def heartbeat_every_s(self) -> float:
+        """A session that sent nothing for this long sends a Heartbeat: four
+        per interval, so a peer that stalls up to 1.25 intervals (a VM
+        pause, a long engine step on a host without a waker) keeps it."""
+        return self.heartbeat_interval_s / 4
+
+    @property
     def liveness_s(self) -> float:
-        return max(2 * self.heartbeat_interval_s, self.silence_s)
+        """A peer silent for this long is dead (crashed hosts and network
+        partitions send no FIN): its loads fail and recompute. A dead
+        process is noticed at once, by its closed connection."""
+        return 1.5 * self.heartbeat_interval_s
 
     def fetch_deadline(self, now: float, nbytes: int) -> float:
         return now + self.fetch_floor_s + nbytes / self.fetch_bytes_per_s
@@ -1718,7 +1723,7 @@ class Session:
         if self.link is Link.HANDSHAKING:
             return min(first, self._created + self.timeouts.handshake_s)
         times = [
-            self._last_tx + self.timeouts.heartbeat_interval_s,
+            self._last_tx + self.timeouts.heartbeat_every_s,
             self._last_rx + self.timeouts.liveness_s,
             first,
         ]
@@ -1793,7 +1798,7 @@ class Session:
             offer = self._offers.get(gen)
             if offer is not None and offer.valid_until == until:
                 del self._offers[gen]  # a load now takes the Fetch path
-        if now >= self._last_tx + self.timeouts.heartbeat_interval_s:
+        if now >= self._last_tx + self.timeouts.heartbeat_every_s:
             self._hb_seq += 1
             self._send(Heartbeat(seq=self._hb_seq))
 

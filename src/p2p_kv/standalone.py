@@ -99,7 +99,6 @@ class StandalonePeer:
             ),
             host,
             port,
-            (timeouts or Timeouts()).heartbeat_interval_s,
         )
         me = Identity(
             engine_id=engine_id,

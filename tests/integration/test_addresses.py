@@ -1,8 +1,10 @@
-"""The control plane over IPv4, IPv6 and host names (real ZeroMQ and NIXL,
-two peers in one process; the data plane is the same as in test_transport)."""
+"""The control plane over IPv4, IPv6 and host names (real TCP and NIXL,
+two peers in one process; the data plane is the same as in test_transport),
+and the transport's own bounds on what a peer's frames make it read."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -12,6 +14,7 @@ from typing import Any
 import msgspec
 import nixl._api  # noqa: F401  (fail, not skip, without NIXL)
 import pytest
+from tests.support.wire import RawConn
 
 from p2p_kv.session import Timeouts
 from p2p_kv.standalone import StandalonePeer, make_key
@@ -68,14 +71,14 @@ def test_fetch_over_each_address_family(host: str) -> None:
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
 def test_our_connection_names_its_socket_from_the_first_poll(host: str) -> None:
-    """The dialling side learns its connection's socket from ZeroMQ's
-    monitor, attached before connecting (on loopback the connection can be
-    up before connect() returns); the far end is the listener's process."""
+    """The dialling side names its connection's socket once it connects
+    (the same-host proof asks whether the peer's pid holds its far end);
+    the far end is the listener's process."""
     from p2p_kv.control import ControlTransport
     from p2p_kv.procfs import holds_connection, process_dir
 
-    server = ControlTransport(host, 0, heartbeat_s=0.5)
-    client = ControlTransport("127.0.0.1", 0, heartbeat_s=0.5)
+    server = ControlTransport(host, 0)
+    client = ControlTransport("127.0.0.1", 0)
     try:
         client.connect(server.address)
         inode = None
@@ -85,7 +88,7 @@ def test_our_connection_names_its_socket_from_the_first_poll(host: str) -> None:
             inode = client.connection_inode(server.address)
             if inode is not None:
                 break
-        assert inode is not None, "CONNECTED never reported"
+        assert inode is not None, "the connection was never named"
         with process_dir(os.getpid()) as proc:
             assert holds_connection(proc, inode)
         client.close_conn(server.address)
@@ -99,8 +102,8 @@ def test_our_connection_names_its_socket_from_the_first_poll(host: str) -> None:
 def test_a_peer_whose_connection_is_named_late_proves_itself_then(
     offer: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """ZeroMQ may report our connection (its CONNECTED event) after the
-    peer's first frames: the session comes up with the peer on NIXL, and
+    """Our connection may be named after the peer's first frames: the
+    session then comes up with the peer on NIXL, and
     the next frame after the connection is named makes the proof. The
     runtime retries it whatever the peer offers (it once retried only
     shared files, so a GPU producer met this way stayed on NIXL for good);
@@ -176,13 +179,12 @@ def _dead_addresses(n: int) -> list[str]:
 def test_requests_naming_hundreds_of_peers_never_take_the_step_down(
     max_peers: int,
 ) -> None:
-    """Clients choose the peers in ``kv_transfer_params``. 600 requests
-    naming distinct addresses made 1,800 ZeroMQ sockets, past the 1023 a
-    context holds: the dial raised out of the engine's step. Now the
-    dials stop at ``max_peers`` (8: the rest recompute, counted); and with
-    the bound set past what the context holds (2000, beside the config's
-    own bound), a dial that cannot get a socket fails alone. Either way,
-    once those sessions time out, a real peer still serves a load."""
+    """Clients choose the peers in ``kv_transfer_params``: 600 requests
+    naming distinct addresses must not take the engine's step down. The
+    dials stop at ``max_peers`` (8: the rest recompute, counted); with the
+    bound past them (2000), each dial holds a descriptor and one that
+    cannot get one fails alone. Either way, once those sessions time out,
+    a real peer still serves a load."""
     # Handshakes outlive the dialling steps (600 failed dials log 600 lines:
     # with 0.3 s, a slow host timed every handshake out before the count).
     fast = Timeouts(heartbeat_interval_s=0.2, handshake_s=1.5)
@@ -227,70 +229,73 @@ def test_requests_naming_hundreds_of_peers_never_take_the_step_down(
 
 
 @pytest.mark.parametrize("peer", ["localhost:65536", "h:0", ":80", "[]:80", "h:x"])
-def test_a_peer_address_libzmq_would_retry_forever_is_refused(peer: str) -> None:
-    """libzmq takes such an address and retries it silently: the load
-    fell back only at the handshake's deadline, with nothing said."""
+def test_a_peer_address_that_is_not_host_port_is_refused(peer: str) -> None:
     from p2p_kv.control import parse_peer
 
     with pytest.raises(ValueError, match="peer address"):
         parse_peer(peer)
 
 
+def _accepted(ctl: Any, end_s: float = 5.0) -> str:
+    """The name of the next connection ``ctl`` accepts."""
+    end = time.monotonic() + end_s
+    while time.monotonic() < end:
+        for x in ctl.poll(0.05):
+            if x.new:
+                return str(x.conn)
+    raise AssertionError("no connection arrived")
+
+
 def test_a_flooding_peer_cannot_hold_the_poll() -> None:
-    """A peer sending faster than we read kept one poll draining (5.5 s,
-    1.7 M frames): a poll takes a bounded batch per socket, and says that
-    more is waiting so that the next one does not wait."""
-    import zmq
+    """A peer sending faster than we read must not keep one poll draining:
+    a poll takes a bounded batch per connection, and the next poll does
+    not wait while frames are left buffered."""
+    from p2p_kv.control import MAX_FRAMES_PER_POLL, ControlTransport
 
-    from p2p_kv.control import MAX_FRAMES_PER_POLL, ControlTransport, zmq_endpoint
-
-    ctl = ControlTransport("127.0.0.1", 0, heartbeat_s=1.0)
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, 0)
+    ctl = ControlTransport("127.0.0.1", 0)
+    raw = RawConn(ctl.address)
     try:
-        sock.connect(zmq_endpoint("127.0.0.1", ctl.port))
+        conn = _accepted(ctl)
+        ctl.trust(conn)
         sent = 3 * MAX_FRAMES_PER_POLL
-        for i in range(sent):
-            sock.send(i.to_bytes(8, "little"))
+        raw.send(*(i.to_bytes(8, "little") for i in range(sent)))
         got: list[int] = []
         end = time.monotonic() + 10.0
         while len(got) < sent and time.monotonic() < end:
-            batch = ctl.poll(0.05)
+            batch = ctl.poll(5.0)  # never waits while frames are buffered
             assert len(batch) <= MAX_FRAMES_PER_POLL
             got.extend(int.from_bytes(b.frame, "little") for b in batch)
         assert got == list(range(sent))
     finally:
-        sock.close()
+        raw.close()
         ctl.close()
 
 
 def test_one_poll_holds_a_bounded_number_of_bytes() -> None:
-    """Frames of up to 4 MiB, from anyone who reaches the port: one poll
-    held up to 4,096 of them (16 GiB) before any was looked at. A poll
-    takes at most MAX_BYTES_PER_POLL (and one frame more), the rest the
-    next; and libzmq queues at most RCV_HWM frames per connection."""
-    import zmq
-
-    from p2p_kv.control import (
-        MAX_BYTES_PER_POLL,
-        RCV_HWM,
-        ControlTransport,
-        zmq_endpoint,
-    )
+    """Frames of up to 4 MiB from a proven peer: a poll reads at most
+    MAX_BYTES_PER_POLL (and one frame more), the rest the next."""
+    from p2p_kv.control import MAX_BYTES_PER_POLL, ControlTransport
     from p2p_kv.protocol import MAX_FRAME_BYTES
 
-    ctl = ControlTransport("127.0.0.1", 0, heartbeat_s=1.0)
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        assert ctl._router.getsockopt(zmq.RCVHWM) == RCV_HWM
-        sock.connect(zmq_endpoint("127.0.0.1", ctl.port))
-        sent = 2 * MAX_BYTES_PER_POLL // MAX_FRAME_BYTES + 4
+    ctl = ControlTransport("127.0.0.1", 0)
+    raw = RawConn(ctl.address)
+    stop = threading.Event()
+    sent = 2 * MAX_BYTES_PER_POLL // MAX_FRAME_BYTES + 4
+
+    def flood() -> None:
         for i in range(sent):
-            sock.send(i.to_bytes(8, "little") * (MAX_FRAME_BYTES // 8))
+            if stop.is_set():
+                return
+            raw.send(i.to_bytes(8, "little") * (MAX_FRAME_BYTES // 8))
+
+    sender = threading.Thread(target=flood, daemon=True)
+    try:
+        conn = _accepted(ctl)
+        ctl.trust(conn)
+        sender.start()
+        time.sleep(0.5)
         got: list[int] = []
-        end = time.monotonic() + 20.0
+        end = time.monotonic() + 30.0
         while len(got) < sent and time.monotonic() < end:
             batch = ctl.poll(0.05)
             assert (
@@ -299,71 +304,121 @@ def test_one_poll_holds_a_bounded_number_of_bytes() -> None:
             got.extend(int.from_bytes(b.frame[:8], "little") for b in batch)
         assert got == list(range(sent))
     finally:
-        sock.close()
+        stop.set()
+        raw.close()
+        if sender.is_alive():
+            sender.join(5)
         ctl.close()
 
 
 def test_a_flood_on_the_port_does_not_starve_the_peers_we_dialled() -> None:
-    """One poll's byte budget was spent on the port's connections first:
-    a flood of 4 MiB frames there (anyone may send them) left a peer we
-    dialled unread, its replies and heartbeats waiting, poll after poll.
-    The peers we dialled are read first, each to a share of the budget."""
-    import zmq
-
-    from p2p_kv.control import ControlTransport, zmq_endpoint
+    """The peers we dialled are read first, each to a share of the poll's
+    byte budget: a flood of 4 MiB frames on our port (from a peer that
+    proved itself) must not leave a reply from a peer we dialled unread."""
+    from p2p_kv.control import ControlTransport
     from p2p_kv.protocol import MAX_FRAME_BYTES
 
-    ours = ControlTransport("127.0.0.1", 0, heartbeat_s=1.0)
-    theirs = ControlTransport("127.0.0.1", 0, heartbeat_s=1.0)
-    flood = zmq.Context.instance().socket(zmq.DEALER)
-    flood.setsockopt(zmq.LINGER, 0)
+    ours = ControlTransport("127.0.0.1", 0)
+    theirs = ControlTransport("127.0.0.1", 0)
+    flood = RawConn(ours.address)
+    stop = threading.Event()
+
+    def send_flood() -> None:
+        with contextlib.suppress(OSError):
+            while not stop.is_set():
+                flood.send(b"\x00" * (MAX_FRAME_BYTES - 64))
+
+    sender = threading.Thread(target=send_flood, daemon=True)
     try:
+        ours.trust(_accepted(ours))
         ours.connect(theirs.address)
-        assert ours.send(theirs.address, [b"hello"])
+        assert ours.send(theirs.address, [b"hello"]) == ""
+        conn = ""
         end = time.monotonic() + 5.0
-        inbound: list[Any] = []
-        while not inbound and time.monotonic() < end:
-            inbound = [x for x in theirs.poll(0.05) if x.frame == b"hello"]
-        assert inbound, "the dial never arrived"
-        flood.connect(zmq_endpoint("127.0.0.1", ours.port))
-        for _ in range(40):  # 160 MiB, queued at our port
-            flood.send(b"\x00" * (MAX_FRAME_BYTES - 64))
-        time.sleep(1.0)
-        assert theirs.send(inbound[0].conn, [b"reply"])
+        while not conn and time.monotonic() < end:
+            ours.poll(0.01)  # our dial completes, and its frame leaves, here
+            conn = next((x.conn for x in theirs.poll(0.01) if x.frame == b"hello"), "")
+        assert conn, "the dial never arrived"
+        sender.start()
+        time.sleep(0.5)
+        assert theirs.send(conn, [b"reply"]) == ""
         time.sleep(0.2)
         batch = ours.poll(0.05)
         assert any(x.frame == b"reply" for x in batch), "the reply waited"
     finally:
+        stop.set()
         flood.close()
+        if sender.is_alive():
+            sender.join(5)
         ours.close()
         theirs.close()
 
 
-def test_a_dial_that_gets_through_on_libzmq_s_retry_is_not_lost() -> None:
-    """A dial nothing accepted yet ends its session (libzmq would retry
-    quietly, and the request waited out the handshake); but a peer that
-    comes up moments later is connected by libzmq's own retry, and when
-    one poll reads both events the connection must not be reported lost."""
-    from p2p_kv.control import ControlTransport
+def test_a_dial_nothing_accepts_is_lost_at_once_saying_so() -> None:
+    """A dial to a port where nothing listens ends at once, said to be
+    refused (not a lost connection, nor a name that did not resolve), so
+    its requests recompute without waiting out the handshake."""
+    from p2p_kv.control import REFUSED, ControlTransport
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     dialler = ControlTransport("127.0.0.1", 0)
     peer = f"127.0.0.1:{port}"
-    listener = None
     try:
         dialler.connect(peer)
-        time.sleep(0.05)  # refused: libzmq retries in 100 ms
-        listener = ControlTransport("127.0.0.1", port)  # the peer comes up
-        time.sleep(0.4)  # one long engine step: both events wait
-        got = dialler.poll(0)
-        assert not [i for i in got if i.lost], [(i.conn, i.why) for i in got]
-        assert dialler.connection_inode(peer) is not None
+        t0 = time.monotonic()
+        lost = []
+        while not lost and time.monotonic() - t0 < 2.0:
+            lost = [i for i in dialler.poll(0.05) if i.lost]
+        assert [(i.conn, REFUSED in i.why) for i in lost] == [(peer, True)], lost
+        assert time.monotonic() - t0 < 0.5
+        assert not dialler.connected(peer)
     finally:
         dialler.close()
-        if listener is not None:
-            listener.close()
+
+
+def test_a_name_that_does_not_resolve_is_lost_saying_so() -> None:
+    """Resolving runs off the engine's thread, and a name nobody knows ends
+    the dial with its own reason."""
+    from p2p_kv.control import ControlTransport
+
+    dialler = ControlTransport("127.0.0.1", 0)
+    peer = "no-such-host.invalid:5800"
+    try:
+        t0 = time.monotonic()
+        dialler.connect(peer)
+        assert time.monotonic() - t0 < 0.05, "connect() resolved on our thread"
+        lost = []
+        while not lost and time.monotonic() - t0 < 10.0:
+            lost = [i for i in dialler.poll(0.05) if i.lost]
+        assert len(lost) == 1 and "cannot resolve the host 'no-such-host.invalid'" in (
+            lost[0].why
+        ), lost
+    finally:
+        dialler.close()
+
+
+def test_frames_queued_before_a_name_resolves_arrive_in_order() -> None:
+    from p2p_kv.control import ControlTransport
+
+    server = ControlTransport("127.0.0.1", 0)
+    dialler = ControlTransport("127.0.0.1", 0)
+    peer = f"localhost:{server.port}"
+    try:
+        dialler.connect(peer)
+        for i in range(3):
+            assert dialler.send(peer, [bytes([i]) * (i + 1)]) == ""
+        got: list[bytes] = []
+        end = time.monotonic() + 5.0
+        while len(got) < 3 and time.monotonic() < end:
+            dialler.poll(0.01)
+            got += [x.frame for x in server.poll(0.01) if x.frame]
+        assert got == [b"\x00", b"\x01\x01", b"\x02\x02\x02"]
+        assert dialler.connected(peer)
+    finally:
+        dialler.close()
+        server.close()
 
 
 @pytest.mark.parametrize(

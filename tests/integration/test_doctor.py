@@ -1,8 +1,8 @@
-"""``p2p-kv doctor`` against real NIXL agents, real ZeroMQ sockets and real
+"""``p2p-kv doctor`` against real NIXL agents, real TCP sockets and real
 StandalonePeers (each serving on its own thread of this process).
 
-Nothing is faked and nothing is skipped: without nixl or zmq this module
-fails at import. Covered: a good setup passes (in process and through the
+Nothing is faked and nothing is skipped: without nixl this module fails at
+import. Covered: a good setup passes (in process and through the
 CLI); a missing PYTHONHASHSEED, a taken port and a bad config key fail with
 the tier's own message; a peer whose hash seed, layout, block size or secret
 differs is refused with a reason naming the field; a silent port times out;
@@ -26,7 +26,6 @@ from typing import Any
 
 import nixl._api  # noqa: F401  (fail, not skip, without NIXL)
 import pytest
-import zmq  # fails, not skips, without ZeroMQ
 
 from p2p_kv import doctor
 from p2p_kv.adapter.engines import free_port
@@ -124,7 +123,6 @@ def test_good_setup_passes(
     assert list(by_name) == [
         "nixl",
         "loopback",
-        "zmq",
         "port",
         "hash-seed",
         "config",
@@ -252,7 +250,7 @@ def test_bad_config_json_and_env() -> None:
     result, _ = check_config({}, env={"VLLM_P2P_KV_HEARTBEAT_MS": "-1"})
     assert not result.ok
     assert (
-        "heartbeat_ms (from VLLM_P2P_KV_HEARTBEAT_MS) -1.0 is not in 4..600000"
+        "heartbeat_ms (from VLLM_P2P_KV_HEARTBEAT_MS) -1.0 is not in 20..600000"
         in result.summary
     )
     assert result.fix.startswith("fix VLLM_P2P_KV_HEARTBEAT_MS")
@@ -294,13 +292,23 @@ def test_mismatched_peer_is_refused_naming_the_field(
     assert result.fix == doctor._REFUSAL_FIXES[reason]
 
 
-def test_a_port_nothing_listens_on_is_named_unreachable() -> None:
+def test_a_port_nothing_listens_on_is_named_refused() -> None:
     port = free_port()
+    t0 = time.monotonic()
     result = check_peer(f"127.0.0.1:{port}", GOOD, timeout_s=2.0)
+    assert time.monotonic() - t0 < 1.0, "a refused dial waited for the timeout"
     assert not result.ok
-    assert result.details["state"] == "unreachable"
-    assert f"127.0.0.1:{port}: nothing accepts connections" in result.summary
+    assert result.details["state"] == "refused"
+    assert "connection refused: nothing listens there" in result.summary
     assert "host/port" in result.fix
+
+
+def test_a_host_name_that_does_not_resolve_is_named_so() -> None:
+    result = check_peer("no-such-host.invalid:5800", GOOD, timeout_s=5.0)
+    assert not result.ok
+    assert result.details["state"] == "unresolved", result
+    assert "cannot resolve the host 'no-such-host.invalid'" in result.summary
+    assert "host name" in result.fix
 
 
 def test_a_listener_that_never_answers_the_handshake_times_out() -> None:
@@ -319,23 +327,24 @@ def test_a_listener_that_never_answers_the_handshake_times_out() -> None:
 
 def _goodbye_at(reason: str) -> tuple[str, threading.Thread]:
     """A listener that answers the first frame with a plain Goodbye."""
+    from tests.support.wire import framed
+
     from p2p_kv.protocol import Goodbye, encode
 
-    ctx = zmq.Context.instance()
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 1000)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
 
     def answer() -> None:
         try:
-            if router.poll(10_000):
-                ident, _ = router.recv_multipart()
-                router.send_multipart([ident, encode(Goodbye(reason=reason))])
-                # Open until the doctor has read it: a close at once raced
-                # the Goodbye ("connection lost" in one fresh-clone run).
+            listener.settimeout(10)
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(1 << 16)  # its Hello
+                conn.sendall(framed(encode(Goodbye(reason=reason))))
+                # Open until the doctor has read it.
                 time.sleep(3)
         finally:
-            router.close()
+            listener.close()
 
     thread = threading.Thread(target=answer, daemon=True)
     thread.start()

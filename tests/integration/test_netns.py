@@ -2,7 +2,7 @@
 
 Each peer is a :mod:`tests.support.agent` process started with ``ip netns
 exec`` in its own namespace, with its own address on a bridged /24, and UCX
-pinned to TCP on that namespace's veth, so both the ZeroMQ control plane
+pinned to TCP on that namespace's veth, so both the TCP control plane
 and the NIXL data plane cross the (virtual) wire. What this shows that
 loopback cannot: byte-exact fetches between hosts; a slow link (token
 bucket) plus delayed control frames still fetches; and a partition (the
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.timeout(180)
 
 HB = 0.2  # heartbeat interval: liveness target 2 * HB
 BLOCK = 64 * 1024
-TIMEOUTS = {"heartbeat_interval_s": HB, "silence_s": 2.0, "pin_ttl_s": 2.0}
+TIMEOUTS = {"heartbeat_interval_s": HB, "pin_ttl_s": 2.0}
 PORT = 5900
 
 

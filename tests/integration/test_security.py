@@ -2,7 +2,7 @@
 
 ``tests/unit/test_hostile.py`` proves each refusal inside the sans-IO core;
 this file proves the same promises hold on the wire, where an attacker is
-not a well-behaved Session but raw ZeroMQ frames built by hand:
+not a well-behaved Session but raw frames built by hand on a TCP socket:
 
 * without the shared secret nothing can be looked up, fetched or aborted,
   before or after a (failed) handshake, and a victim's load in flight at the
@@ -22,10 +22,13 @@ sockets plus, where it needs one to pass the handshake, a real NIXL agent.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import pickle
+import select
+import socket
 import threading
 import time
 import zlib
@@ -36,11 +39,10 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
-import zmq
 from tests.support.faults import DataFaults, FaultyData, install
 from tests.support.procs import PeerProc
+from tests.support.wire import RawConn
 
-from p2p_kv.control import zmq_endpoint
 from p2p_kv.data import NixlDataTransport
 from p2p_kv.handshake import (
     SEALED,
@@ -108,53 +110,61 @@ def crc_ok(peer: StandalonePeer, keys: list[bytes], slots: list[int]) -> bool:
 class Raw:
     """A peer that is only a socket: frames are whatever we build. Once it
     has greeted a peer under a secret it seals what it sends after the
-    handshake and opens what it gets, as a real peer does."""
+    handshake and opens what it gets, as a real peer does. Bound
+    (``bind=True``), it plays a producer that the victim dials: it takes
+    the first connection that comes."""
 
     def __init__(self, addr: str, *, bind: bool = False) -> None:
-        self.sock: zmq.Socket[bytes] = zmq.Context.instance().socket(
-            zmq.ROUTER if bind else zmq.DEALER
-        )
-        self.sock.setsockopt(zmq.LINGER, 0)
-        host, _, port = addr.rpartition(":")
+        self.listener: socket.socket | None = None
+        self.conn: RawConn | None = None
         if bind:
-            self.port = self.sock.bind_to_random_port(f"tcp://{host}")
+            host = addr.rpartition(":")[0]
+            self.listener = socket.create_server((host, 0))
+            self.port = self.listener.getsockname()[1]
             self.address = f"{host}:{self.port}"
         else:
-            self.sock.connect(zmq_endpoint(host, int(port)))
-        self.ident: bytes | None = None  # the peer, when we are the ROUTER
+            self.conn = RawConn(addr)
         self.hello: Hello | None = None
         self.peer_hello: Hello | None = None
         self.keys: FrameKeys | None = None
         #: every frame that arrived, as it came on the wire
         self.wire: list[bytes] = []
 
+    def _ready(self, timeout: float) -> RawConn | None:
+        if self.conn is None and self.listener is not None:
+            readable, _, _ = select.select([self.listener], [], [], timeout)
+            if readable:
+                sock, _ = self.listener.accept()
+                self.conn = RawConn.of(sock)
+        return self.conn
+
     def send(self, msg: Message | bytes) -> None:
         frame = msg if isinstance(msg, bytes) else encode(msg)
         if self.keys is not None and not isinstance(msg, bytes | Hello | HelloAck):
             frame = self.keys.seal(frame)
-        if self.ident is not None:
-            self.sock.send_multipart([self.ident, frame])
-        else:
-            self.sock.send(frame)
+        conn = self._ready(5.0)
+        assert conn is not None, "nobody dialled us"
+        conn.send(frame)
 
     def recv(self, timeout: float = 1.0, until: type | None = None) -> list[Message]:
         """Everything that arrives within ``timeout`` (or up to ``until``)."""
         out: list[Message] = []
         end = time.monotonic() + timeout
         while (left := end - time.monotonic()) > 0:
-            if not self.sock.poll(int(left * 1000) + 1):
+            conn = self._ready(left)
+            if conn is None:
                 break
-            parts = self.sock.recv_multipart()
-            if len(parts) == 2:
-                self.ident = parts[0]
-            frame = parts[-1]
-            self.wire.append(frame)
-            if frame[:1] == bytes([SEALED]):
-                if self.keys is None:
-                    continue  # not ours to open (a relay's view): on the wire only
-                frame = self.keys.open(frame)
-            out.append(decode(frame))
-            if until is not None and isinstance(out[-1], until):
+            frames = conn.frames(left)
+            if not frames:
+                break
+            for frame in frames:
+                self.wire.append(frame)
+                if frame[:1] == bytes([SEALED]):
+                    if self.keys is None:
+                        continue  # not ours to open (a relay's view)
+                    frame = self.keys.open(frame)
+                out.append(decode(frame))
+            if until is not None and any(isinstance(m, until) for m in out):
                 break
         return out
 
@@ -198,19 +208,18 @@ class Raw:
     def handshake(self, me: Identity, secret: bytes | None) -> list[Message]:
         """Hello, their Hello, HelloAck with an HMAC under ``secret``."""
         self.hello = make_hello(me, os.urandom(16))
-        if self.ident is None and self.sock.type == zmq.ROUTER:
-            got = self.recv(5, until=Hello)  # a dialling peer speaks first
-        else:
-            got = []
-        self.send(self.hello)
-        got += self.recv(5, until=Hello) if not got else []
+        self.send(self.hello)  # both ends greet at once
+        got = self.recv(5, until=Hello)
         theirs = [m for m in got if isinstance(m, Hello)]
         assert theirs, got
         self.greet(me, theirs[0], secret)
         return got + self.recv(0.5)
 
     def close(self) -> None:
-        self.sock.close(linger=0)
+        if self.conn is not None:
+            self.conn.close()
+        if self.listener is not None:
+            self.listener.close()
 
 
 @pytest.fixture(scope="module")
@@ -457,23 +466,17 @@ def test_connections_past_max_inbound_peers_are_refused_without_locking_out_the_
     v, _ = victim
     v.manager.max_inbound = 1
     v.fill(KEYS[:2], [3, 4])
-    first, second = Raw(v.address), Raw(v.address)
-    mallory = Raw(v.address)
+    first = Raw(v.address)
+    second = mallory = None
     consumer = StandalonePeer(
         8, BLOCK, engine_id="fleet", secret=SECRET, timeouts=Timeouts(**TIMEOUTS)
     )
     try:
-        first.send(Heartbeat(seq=0))  # any frame opens a session
-        first.step_until(v, Hello)
-        second.send(Heartbeat(seq=0))
+        first.step_until(v, Hello)  # a connection is greeted once accepted
+        second = Raw(v.address)
         bye = first.step_until(v, Goodbye)
         assert "still handshaking" in bye.reason, bye
-        for _ in range(3):  # dropped unread, not refused again
-            first.send(Heartbeat(seq=1))
-            assert not [m for m in first.recv(0.05) if isinstance(m, Goodbye)]
-            v.step(wait=False)
-        # ...and forgotten again by the transport (each frame made it new).
-        assert len(v.runtime.control._inner._known_inbound) == 1
+        assert first.conn is not None and first.conn.closed_by_peer(2.0)
         refusals = v.manager.refusals
         assert refusals[("other", "too_many_handshaking")] == 1
         # A fleet member gets in (the second connection, still greeting,
@@ -491,6 +494,7 @@ def test_connections_past_max_inbound_peers_are_refused_without_locking_out_the_
         assert refusals[("other", "too_many_handshaking")] == 2
         # One more with the secret is past the bound once it is proven.
         me = identity("mallory", 8)
+        mallory = Raw(v.address)
         mallory.hello = make_hello(me, os.urandom(16))
         mallory.send(mallory.hello)
         mallory.greet(me, mallory.step_until(v, Hello), SECRET)
@@ -501,7 +505,8 @@ def test_connections_past_max_inbound_peers_are_refused_without_locking_out_the_
         assert len(ready) == 1 and ready[0].peer.startswith("in:")
     finally:
         for raw in (first, second, mallory):
-            raw.close()
+            if raw is not None:
+                raw.close()
         consumer.close()
 
 
@@ -795,11 +800,9 @@ def test_a_party_without_the_secret_costs_a_session_and_a_line_at_most(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A party without the secret greets, then sends frames that fail
-    their seal. The first ended the session, but the rest of the same poll
-    met the closed session and were refused and logged again (a line
-    each), and the connection's next frame opened a new session. Now a
-    refused connection stays refused (its frames dropped unread), and such
-    refusals are logged once a minute; the refusals metric counts each."""
+    their seal. The first ends the session and its connection; the rest
+    are dropped unread, and such refusals are logged once an interval (the
+    refusals metric counts each)."""
     peer = StandalonePeer(4, BLOCK, engine_id=f"seal-{os.getpid()}", secret=SECRET)
     mallory = identity("mallory", 8)
     try:
@@ -809,10 +812,11 @@ def test_a_party_without_the_secret_costs_a_session_and_a_line_at_most(
                 hello = make_hello(mallory, os.urandom(16))
                 raw.send(hello)
                 for again in range(2):  # the second time on a refused connection
-                    if again:
-                        raw.send(hello)  # greeting anew opens no session
-                    for _ in range(300):
-                        raw.send(bytes([SEALED]) + os.urandom(40))
+                    with contextlib.suppress(OSError):  # it may be closed by now
+                        if again:
+                            raw.send(hello)  # greeting anew opens no session
+                        for _ in range(300):
+                            raw.send(bytes([SEALED]) + os.urandom(40))
                     time.sleep(0.3)
                     for _ in range(20):
                         peer.step(wait=False)
@@ -830,30 +834,36 @@ def test_a_party_without_the_secret_costs_a_session_and_a_line_at_most(
 
 def test_before_the_handshake_a_large_frame_is_refused_unparsed() -> None:
     """A connection that has not finished its handshake may send only a
-    greeting: a Fetch of 65,536 keys (2.4 MB) was decoded in full, under
-    the lock the engine's step waits on, before the session refused it; a
-    frame larger than any greeting is refused by its size alone."""
+    greeting. A frame longer than any greeting (a Fetch of 65,536 keys,
+    2.4 MB) ends its connection by its length alone, nothing of it read
+    past the first 16 KiB; a short frame that is not a greeting is refused
+    by its tag, unparsed, and the handshake still goes through after it."""
     peer = StandalonePeer(4, BLOCK, engine_id=f"early-{os.getpid()}")
     keys = [i.to_bytes(4, "big") * 8 for i in range(65_536)]
-    raw = Raw(peer.address)
+    big, small = Raw(peer.address), Raw(peer.address)
     try:
-        raw.send(encode(Fetch("r", 1, 1, keys[:16_000], list(range(16_000)))))
-        raw.send(encode(Fetch("r", 1, 2, keys, list(range(65_536)))))
-        raw.send(encode(Lookup("r", 1, 1, [b"k"])))
-        m = peer.manager
+        with contextlib.suppress(OSError):  # closed under the send
+            big.send(encode(Fetch("r", 1, 2, keys, list(range(65_536)))))
+        assert big.conn is not None
         end = time.monotonic() + 10
-        while m.protocol_errors.get("before_handshake", 0) < 3:
+        while not big.conn.closed_by_peer(0.01):
+            assert time.monotonic() < end, "the connection outlived its frame"
+            peer.step(wait=False)
+        small.send(encode(Lookup("r", 1, 1, [b"k"])))
+        m = peer.manager
+        while m.protocol_errors.get("before_handshake", 0) < 1:
             assert time.monotonic() < end, m.protocol_errors
             peer.step(wait=False)
+        assert m.protocol_errors.get("framing", 0) == 1, m.protocol_errors
         (session,) = m.sessions()
         assert dict(session.counters.protocol_errors) == {}  # never reached it
-        got = raw.recv(0.3)
+        got = small.recv(0.3)
         assert not any(isinstance(x, Error) for x in got), got
         # The handshake itself still goes through.
         me = dataclasses.replace(identity("late", 8, b"region"), secret=None)
-        raw.hello = make_hello(me, os.urandom(16))
-        raw.send(raw.hello)
-        raw.greet(me, next(x for x in got if isinstance(x, Hello)), None)
+        small.hello = make_hello(me, os.urandom(16))
+        small.send(small.hello)
+        small.greet(me, next(x for x in got if isinstance(x, Hello)), None)
         end = time.monotonic() + 10
         while not (session.ready or session.closed):
             assert time.monotonic() < end, session.link
@@ -861,7 +871,8 @@ def test_before_the_handshake_a_large_frame_is_refused_unparsed() -> None:
         # Ready: the runtime then refuses our made-up region, no sooner.
         assert session.ready or "data-plane region" in session.close_reason
     finally:
-        raw.close()
+        big.close()
+        small.close()
         peer.close()
 
 
@@ -900,20 +911,24 @@ def test_oversized_frames_are_dropped_and_pickles_never_loaded(
     before = producer_report(producer)
     raw = Raw(producer.address)
     raw.send(payload)  # before any handshake
-    raw.send(b"\x00" * (MAX_FRAME_BYTES + 1))  # past our limit, under libzmq's
     raw.send(encode(Lookup("r", 1, 1, [b"k"])) + payload)  # smuggled behind a frame
+    with contextlib.suppress(OSError):  # the producer hangs up on it
+        raw.send(b"\x00" * (MAX_FRAME_BYTES + 1))  # longer than any frame
     time.sleep(0.5)
     after = producer_report(producer)
 
     def refused(report: dict[str, Any]) -> int:
-        # Before the handshake a frame too large for a greeting, or one
-        # whose tag is not a greeting's, is refused as such.
+        # Before the handshake a frame whose tag is not a greeting's is
+        # refused as such; one longer than any frame ends the connection.
         errors = report["protocol_errors"]
-        return int(errors.get("decode", 0) + errors.get("before_handshake", 0))
+        return int(
+            errors.get("decode", 0)
+            + errors.get("before_handshake", 0)
+            + errors.get("framing", 0)
+        )
 
     assert refused(after) >= refused(before) + 3, after["protocol_errors"]
-    raw.send(b"\x00" * (2 * MAX_FRAME_BYTES))  # libzmq drops it and the link
-    time.sleep(0.3)
+    assert raw.conn is not None and raw.conn.closed_by_peer(2.0)
     raw.close()
     assert not marker.exists(), "a pickle was loaded"
     # the producer goes on serving

@@ -1,6 +1,6 @@
 """Soak: thousands of requests against real peers, under faults.
 
-Two producers (:mod:`tests.support.agent` processes, real ZeroMQ + NIXL on
+Two producers (:mod:`tests.support.agent` processes, real TCP + NIXL on
 loopback) and a consumer in this process, driven the way vLLM's scheduler
 drives the tier, with eight requests in flight at once. Along the way:
 requests finished mid-load (random aborts), ``kv_request_id`` values drawn
@@ -61,7 +61,6 @@ TIMEOUTS = {
     "fetch_floor_s": 0.5,
     "abort_ack_s": 0.5,
     "pin_ttl_s": 2.0,
-    "silence_s": 2.0,
 }
 CONTROL = {"drop": 0.002, "duplicate": 0.003, "reorder": 0.003}
 CONTROL_DELAY = {"delay_s": 0.002, "jitter_s": 0.004, "delay_p": 0.05}

@@ -1,9 +1,9 @@
-"""A live peer that stalls (a VM pause, a starved ZeroMQ I/O thread) keeps
-its session as long as it answers a ZMTP PING within the wait: PINGs go
-every 1/8 heartbeat interval and wait 11/8, so a stall of 1.375 intervals
-is survived, where a PING every 1/2 with a wait of 1 dropped the link after
-one interval (and the remote hit fell back). A dead peer is still found
-within two intervals: ``test_netns`` and ``test_nixl_transfer``."""
+"""A live peer that stalls (a VM pause, a starved process) keeps its
+session as long as its silence stays under the liveness bound: a session
+that sent nothing for a quarter heartbeat interval sends a Heartbeat, and
+a peer silent for 1.5 intervals is dropped, so a stall of up to 1.25
+intervals is survived. A dead peer is still found within two intervals:
+``test_netns`` and ``test_nixl_transfer``."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from p2p_kv.session import Timeouts
 from p2p_kv.standalone import StandalonePeer, make_key
 
 HB = 0.5  # the default heartbeat interval
-STALL_S = 0.58  # 1.16 intervals: past the old wait, inside the new one
+STALL_S = 0.58  # 1.16 intervals, inside the 1.25 survived
 STALLS = 6
 BLOCK = 4096
 

@@ -4,7 +4,7 @@ The runtime reaches the network only through two objects,
 ``TierRuntime.control`` (a :class:`~p2p_kv.control.ControlTransport`) and
 ``TierRuntime.data`` (a :class:`~p2p_kv.data.NixlDataTransport`), so the
 injectors here are wrappers put in their place: no seam in ``src/`` is
-needed, and whatever survives the injector still crosses real ZeroMQ and
+needed, and whatever survives the injector still crosses real TCP and
 real NIXL. Faults are drawn from a seeded RNG so a failing run can be
 replayed, and every injected fault is counted, so a test can tell "the
 code coped" from "the fault never happened".
@@ -208,17 +208,18 @@ class FaultyControl:
 
     def connections(self) -> list[str]:
         """Outbound connections and inbound ones seen so far."""
-        return [*self._inner._dealers, *sorted(self._announced - self._dead)]
+        outbound = [c for c in self._inner._conns if not c.startswith("in:")]
+        return [*outbound, *sorted(self._announced - self._dead)]
 
     # -- the transport's interface --------------------------------------------
 
-    def send(self, conn: str, frames: list[bytes]) -> bool:
+    def send(self, conn: str, frames: list[bytes]) -> str:
         self._release_out()
         if conn in self._dead:
-            return True  # into the void, as on a dead link
+            return ""  # into the void, as on a dead link
         mangled = self._mangle(conn, frames, "out")
         now = self._clock()
-        ok = True
+        why = ""
         now_frames: list[bytes] = []
         for due, frame in mangled:
             if due <= now and not any(c == conn for _, _, c, _ in self._out):
@@ -226,8 +227,8 @@ class FaultyControl:
             else:  # keep order behind frames already delayed
                 heapq.heappush(self._out, (due, next(self._seq), conn, frame))
         if now_frames:
-            ok = bool(self._inner.send(conn, now_frames))
-        return ok
+            why = self._inner.send(conn, now_frames)
+        return why
 
     def _release_out(self) -> None:
         now = self._clock()
@@ -252,14 +253,14 @@ class FaultyControl:
         timeout_s = max(0.0, min(timeout_s, self._next_due() - now))
         got = self._inner.poll(timeout_s)
         self._release_out()
-        out: list[Inbound] = [
-            Inbound(c, b"", False, lost=True, why="cut") for c in self._lost
-        ]
+        out: list[Inbound] = [Inbound(c, b"", lost=True, why="cut") for c in self._lost]
         self._lost.clear()
         for item in got:
             if item.conn in self._dead:
                 continue
-            if item.lost:
+            if item.lost or item.new:
+                if item.new:
+                    self._announced.add(item.conn)
                 out.append(item)
                 continue
             for due, frame in self._mangle(item.conn, [item.frame], "in"):
@@ -271,9 +272,7 @@ class FaultyControl:
             _, _, conn, frame = heapq.heappop(self._in)
             if conn in self._dead:
                 continue
-            new = conn.startswith("in:") and conn not in self._announced
-            self._announced.add(conn)
-            out.append(Inbound(conn, frame, new))
+            out.append(Inbound(conn, frame))
         return out
 
     def close_conn(self, conn: str) -> None:

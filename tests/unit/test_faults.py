@@ -31,12 +31,12 @@ class FakeControl:
         self.sent: list[tuple[str, bytes]] = []
         self.inbox: list[Inbound] = []
         self.closed: list[str] = []
-        self._dealers: dict[str, object] = {"p:1": object()}
+        self._conns: dict[str, object] = {"p:1": object()}
         self.timeouts: list[float] = []
 
-    def send(self, conn: str, frames: list[bytes]) -> bool:
+    def send(self, conn: str, frames: list[bytes]) -> str:
         self.sent += [(conn, f) for f in frames]
-        return True
+        return ""
 
     def poll(self, timeout_s: float) -> list[Inbound]:
         self.timeouts.append(timeout_s)
@@ -54,23 +54,29 @@ def hb(i: int) -> bytes:
 def test_clean_control_passes_everything_in_order() -> None:
     inner, clock = FakeControl(), Clock()
     fc = FaultyControl(inner, clock=clock)
-    assert fc.send("p:1", [hb(1), hb(2)])
-    inner.inbox = [Inbound("in:aa", hb(3), True), Inbound("in:aa", hb(4), False)]
+    assert fc.send("p:1", [hb(1), hb(2)]) == ""
+    inner.inbox = [
+        Inbound("in:aa", b"", new=True),
+        Inbound("in:aa", hb(3)),
+        Inbound("in:aa", hb(4)),
+    ]
     got = fc.poll(0.5)
     assert inner.sent == [("p:1", hb(1)), ("p:1", hb(2))]
-    assert [(i.frame, i.new) for i in got] == [(hb(3), True), (hb(4), False)]
+    assert [(i.frame, i.new) for i in got] == [
+        (b"", True),
+        (hb(3), False),
+        (hb(4), False),
+    ]
 
 
-def test_drop_counts_and_new_flag_moves_to_the_first_survivor() -> None:
+def test_drop_counts_frames_and_never_hides_a_new_connection() -> None:
     inner, clock = FakeControl(), Clock()
     fc = FaultyControl(inner, ControlFaults(drop=1.0, direction="in"), clock=clock)
-    inner.inbox = [Inbound("in:aa", hb(1), True)]
-    assert fc.poll(0) == []
-    fc.faults = ControlFaults()
-    inner.inbox = [Inbound("in:aa", hb(2), False)]
+    inner.inbox = [Inbound("in:aa", b"", new=True), Inbound("in:aa", hb(1))]
     (got,) = fc.poll(0)
     assert got.new, "the runtime must still learn of the connection"
     assert fc.counts.dropped == 1
+    assert fc.connections() == ["p:1", "in:aa"]
 
 
 def test_delay_holds_frames_and_bounds_the_wait() -> None:
@@ -111,7 +117,7 @@ def test_reorder_swaps_and_never_turns_into_a_drop() -> None:
 def test_cut_reports_lost_and_blackholes_inbound() -> None:
     inner, clock = FakeControl(), Clock()
     fc = FaultyControl(inner, clock=clock)
-    inner.inbox = [Inbound("in:aa", hb(1), True)]
+    inner.inbox = [Inbound("in:aa", b"", new=True), Inbound("in:aa", hb(1))]
     fc.poll(0)
     assert set(fc.connections()) == {"p:1", "in:aa"}
     fc.cut("p:1")
@@ -120,9 +126,10 @@ def test_cut_reports_lost_and_blackholes_inbound() -> None:
     assert inner.timeouts[-1] == 0  # a lost event is reported at once
     assert sorted((i.conn, i.lost) for i in got) == [("in:aa", True), ("p:1", True)]
     assert inner.closed == ["p:1"]
-    inner.inbox = [Inbound("in:aa", hb(2), False)]
+    inner.inbox = [Inbound("in:aa", hb(2))]
     assert fc.poll(0) == []
-    assert fc.send("in:aa", [hb(3)]) and not [c for c, _ in inner.sent if c == "in:aa"]
+    assert fc.send("in:aa", [hb(3)]) == ""
+    assert not [c for c, _ in inner.sent if c == "in:aa"]
 
 
 class FakeData:

@@ -796,7 +796,7 @@ def test_a_result_the_engine_has_not_collected_keeps_its_session_ticking() -> No
     """A long engine step leaves a finished load's result uncollected while
     the waker keeps pumping. The session must keep its heartbeats and
     deadlines meanwhile: it was re-armed only once its results were taken,
-    so past ``silence_s`` its peer dropped it as dead, with every other
+    so past ``liveness_s`` its peer dropped it as dead, with every other
     load on it."""
     net = make_net()
     assert probe(net, "r1", "kv1") == [Answer.HIT] * 4
@@ -806,7 +806,7 @@ def test_a_result_the_engine_has_not_collected_keeps_its_session_ticking() -> No
     (sb,) = b.manager.sessions()
     (sa,) = a.manager.sessions()
     assert sb.has_results  # done, and buffered for b's engine
-    for _ in range(round(2 * sb.timeouts.silence_s / 0.1)):
+    for _ in range(round(2 * sb.timeouts.liveness_s / 0.1)):
         net.advance(0.1)
         net.step()  # b's runtime pumps; b's engine does not collect
         a.collect(net.now)

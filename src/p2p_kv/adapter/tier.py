@@ -227,7 +227,6 @@ class P2PKVTier(SecondaryTierManager):
             ),
             self.cfg.host,
             port,
-            self.cfg.heartbeat_ms / 1000,
         )
         self.address = control.address
         spec = offloading_spec

@@ -1,0 +1,93 @@
+"""Raw control-plane connections for tests: our framing by hand, no session.
+
+An attacker or a misbehaving peer is not a well-behaved Session: these
+speak the wire format (a 4-byte big-endian length, then the frame) on a
+plain blocking socket, so a test can send exactly the bytes it means,
+malformed ones included.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+from p2p_kv.control import HEADER, parse_peer
+
+
+def framed(frame: bytes) -> bytes:
+    """``frame`` as it goes on the wire."""
+    return len(frame).to_bytes(HEADER, "big") + frame
+
+
+class RawConn:
+    """One TCP connection to a peer's control port."""
+
+    def __init__(self, peer: str, timeout_s: float = 5.0) -> None:
+        host, port = parse_peer(peer)
+        self.sock = socket.create_connection((host, port), timeout=timeout_s)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._buf = b""
+
+    @classmethod
+    def of(cls, sock: socket.socket) -> RawConn:
+        """A connection we accepted."""
+        conn = cls.__new__(cls)
+        conn.sock, conn._buf = sock, b""
+        return conn
+
+    def send(self, *frames: bytes) -> None:
+        self.sock.sendall(b"".join(framed(f) for f in frames))
+
+    def send_raw(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def frames(self, timeout_s: float = 2.0, want: int = 1) -> list[bytes]:
+        """Frames received within ``timeout_s``, returning as soon as
+        ``want`` have come (fewer if the peer closed or time ran out)."""
+        out: list[bytes] = []
+        end = time.monotonic() + timeout_s
+        while len(out) < want:
+            out.extend(self._parse())
+            if len(out) >= want:
+                break
+            left = end - time.monotonic()
+            if left <= 0:
+                break
+            self.sock.settimeout(left)
+            try:
+                chunk = self.sock.recv(1 << 20)
+            except (TimeoutError, OSError):
+                break
+            if not chunk:
+                out.extend(self._parse())
+                break
+            self._buf += chunk
+        return out
+
+    def _parse(self) -> list[bytes]:
+        out = []
+        while len(self._buf) >= HEADER:
+            size = int.from_bytes(self._buf[:HEADER], "big")
+            if len(self._buf) < HEADER + size:
+                break
+            out.append(self._buf[HEADER : HEADER + size])
+            self._buf = self._buf[HEADER + size :]
+        return out
+
+    def closed_by_peer(self, timeout_s: float = 2.0) -> bool:
+        """Whether the peer closes the connection within ``timeout_s``
+        (whatever it sends first is read and dropped)."""
+        end = time.monotonic() + timeout_s
+        while (left := end - time.monotonic()) > 0:
+            self.sock.settimeout(left)
+            try:
+                if not self.sock.recv(1 << 20):
+                    return True
+            except TimeoutError:
+                return False
+            except OSError:
+                return True
+        return False
+
+    def close(self) -> None:
+        self.sock.close()
