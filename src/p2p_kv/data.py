@@ -54,6 +54,7 @@ import itertools
 import logging
 import mmap
 import os
+import struct
 import threading
 import time
 import uuid
@@ -72,6 +73,7 @@ from p2p_kv.plan import (
     check_mapping,
     plan_write,
 )
+from p2p_kv.ratelog import PeerLog
 from p2p_kv.same_host import HostCopier, PeerMapping, ShmRegion, find_backing
 from p2p_kv.same_host_cuda import (
     CopyInFlight,
@@ -93,6 +95,7 @@ __all__ = [
     "RegionSpan",
     "TensorLike",
     "build_descs",
+    "check_peer_metadata",
     "check_ucx_error_handling_mode",
     "describe_region",
     "drain_timeout_for",
@@ -337,6 +340,140 @@ def check_ucx_error_handling_mode(mode: str, ucx_tls: str | None) -> str:
 
 
 # --------------------------------------------------------------------------
+# A peer's NIXL metadata, checked before NIXL reads it
+# --------------------------------------------------------------------------
+
+# NIXL's serialization (``nixlSerDes``): an intro, then fields, each a tag,
+# the value's length (a native size_t), the value and a ``|``.
+_SERDES_INTRO: Final = b"nixlSerDes|"
+_SIZE_T: Final = struct.Struct("=Q")
+#: ``nixl_mem_t``, a native int, by our memory kind.
+_NIXL_MEM_TYPES: Final = {MEM_DRAM: 0, MEM_VRAM: 1}
+#: ``nixlBasicDesc``: address, length, device id (the rest of a
+#: descriptor's value is the backend's key to the memory).
+_BASIC_DESC: Final = struct.Struct("=QQQ")
+#: Connections, and memory sections, one agent's metadata may list: one per
+#: backend it runs.
+MAX_PEER_BACKENDS: Final = 8
+
+
+def _shown(text: str | bytes, most: int = 80) -> str:
+    """A peer's string for an error message: quoted, cut to ``most``."""
+    cut = text[:most]
+    return repr(cut) + ("..." if len(text) > most else "")
+
+
+class _Fields:
+    """Reads a NIXL serialization's fields in order; any deviation raises
+    ValueError."""
+
+    def __init__(self, blob: bytes) -> None:
+        if not blob.startswith(_SERDES_INTRO):
+            raise ValueError("peer metadata is not NIXL agent metadata")
+        self.blob = blob
+        self.at = len(_SERDES_INTRO)
+
+    def take(self, tag: bytes) -> bytes:
+        blob, at = self.blob, self.at
+        start = at + len(tag) + _SIZE_T.size
+        if start > len(blob) or blob[at : at + len(tag)] != tag:
+            raise ValueError(f"peer metadata lacks its {tag.decode()!r} field")
+        (size,) = _SIZE_T.unpack_from(blob, at + len(tag))
+        end = start + size
+        if end >= len(blob) or blob[end] != ord("|"):
+            raise ValueError(f"peer metadata's {tag.decode()!r} field is cut short")
+        self.at = end + 1
+        return blob[start:end]
+
+    def count(self, tag: bytes) -> int:
+        value = self.take(tag)
+        if len(value) != _SIZE_T.size:
+            raise ValueError(f"peer metadata's {tag.decode()!r} is no count")
+        n: int = _SIZE_T.unpack(value)[0]
+        if not 1 <= n <= MAX_PEER_BACKENDS:
+            raise ValueError(f"peer metadata lists {n} {tag.decode()!r}")
+        return n
+
+
+def check_peer_metadata(info: RegionInfo, backends: Sequence[str]) -> None:
+    """Refuse (ValueError) ``info.agent_metadata`` unless it is NIXL agent
+    metadata of exactly the region ``info`` describes: agent
+    ``info.agent_name``, connections for distinct backends, one of them
+    ours, and per backend one section of ``info.mem_kind`` holding one
+    descriptor, the region ``[base_addr, base_addr + region_bytes)`` on
+    ``device_id`` with a key. Nothing may follow.
+
+    Checked here because NIXL trusts what it loads and cleans up after
+    itself only in part. Metadata it refuses while loading memory sections
+    leaves that agent's UCX endpoint behind, out of reach of
+    ``remove_remote_agent``, and the name taken for good (its real owner
+    can never be loaded); metadata it refuses earlier leaves connections
+    that only ``remove_remote_agent`` drops; a memory type it does not
+    know crashes the process. What is left unchecked are the backends' own
+    bytes (a UCX worker address, a memory key): only UCX reads them, and
+    it does not check them either (one flipped bit in an address's header
+    aborts the process), so only a peer that proved the shared secret can
+    be trusted with them.
+
+    The format is NIXL's (1.5): a NIXL that changes it has every peer
+    refused here, which the integration tests show at once.
+    """
+    f = _Fields(info.agent_metadata)
+    raw = f.take(b"Agent")
+    try:
+        name = raw.decode()
+    except UnicodeDecodeError:
+        raise ValueError(
+            f"peer metadata names agent {_shown(raw)}: not UTF-8"
+        ) from None
+    if name != info.agent_name:
+        raise ValueError(
+            f"peer metadata names agent {_shown(name)}, "
+            f"but RegionInfo says {_shown(info.agent_name)}"
+        )
+    conns: set[bytes] = set()
+    for _ in range(f.count(b"Conns")):
+        backend = f.take(b"t")
+        if not backend or not f.take(b"c") or backend in conns:
+            raise ValueError("peer metadata has an empty or repeated connection")
+        conns.add(backend)
+    if not {b.encode() for b in backends} & conns:
+        raise ValueError(
+            f"peer runs none of our NIXL backends {sorted(backends)} "
+            f"(it runs {sorted(_shown(c) for c in conns)})"
+        )
+    if f.take(b"") != b"MemSection":
+        raise ValueError("peer metadata lacks its memory section")
+    nixl_mem = _NIXL_MEM_TYPES.get(info.mem_kind)
+    if nixl_mem is None:
+        raise ValueError(
+            f"peer memory kind {_shown(info.mem_kind)} is not DRAM or VRAM"
+        )
+    mem_type = struct.pack("=i", nixl_mem)
+    want = (info.base_addr, info.region_bytes, info.device_id)
+    sections: set[bytes] = set()
+    for _ in range(f.count(b"nixlSecElms")):
+        backend = f.take(b"bknd")
+        if backend not in conns or backend in sections:
+            raise ValueError(
+                f"peer metadata has a memory section for backend {_shown(backend)}"
+                " that it has no connection for, or has twice"
+            )
+        sections.add(backend)
+        if f.take(b"nixlDList") != b"nixlSDList" or f.take(b"t") != mem_type:
+            raise ValueError(f"peer metadata's region is not {info.mem_kind}")
+        if f.count(b"n") != 1:
+            raise ValueError("peer metadata registers more than one region")
+        desc = f.take(b"")
+        if len(desc) <= _BASIC_DESC.size or _BASIC_DESC.unpack_from(desc) != want:
+            raise ValueError(
+                "peer metadata's region is not the one its RegionInfo describes"
+            )
+    if f.at != len(info.agent_metadata):
+        raise ValueError("peer metadata has bytes past its end")
+
+
+# --------------------------------------------------------------------------
 # The transport
 # --------------------------------------------------------------------------
 
@@ -537,6 +674,7 @@ class NixlDataTransport:
             )
         if not backends:
             raise ValueError("at least one NIXL backend is needed")
+        self._backends = tuple(backends)
         # Keep the region object alive as long as NIXL may touch its memory.
         self._region_obj: Region | None = region
         self._span = span
@@ -558,6 +696,9 @@ class NixlDataTransport:
         self._faulted: set[str] = set()
         self._ids = itertools.count(1)
         self._closed = False
+        #: Lines a peer's input or behaviour causes: one per kind per
+        #: interval, whoever sends them (held under ``_lock``).
+        self._plog = PeerLog(logger=logger)
         self._reg_descs: Any = None
         self._agent: Any = None
         self._local_prepped: Any = None
@@ -725,6 +866,11 @@ class NixlDataTransport:
         same-host copies, if now we have the connection). A different info
         under a known name is refused: the known one serves a live session,
         and only a peer passing off another's name would send it.
+
+        Any ``info`` refused raises ValueError (a peer's input: its session
+        ends, nothing else does), and leaves nothing of it loaded in NIXL.
+        Its metadata is checked whole before NIXL reads it
+        (:func:`check_peer_metadata`).
         """
         self._check_geometry(info)
         with self._lock:
@@ -742,41 +888,74 @@ class NixlDataTransport:
                     self._maybe_map(known, conn_inode)
                     return
                 raise ValueError(
-                    f"agent {info.agent_name!r} is known here with another "
+                    f"agent {_shown(info.agent_name)} is known here with another "
                     "region: refusing the second"
                 )
-            loaded = self._agent.add_remote_agent(info.agent_metadata)
-            loaded_name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
-            if loaded_name != info.agent_name:
-                gone = self._retiring.pop(loaded_name, None)
-                if gone is not None:
-                    # Its zombies' states are unreadable from now on.
-                    for z in self._zombies:
-                        z.lost = z.lost or z.peer == loaded_name
-                    self._drop_agent(loaded_name, gone)
-                elif loaded_name in self._peers:
-                    # Its metadata may now be the sender's: fence the known
-                    # peer's transfers and drop it (its session's loads fail
-                    # and recompute) rather than trust it. Its session must
-                    # end too: a new one loads its agent again.
-                    self._remove_peer_locked(loaded_name)
-                    self._faulted.add(loaded_name)
-                elif loaded_name != self._name:
-                    self._invalidate(loaded_name)
-                raise ValueError(
-                    f"peer metadata names agent {loaded_name!r}, "
-                    f"but RegionInfo says {info.agent_name!r}"
-                )
+            check_peer_metadata(info, self._backends)
+            self._load(info)
             peer = self._peers[info.agent_name] = _Peer(info)
-            self._maybe_map(peer, conn_inode)
-        if info.mem_kind != self._span.mem_kind and peer.mapping is None:
-            logger.warning(
-                "peer %s holds %s and we hold %s: UCX moves host<->GPU data "
-                "between processes through a slow software path",
-                info.agent_name,
-                info.mem_kind,
-                self._span.mem_kind,
-            )
+            try:
+                self._maybe_map(peer, conn_inode)
+            except BaseException:
+                # Nothing of a peer we do not keep stays loaded.
+                del self._peers[info.agent_name]
+                self._unmap(peer)
+                self._invalidate(info.agent_name)
+                raise
+            if info.mem_kind != self._span.mem_kind and peer.mapping is None:
+                self._plog.warning(
+                    "mixed_memory",
+                    info.agent_name,
+                    "holds %s and we hold %s: UCX moves host<->GPU data "
+                    "between processes through a slow software path",
+                    info.mem_kind,
+                    self._span.mem_kind,
+                )
+
+    def _load(self, info: RegionInfo) -> None:
+        """Load a peer's checked metadata into NIXL; when it raises
+        (ValueError), nothing of the metadata stays loaded."""
+        name = info.agent_name
+        try:
+            loaded = self._agent.add_remote_agent(info.agent_metadata)
+        except Exception as exc:
+            # NIXL keeps the connections it made before failing, under the
+            # name in the metadata (checked to be ``name``, unknown here).
+            self._invalidate(name)
+            raise ValueError(
+                f"NIXL refused the metadata of agent {_shown(name)}: {exc}"
+            ) from exc
+        raw = loaded if isinstance(loaded, bytes) else str(loaded).encode()
+        try:
+            loaded_name = raw.decode()
+        except UnicodeDecodeError:
+            self._invalidate(raw)
+            raise ValueError(
+                f"NIXL loaded peer metadata as agent {_shown(raw)}: not UTF-8"
+            ) from None
+        if loaded_name == name:
+            return
+        # NIXL read another name than check_peer_metadata did (a format it
+        # does not know): whatever that name held here is the sender's now.
+        gone = self._retiring.pop(loaded_name, None)
+        if gone is not None:
+            # Its zombies' states are unreadable from now on.
+            for z in self._zombies:
+                z.lost = z.lost or z.peer == loaded_name
+            self._drop_agent(loaded_name, gone)
+        elif loaded_name in self._peers:
+            # Its metadata may now be the sender's: fence the known peer's
+            # transfers and drop it (its session's loads fail and
+            # recompute) rather than trust it. Its session must end too: a
+            # new one loads its agent again.
+            self._remove_peer_locked(loaded_name)
+            self._faulted.add(loaded_name)
+        elif loaded_name != self._name:
+            self._invalidate(loaded_name)
+        raise ValueError(
+            f"peer metadata names agent {_shown(loaded_name)}, "
+            f"but RegionInfo says {_shown(name)}"
+        )
 
     def prove_peer(self, agent_name: str, conn_inode: str) -> None:
         """Our connection to a known peer is now named (``conn_inode``):
@@ -801,11 +980,13 @@ class NixlDataTransport:
     def _map(self, peer: _Peer, offer: ShmRegion | CudaIpcRegion, conn: str) -> None:
         """Open a same-host peer's region for local copies; on any failure
         its READs stay on NIXL, which is always correct."""
+        name = peer.info.agent_name
         if offer.length != peer.info.region_bytes:
-            logger.warning(
-                "peer %s offers a %d-byte shared region for %d bytes of "
-                "blocks: reading through NIXL",
-                peer.info.agent_name,
+            self._plog.warning(
+                "shared_region_size",
+                name,
+                "offers a %d-byte shared region for %d bytes of blocks: "
+                "reading through NIXL",
                 offer.length,
                 peer.info.region_bytes,
             )
@@ -816,10 +997,13 @@ class NixlDataTransport:
                 if isinstance(offer, ShmRegion)
                 else CudaIpcMapping(offer, conn)
             )
-        except (OSError, ValueError) as exc:
-            logger.info(
-                "peer %s: same-host reads unavailable (%s); reading through NIXL",
-                peer.info.agent_name,
+        except Exception as exc:
+            # The offer is the peer's word: whatever it makes the opening
+            # raise, its READs go through NIXL.
+            self._plog.info(
+                "shared_region_refused",
+                name,
+                "same-host reads unavailable (%s); reading through NIXL",
                 exc,
             )
             return
@@ -834,16 +1018,18 @@ class NixlDataTransport:
             self._copier.register(mapping)
         except Exception as exc:
             mapping.close()
-            logger.warning(
-                "peer %s: cannot copy from its region (%s); reading through NIXL",
-                peer.info.agent_name,
+            self._plog.warning(
+                "shared_region_copier",
+                name,
+                "cannot copy from its region (%s); reading through NIXL",
                 exc,
             )
             return
         peer.mapping = mapping
-        logger.info(
-            "peer %s: same-host copies from its %s region (pid %d)",
-            peer.info.agent_name,
+        self._plog.info(
+            "shared_region_mapped",
+            name,
+            "same-host copies from its %s region (pid %d)",
             peer.info.mem_kind,
             offer.pid,
         )
@@ -872,6 +1058,8 @@ class NixlDataTransport:
             raise ValueError(f"peer region has {info.num_blocks} blocks")
         if info.base_addr <= 0 or info.device_id < 0:
             raise ValueError("peer region has a bad address or device id")
+        if info.base_addr + info.region_bytes > 1 << 64:
+            raise ValueError("peer region ends past the 64-bit address space")
         if not info.agent_metadata:
             raise ValueError("peer RegionInfo carries no NIXL metadata")
 
@@ -911,7 +1099,7 @@ class NixlDataTransport:
 
     def _release_prepped(self, peer: _Peer) -> None:
         if peer.prepped is not None:
-            self._release(peer.prepped)
+            self._release(peer.prepped, peer.info.agent_name)
             peer.prepped = None
 
     def _prepare(self, peer: _Peer) -> tuple[Any, Any] | None:
@@ -937,13 +1125,14 @@ class NixlDataTransport:
                 self._block_list(info.base_addr, info.num_blocks, info.device_id),
                 info.mem_kind,
             )
-        except Exception:
-            logger.warning(
-                "preparing descriptors for %s failed; building them per "
-                "transfer instead",
+        except Exception as exc:
+            if self._plog.warning(
+                "prepare",
                 info.agent_name,
-                exc_info=True,
-            )
+                "preparing descriptors failed (%s); building them per transfer instead",
+                exc,
+            ):
+                logger.debug("prepare failure detail", exc_info=True)
             peer.prep_failed = True
             return None
         return self._local_prepped, peer.prepped
@@ -954,12 +1143,14 @@ class NixlDataTransport:
             base, self._block_bytes, device, starts, np.ones_like(starts)
         )
 
-    def _invalidate(self, agent_name: str) -> None:
+    def _invalidate(self, agent_name: str | bytes) -> None:
+        """Drop whatever NIXL holds under ``agent_name`` (bytes: a name that
+        is not UTF-8); nothing held is no error."""
         try:
             self._agent.remove_remote_agent(agent_name)
-        except Exception:
-            logger.warning(
-                "invalidating NIXL agent %s failed", agent_name, exc_info=True
+        except Exception as exc:
+            self._plog.warning(
+                "invalidate", str(agent_name), "invalidating its agent failed: %s", exc
             )
 
     # -- transfers ----------------------------------------------------------
@@ -1058,20 +1249,21 @@ class NixlDataTransport:
             except Exception as exc:
                 # A dead or removed peer lands here: an expected event, so
                 # one line, with the traceback only at debug level.
-                logger.warning(
-                    "%s of %d blocks with %s failed to post: %s",
+                if self._plog.warning(
+                    "post",
+                    agent_name,
+                    "%s of %d blocks failed to post: %s",
                     op,
                     len(local_blocks),
-                    agent_name,
                     exc,
-                )
-                logger.debug("post failure detail", exc_info=True)
+                ):
+                    logger.debug("post failure detail", exc_info=True)
                 if handle is not None:
                     # Maybe posted in part: NIXL cancels the descriptors it
                     # posted when one fails, which does not stop them. A
                     # WRITE is reported unstopped (its consumer may not
                     # reuse the slots on our word), and the session ends.
-                    self._release(handle)
+                    self._release(handle, agent_name)
                     self._faulted.add(agent_name)
                     if op == "WRITE":
                         self._unstopped.add(tid)
@@ -1080,7 +1272,7 @@ class NixlDataTransport:
             if state == "PROC":
                 self._inflight[tid] = _Xfer(handle, agent_name)
             else:
-                self._release(handle)
+                self._release(handle, agent_name)
                 self._done.append((tid, state == "DONE"))
             return tid
 
@@ -1112,7 +1304,7 @@ class NixlDataTransport:
         read = _StagedRead(
             peer, np.asarray(local, dtype=np.int64), np.asarray(remote, np.int64)
         )
-        state = self._state(read)
+        state = self._state(read, peer.info.agent_name)
         if state == "PROC":
             self._inflight[tid] = _Xfer(read, peer.info.agent_name)
         else:
@@ -1137,17 +1329,21 @@ class NixlDataTransport:
                     if piece.state == "PROC":
                         continue
                 read.pieces.remove(piece)
-                self._release(piece.handle)
+                self._release(piece.handle, read.peer.info.agent_name)
                 try:
                     if piece.state != "DONE":
                         self._bury(read)
                         return "ERR"
                     end = piece.lo + piece.stage.size
                     mem.copy_out(piece.stage, read.local[piece.lo : end])
-                except Exception:
-                    logger.warning(
-                        "copying a READ out of staging failed", exc_info=True
-                    )
+                except Exception as exc:
+                    if self._plog.warning(
+                        "copy_out",
+                        read.peer.info.agent_name,
+                        "copying a READ out of staging failed: %s",
+                        exc,
+                    ):
+                        logger.debug("copy-out failure detail", exc_info=True)
                     self._bury(read)
                     return "ERR"
                 finally:
@@ -1172,13 +1368,14 @@ class NixlDataTransport:
                 )
                 state = str(self._agent.transfer(handle))
             except Exception as exc:
-                logger.warning(
-                    "READ of %d blocks from %s failed to post: %s",
-                    stage.size,
+                if self._plog.warning(
+                    "post",
                     read.peer.info.agent_name,
+                    "READ of %d blocks failed to post: %s",
+                    stage.size,
                     exc,
-                )
-                logger.debug("post failure detail", exc_info=True)
+                ):
+                    logger.debug("post failure detail", exc_info=True)
                 if handle is None:
                     pool.give(stage)  # nothing was posted
                 else:
@@ -1282,17 +1479,18 @@ class NixlDataTransport:
                         z.gone = True
                         live.append(z)
                         continue
-                    logger.warning(
-                        "a cancelled READ from %s can no longer be checked (%s): "
-                        "its %d staging blocks stay taken until close",
+                    self._plog.warning(
+                        "unreadable",
                         z.peer,
+                        "a cancelled READ from it can no longer be checked (%s): "
+                        "its %d staging blocks stay taken until close",
                         exc,
                         z.stage.size,
                     )
                     z.lost = True
                     state = "PROC"
                 if state != "PROC":
-                    self._release(z.handle)
+                    self._release(z.handle, z.peer)
                     pool.give(z.stage)
                     continue
             live.append(z)
@@ -1309,7 +1507,7 @@ class NixlDataTransport:
         pool, kept = self._stage_pool, []
         for z in self._zombies:
             if z.gone and z.peer == name and pool is not None:
-                self._release(z.handle)
+                self._release(z.handle, name)
                 pool.give(z.stage)
             else:
                 kept.append(z)
@@ -1331,8 +1529,8 @@ class NixlDataTransport:
         try:
             handle = self._copier.copy(peer.mapping, plan)
         except Exception as exc:
-            logger.warning(
-                "same-host copy from %s failed: %s", peer.info.agent_name, exc
+            self._plog.warning(
+                "same_host_copy", peer.info.agent_name, "same-host copy failed: %s", exc
             )
             self._done.append((tid, False))
             return tid
@@ -1392,7 +1590,20 @@ class NixlDataTransport:
         with self._lock:
             if self._closed:
                 return []
-            notifs: dict[Any, list[bytes]] = self._agent.get_new_notifs()
+            try:
+                notifs: dict[Any, list[bytes]] = self._agent.get_new_notifs()
+            except UnicodeDecodeError as exc:
+                # A sender names itself, and anyone holding our metadata can
+                # send: NIXL's binding fails the whole batch on a name that
+                # is not UTF-8 (the batch is gone by then). No agent of ours
+                # has such a name, and our caller must not fail for it.
+                self._plog.warning(
+                    "notif_name",
+                    repr(exc.object[:80]),
+                    "notifications from an agent whose name is not UTF-8 "
+                    "were dropped, with any that came with them",
+                )
+                return []
             out: list[tuple[str, bytes]] = []
             for sender, msgs in notifs.items():
                 name = sender.decode() if isinstance(sender, bytes) else str(sender)
@@ -1462,7 +1673,7 @@ class NixlDataTransport:
                     # are dropped below, before the staging is freed.
                     _KEPT_STAGING.append(self._stage_mem.buffer)
                 for z in self._zombies:
-                    self._release(z.handle)
+                    self._release(z.handle, z.peer)
                 self._zombies.clear()
                 for name, peer in [*self._peers.items(), *self._retiring.items()]:
                     self._unmap(peer)
@@ -1471,7 +1682,7 @@ class NixlDataTransport:
                 self._retiring.clear()
                 for prepped in (self._local_prepped, self._stage_prepped):
                     if prepped is not None:
-                        self._release(prepped)
+                        self._release(prepped, None)
                 self._local_prepped = self._stage_prepped = None
                 if self._copier is not None:
                     self._copier.close()
@@ -1503,7 +1714,8 @@ class NixlDataTransport:
         if self._closed:
             raise RuntimeError("NixlDataTransport is closed")
 
-    def _state(self, handle: Any, post: bool = True) -> str:
+    def _state(self, handle: Any, peer: str, post: bool = True) -> str:
+        """A transfer with ``peer``: "PROC", "DONE" or "ERR"."""
         # Never raises: a caller holding completions it already took would
         # lose them (a CUDA error is sticky; the copy is then reported
         # failed, and its release waits on it as far as CUDA still can).
@@ -1513,20 +1725,27 @@ class NixlDataTransport:
             if isinstance(handle, CopyInFlight):
                 return handle.state()
             return str(self._agent.check_xfer_state(handle))
-        except Exception:
-            logger.warning("checking a transfer failed", exc_info=True)
+        except Exception as exc:
+            if self._plog.warning("check", peer, "checking a transfer failed: %s", exc):
+                logger.debug("check failure detail", exc_info=True)
             return "ERR"
 
-    def _release(self, handle: Any) -> None:
+    def _release(self, handle: Any, peer: str | None) -> None:
+        """Release a transfer's handle (``peer``: whose; None: our own)."""
         if isinstance(handle, _StagedRead):
             self._bury(handle)
             return
         try:
             handle.release()
-        except Exception:
+        except Exception as exc:
             # The wrapper keeps a handle it could not release and retries at
             # agent teardown; nothing more we can do here.
-            logger.warning("releasing a NIXL transfer handle failed", exc_info=True)
+            if peer is None:
+                logger.warning("releasing a NIXL handle failed", exc_info=True)
+            elif self._plog.warning(
+                "release", peer, "releasing a NIXL transfer handle failed: %s", exc
+            ):
+                logger.debug("release failure detail", exc_info=True)
 
     def _ended(self, tid: int, xfer: _Xfer, now: float) -> bool | None:
         """Whether a tracked transfer succeeded, once it has ended (its
@@ -1540,21 +1759,22 @@ class NixlDataTransport:
         given_up = xfer.give_up_at is not None
         # Given up on: a staged READ's next pieces are not started (they
         # would only become zombies holding staging).
-        state = self._state(xfer.handle, post=not given_up)
+        state = self._state(xfer.handle, xfer.peer, post=not given_up)
         if state != "PROC" or (given_up and isinstance(xfer.handle, _StagedRead)):
             # A staged READ is not waited for: its staging, not the
             # engine's slots, holds what may still land.
-            self._release(xfer.handle)
+            self._release(xfer.handle, xfer.peer)
             return state == "DONE"
         if xfer.give_up_at is None or now < xfer.give_up_at:
             return None
-        logger.warning(
-            "transfer %d to %s still running after %.1fs: cancelling",
-            tid,
+        self._plog.warning(
+            "drain",
             xfer.peer,
+            "transfer %d still running after %.1fs: cancelling",
+            tid,
             self._drain_timeout_s,
         )
-        self._release(xfer.handle)
+        self._release(xfer.handle, xfer.peer)
         self._unstopped.add(tid)
         return False
 

@@ -1067,11 +1067,16 @@ def test_a_read_that_cannot_be_checked_does_not_stop_its_peers_reads(
         assert cons.take_faulted() == {prod.agent_name}  # its session ends
 
 
-def test_a_region_passed_off_under_another_peers_name_is_refused() -> None:
+def test_a_region_passed_off_under_another_peers_name_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A RegionInfo is the sender's word. One naming a known agent with
-    other contents used to replace that agent (another session's), and
-    metadata naming a known agent under a new name used to invalidate it
-    without fencing its transfers."""
+    other contents must not replace that agent (another session's).
+    Metadata naming a known agent under a new name is refused before NIXL
+    reads it, so the known agent keeps its state and its session; should
+    NIXL ever load it (a format the check does not know), the known agent
+    is fenced and dropped, never left half-invalidated."""
+    from p2p_kv import data
     from p2p_kv.data import NixlDataTransport
 
     bs, n = 4 * KIB, 16
@@ -1091,14 +1096,22 @@ def test_a_region_passed_off_under_another_peers_name_is_refused() -> None:
         assert sorted(c.peers()) == sorted([ia.agent_name, ib.agent_name])
         assert c.take_faulted() == set()  # a kept nothing of the sender's
         assert _read_all(c, ia.agent_name, [1], [2])
-        # a's metadata under a new name: a's NIXL state may now be the
-        # sender's, so a is dropped (fenced), never left half-invalidated.
+        # a's metadata under a new name: refused before NIXL saw it, so a
+        # keeps its NIXL state and its session.
+        with pytest.raises(ValueError, match="names agent"):
+            c.add_peer(msgspec.structs.replace(ia, agent_name="pass-x"))
+        assert sorted(c.peers()) == sorted([ia.agent_name, ib.agent_name])
+        assert c.take_faulted() == set()
+        assert _read_all(c, ia.agent_name, [5], [6])
+        # Loaded anyway: a's NIXL state may now be the sender's, so a is
+        # dropped (fenced), and its session must end too (its READs found
+        # no peer for as long as it lived): a new one loads a's agent again.
+        monkeypatch.setattr(data, "check_peer_metadata", lambda *_: None)
         with pytest.raises(ValueError, match="names agent"):
             c.add_peer(msgspec.structs.replace(ia, agent_name="pass-x"))
         assert c.peers() == [ib.agent_name]
-        # a's session must end too (its READs found no peer for as long as
-        # it lived): a new one loads a's agent again.
         assert c.take_faulted() == {ia.agent_name}
+        monkeypatch.undo()
         c.add_peer(ia)
         assert _read_all(c, ia.agent_name, [6], [7])
         assert np.array_equal(bufs[2].reshape(n, bs)[7], bufs[0].reshape(n, bs)[6])
@@ -1106,6 +1119,7 @@ def test_a_region_passed_off_under_another_peers_name_is_refused() -> None:
         got = bufs[2].reshape(n, bs)
         assert np.array_equal(got[2], bufs[0].reshape(n, bs)[1])
         assert np.array_equal(got[4], bufs[1].reshape(n, bs)[3])
+        assert np.array_equal(got[6], bufs[0].reshape(n, bs)[5])
 
 
 def test_a_copy_whose_check_raises_is_reported_failed_and_nothing_is_lost() -> None:

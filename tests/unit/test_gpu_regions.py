@@ -14,6 +14,7 @@ refuse the transfer, only on a GPU machine. The transfers themselves run in
 from __future__ import annotations
 
 import logging
+import struct
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,27 @@ from p2p_kv.procfs import boot_id
 from p2p_kv.same_host_cuda import CudaIpcRegion
 
 BS = 4096
+
+
+def nixl_metadata(name: str, mem: str, addr: int, nbytes: int, device: int) -> bytes:
+    """Agent metadata in NIXL's format (``nixlSerDes``), as the transport
+    checks it before loading: one UCX connection, one region, one key."""
+    fields = [
+        (b"Agent", name.encode()),
+        (b"Conns", struct.pack("=Q", 1)),
+        (b"t", b"UCX"),
+        (b"c", b"worker-address"),
+        (b"", b"MemSection"),
+        (b"nixlSecElms", struct.pack("=Q", 1)),
+        (b"bknd", b"UCX"),
+        (b"nixlDList", b"nixlSDList"),
+        (b"t", struct.pack("=i", {MEM_DRAM: 0, MEM_VRAM: 1}[mem])),
+        (b"n", struct.pack("=Q", 1)),
+        (b"", struct.pack("=QQQ", addr, nbytes, device) + b"rkey"),
+    ]
+    return b"nixlSerDes|" + b"".join(
+        tag + struct.pack("=Q", len(value)) + value + b"|" for tag, value in fields
+    )
 
 
 @dataclass
@@ -109,10 +131,12 @@ class FakeAgent:
         self.deregistered.append(reg)
 
     def get_agent_metadata(self) -> bytes:
-        return f"md:{self.name}".encode()
+        ((addr, nbytes, device, _),), mem = self.registered[0]
+        return nixl_metadata(self.name, mem, addr, nbytes, device)
 
     def add_remote_agent(self, md: bytes) -> bytes:
-        return md.removeprefix(b"md:")
+        (size,) = struct.unpack_from("=Q", md, 16)  # after the intro and "Agent"
+        return md[24 : 24 + size]
 
     def remove_remote_agent(self, name: str) -> None:
         pass
@@ -224,10 +248,12 @@ def agents(
     return made
 
 
-def _peer(mem: str, device: int, base: int, blocks: int) -> RegionInfo:
+def _peer(
+    mem: str, device: int, base: int, blocks: int, name: str = "peer-1"
+) -> RegionInfo:
     return RegionInfo(
-        agent_name="peer-1",
-        agent_metadata=b"md:peer-1",
+        agent_name=name,
+        agent_metadata=nixl_metadata(name, mem, base, blocks * BS, device),
         base_addr=base,
         num_blocks=blocks,
         block_bytes=BS,
@@ -257,7 +283,9 @@ def test_cuda_tensor_registers_one_vram_span_on_its_device(
     )
     assert (info.num_blocks, info.block_bytes) == (16, BS)
     # Metadata is taken after registration: it carries the region's keys.
-    assert info.agent_metadata == f"md:{t.agent_name}".encode()
+    assert info.agent_metadata == nixl_metadata(
+        t.agent_name, MEM_VRAM, 0x7F00_0000_0000, 16 * BS, 1
+    )
     t.close()
     assert agent.deregistered == [("reg", 1), ("reg", 2)]
 
@@ -375,10 +403,7 @@ def test_a_peer_that_stalls_mid_read_leaves_the_others_their_staging(
         read_staging_bytes=8 * BS,
     )
     t.add_peer(_peer(MEM_VRAM, 0, 0x7E00_0000_0000, 32))
-    other = _peer(MEM_VRAM, 0, 0x7C00_0000_0000, 32)
-    t.add_peer(
-        msgspec.structs.replace(other, agent_name="peer-2", agent_metadata=b"md:peer-2")
-    )
+    t.add_peer(_peer(MEM_VRAM, 0, 0x7C00_0000_0000, 32, name="peer-2"))
     agent = agents[0]
     agent.hold = True
     t.post_read("peer-1", list(range(8)), list(range(0, 16, 2)))
