@@ -309,7 +309,22 @@ class LoadManager:
         self._gens = itertools.count(1)
         self._inbound_ids = itertools.count(1)
         self._sessions: dict[str, Session] = {}
+        # What a connection's path reads of the sessions, kept as they
+        # change, so that none scans every session: anyone who reaches the
+        # port opens sessions, and a scan per connection would make N of
+        # them cost the engine's thread O(N^2) in one poll.
+        #: Inbound sessions still handshaking, oldest first (the one
+        #: max_inbound drops). Each leaves as it becomes ready (on_message)
+        #: or closes (Session.on_close, whoever closes it).
+        self._handshaking: dict[str, Session] = {}
+        #: Inbound sessions ready and not closed (max_inbound's other count).
+        self._ready_inbound = 0
+        #: Sessions we dialled, in ``_sessions``' order (max_peers).
+        self._dialled: dict[str, Session] = {}
         self._consumers: dict[str, Consumer] = {}
+        #: Live consumer requests by the peer they name: what a session's
+        #: end or a dial for room reads, not every request.
+        self._named: dict[str, dict[str, Consumer]] = {}
         self._by_gen: dict[int, Consumer] = {}
         self._unsent: set[str] = set()  # req ids with lookups to flush
         self._failed: set[str] = set()
@@ -390,6 +405,7 @@ class LoadManager:
             consumer = Consumer(req_id, roles.source, next(self._gens))
             self._consumers[req_id] = consumer
             self._by_gen[consumer.gen] = consumer
+            self._named.setdefault(roles.source.peer, {})[req_id] = consumer
             if self._session_for(roles.source.peer, now) is None:
                 consumer.refused = self._refused_dial(roles.source.peer, now)
         if roles.dest_kv_id:
@@ -533,6 +549,10 @@ class LoadManager:
         if consumer is not None:
             self._unsent.discard(req_id)
             del self._by_gen[consumer.gen]
+            named = self._named[consumer.source.peer]
+            del named[req_id]
+            if not named:
+                del self._named[consumer.source.peer]
             for result in self._results:
                 if isinstance(result, LoadResult) and result.gen == consumer.gen:
                     result.request_finished = True
@@ -604,13 +624,17 @@ class LoadManager:
         return out
 
     def _collect(self, now: float) -> None:
-        for peer in list(self._dirty):
+        """Take every touched session's results (once a step: the engine's
+        results poll)."""
+        for peer in self._dirty:
             session = self._sessions.get(peer)
-            if session is None:
-                continue
-            self._apply_answers(session)
-            self._results.extend(session.take_load_results())
-            self._results.extend(session.take_store_results())
+            if session is not None:
+                self._collect_one(session)
+
+    def _collect_one(self, session: Session) -> None:
+        self._apply_answers(session)
+        self._results.extend(session.take_load_results())
+        self._results.extend(session.take_store_results())
 
     def _register_job(
         self,
@@ -657,7 +681,7 @@ class LoadManager:
             return None  # closed, awaiting invalidation
         if now < self._retry_at.get(peer, 0.0):
             return None
-        if self._dialled() >= self.max_peers and not self._make_room():
+        if len(self._dialled) >= self.max_peers and not self._make_room():
             # Clients choose the peers; each dial costs sockets the engine
             # cannot run out of. This request recomputes.
             self._count_limit_refusal("too_many_peers")
@@ -680,14 +704,16 @@ class LoadManager:
         peers an engine ever talked to while they lived: past it, every
         new peer lost the tier for good. A closing session keeps its
         sockets until its invalidation (this step's pump), so at most
-        :data:`CLOSING_ROOM` dials pass ``max_peers`` meanwhile."""
-        if self._dialled() >= self.max_peers + CLOSING_ROOM:
+        :data:`CLOSING_ROOM` dials pass ``max_peers`` meanwhile. It reads
+        the sessions we dialled (at most that many), never the inbound
+        ones, which anyone may open."""
+        if len(self._dialled) >= self.max_peers + CLOSING_ROOM:
             return False
-        named = {c.source.peer for c in self._consumers.values()}
+        named = self._named
         idle = [
             s
-            for p, s in self._sessions.items()
-            if not is_inbound(p) and not s.closed and not s.active and p not in named
+            for p, s in self._dialled.items()
+            if not s.closed and not s.active and p not in named
         ]
         if not idle:
             return False
@@ -695,10 +721,6 @@ class LoadManager:
         oldest.evicted = True
         self.close_session(oldest.peer, "idle: room for a new peer (max_peers)")
         return True
-
-    def _dialled(self) -> int:
-        """Sessions we dialled (a scan: only when a dial is considered)."""
-        return sum(1 for p in self._sessions if not is_inbound(p))
 
     def _new_session(self, peer: str, now: float) -> Session:
         session = Session(
@@ -712,8 +734,21 @@ class LoadManager:
             engine_keys=(self._pending_keys, self._waiting_keys),
         )
         self._sessions[peer] = session
+        if is_inbound(peer):
+            self._handshaking[peer] = session
+            session.on_close = self._inbound_closed
+        else:
+            self._dialled[peer] = session
         self._touch(session)
         return session
+
+    def _inbound_closed(self, session: Session) -> None:
+        """An inbound session's link closed, whoever closed it (a bound,
+        its peer, a deadline, the runtime): it leaves the count it was in.
+        One not handshaking any more was ready (that is the only other
+        link before closed)."""
+        if self._handshaking.pop(session.peer, None) is None:
+            self._ready_inbound -= 1
 
     def on_inbound(self, now: float, peer: str | None = None) -> str:
         """A new peer connected to us; returns the key to feed its frames
@@ -728,16 +763,12 @@ class LoadManager:
             return peer
         if peer is None or peer in self._sessions:
             peer = f"in:#{next(self._inbound_ids)}"
-        greeting = [
-            s
-            for p, s in self._sessions.items()
-            if is_inbound(p) and not s.ready and not s.closed
-        ]
-        if len(greeting) >= self.max_inbound:
+        greeting = len(self._handshaking)
+        if greeting >= self.max_inbound:
             self._refuse_inbound(
-                greeting[0],  # the oldest: sessions keep their insertion order
+                next(iter(self._handshaking.values())),  # the oldest
                 "too_many_handshaking",
-                f"{len(greeting)} connections still handshaking",
+                f"{greeting} connections still handshaking",
             )
         self._new_session(peer, now)
         return peer
@@ -792,9 +823,9 @@ class LoadManager:
             # Every per-peer bound holds per session: without this one, a
             # party with the secret opening connections multiplied them
             # (six held 6x the waiting-fetch bound, 360 MiB).
-            ready = sum(
-                1 for p, s in self._sessions.items() if is_inbound(p) and s.ready
-            )
+            self._handshaking.pop(peer, None)
+            self._ready_inbound += 1
+            ready = self._ready_inbound
             if ready > self.max_inbound:
                 self._refuse_inbound(
                     session, "too_many_inbound", f"{ready - 1} peers connected"
@@ -927,16 +958,23 @@ class LoadManager:
             heapq.heappush(self._orphans, (serve.deadline, next(self._heap_ids), serve))
         session.orphans.clear()
         self._touch(session)
-        self._collect(now)
+        # Its own results only: the other sessions' wait for the engine's
+        # results poll (collecting them all here would cost each retired
+        # session a visit to every touched one).
+        self._collect_one(session)
         self.retired_sessions.append(session)  # its last counts, for metrics
         session.leave_engine()
+        session.on_close = None
         del self._sessions[peer]
+        self._dialled.pop(peer, None)
         self._dirty.discard(peer)
         self._forget_hits_through(peer)
         # One closed for room was healthy: the next request to it dials at
         # once (with a backoff, peers used in turn slightly past max_peers
-        # missed for a second after each eviction).
+        # missed for a second after each eviction). Re-inserted, so the
+        # entries stay in the order they expire (one backoff for all).
         if not is_inbound(peer) and not session.evicted:
+            self._retry_at.pop(peer, None)
             self._retry_at[peer] = now + self.reconnect_backoff_s
 
     def _forget_hits_through(self, peer: str) -> None:
@@ -944,9 +982,10 @@ class LoadManager:
         for that session, so a load of them through the next one is
         refused (``not pinned``) and recomputes. Asked again instead, as
         keys never asked are. (Misses stay misses.) Runs once a session,
-        over the live requests: a session's end is rare."""
-        for consumer in self._consumers.values():
-            if consumer.source.peer != peer or consumer.fetched:
+        over the live requests that name its peer (none for an inbound
+        one)."""
+        for consumer in self._named.get(peer, {}).values():
+            if consumer.fetched:
                 continue
             if consumer.source.probe and any(consumer.keys.values()):
                 consumer.keys = {k: hit for k, hit in consumer.keys.items() if not hit}
@@ -978,8 +1017,12 @@ class LoadManager:
             _, _, serve = heapq.heappop(self._orphans)
             serve.fire(Event.TIMEOUT)
             self._results.extend(serve.let_go(Event.PEER_LOST, False, "peer_down"))
-        if len(self._retry_at) > 1024:
-            self._retry_at = {p: t for p, t in self._retry_at.items() if t > now}
+        # In expiry order (see on_invalidated): those past it go from the
+        # front, each once. (One past it behind a later one, after the
+        # backoff was changed, reads as absent meanwhile: the same.)
+        retry = self._retry_at
+        while retry and next(iter(retry.values())) <= now:
+            del retry[next(iter(retry))]
         self._forget_finished_kv(now)
 
     def _forget_finished_kv(self, now: float) -> None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from itertools import compress
@@ -537,6 +537,10 @@ class Session:
         self.used_at = now
         #: closed for room, not for a fault: its peer gets no backoff
         self.evicted = False
+        #: Called once, as the link closes, whoever closes it (the manager,
+        #: the peer, a deadline, the runtime): the manager keeps its counts
+        #: of inbound sessions by link with it, not by scanning them all.
+        self.on_close: Callable[[Session], None] | None = None
         self.counters = SessionCounters()
         self._created = now
         self._last_rx = now
@@ -789,6 +793,8 @@ class Session:
             return
         self.link = Link.CLOSED
         self.close_reason = f"{kind}: {reason}"
+        if self.on_close is not None:
+            self.on_close(self)
         for probe in self._probes.values():
             probe.fire(Event.PEER_LOST)
             self._probe_answers.append(ProbeAnswer(probe.gen, probe.keys, None))
