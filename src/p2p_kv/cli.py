@@ -23,6 +23,7 @@ BENCHES = (
     "fallback",
     "gpu",
     "waker",
+    "connections",
 )
 
 
