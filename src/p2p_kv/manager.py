@@ -99,6 +99,15 @@ class Roles:
     #: An empty id marks a malformed block: its stores fail, not park.
     dest_kv_id: str | None = None
 
+    @property
+    def bad_decoder(self) -> bool:
+        """A ``remote_decoder`` leg that names no decoder's request (no
+        ``kv_request_id``, or not a mapping): no decoder can fetch what the
+        request stores, so each of its store jobs fails
+        (:meth:`LoadManager.refuse_store`), as vLLM's own tier fails them,
+        instead of succeeding as if the leg were not there."""
+        return self.dest_kv_id == ""
+
     @staticmethod
     def parse(params: Mapping[str, Any] | None) -> Roles:
         """Parse vLLM's per-request ``kv_transfer_params``. Malformed legs
@@ -541,6 +550,14 @@ class LoadManager:
         heapq.heappush(self._parked_heap, (store.deadline, job_id, store))
         self._feed_waiting(kv_id, now)
         return True
+
+    def refuse_store(self, job_id: int, req_id: str, reason: str) -> None:
+        """Fail a store job at once, counted in ``protocol_errors`` under
+        ``reason``: a store of a request whose ``remote_decoder`` leg is
+        malformed (:attr:`Roles.bad_decoder`) has no decoder to wait for."""
+        self._register_job(job_id, "store", req_id)
+        tally(self.protocol_errors, reason, "other")
+        self._results.append(StoreResult(job_id, False, reason))
 
     def on_request_finished(self, req_id: str, now: float) -> None:
         """Finish both legs of a request. Idempotent for unknown ids."""
