@@ -7,6 +7,12 @@ between that cache and the primary tier's shared region. This module swaps
 only the worker; the scheduler side (primary tier, secondary tiers, metrics)
 is vLLM's own ``TieringOffloadingSpec``, unchanged.
 
+The worker takes each supported vLLM's signatures (the version table,
+:mod:`p2p_kv.adapter.versions`): 0.33 and 0.34 pass ``expedited=True`` to
+``submit_load`` for a load their step waits on, and 0.34 hands the
+engine's side of a transfer as ``DevicePointers`` (an address and a size
+per block and layer) where 0.32 and 0.33 hand a ``GPULoadStoreSpec``.
+
 Select it with ``kv_connector_extra_config``::
 
     {"spec_name": "HostCopyTieringSpec",
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -33,9 +40,23 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
+from p2p_kv.adapter import versions
+
 __all__ = ["HostCopyTieringSpec", "HostCopyWorker", "claim_amx_tiles"]
 
 log = logging.getLogger(__name__)
+
+#: The installed vLLM's row of the version table.
+RELEASE = versions.current()
+
+
+class EngineBlocks(NamedTuple):
+    """The engine's side of a transfer, whatever vLLM handed: block ids in
+    group order, blocks per group, and each group's first logical block."""
+
+    block_ids: np.ndarray
+    group_sizes: tuple[int, ...]
+    block_indices: tuple[int, ...]
 
 
 def claim_amx_tiles() -> bool:
@@ -83,6 +104,12 @@ class HostCopyWorker(OffloadingWorker):
         self._region: SharedOffloadRegion | None = region
         self._blocks_per_chunk = blocks_per_chunk
         self._refs = kv_caches.group_data_refs
+        #: per tensor: the address and row stride vLLM 0.34 resolves block
+        #: pointers from (``base + block * stride(0)``), and its blocks
+        self._bases = [
+            (t.tensor.data_ptr(), t.tensor.stride(0), t.tensor.shape[0])
+            for t in kv_caches.tensors
+        ]
         # Engine side: (num_blocks, page) int8, possibly strided (a view of a
         # larger per-layer cache). Region side: (num_chunks, blocks_per_chunk,
         # page), a strided view of this rank's slot in each chunk row.
@@ -121,8 +148,64 @@ class HostCopyWorker(OffloadingWorker):
             runs.append((b, c, sb, 1))
         return runs
 
+    def engine_blocks(self, spec: Any) -> EngineBlocks:
+        """The engine's side as block ids. A ``GPULoadStoreSpec`` (vLLM 0.32
+        and 0.33) carries them; ``DevicePointers`` (0.34) carry, per group,
+        one address per layer reference and block, in vLLM's order (group,
+        then reference, then block), each ``base + block * stride(0)`` of
+        that reference's tensor: the ids are read back from the first
+        reference's addresses, and every other address and size must agree
+        with them (anything else is a layout this worker does not know,
+        refused rather than copied wrong)."""
+        if not RELEASE.device_pointers:
+            assert isinstance(spec, GPULoadStoreSpec)
+            return EngineBlocks(
+                spec.block_ids, tuple(spec.group_sizes), tuple(spec.block_indices)
+            )
+        ptrs = np.asarray(spec.ptrs, dtype=np.uint64)
+        sizes = np.asarray(spec.sizes, dtype=np.uint64)
+        ids: list[np.ndarray] = []
+        at = 0
+        for g, size in enumerate(spec.group_block_counts):
+            if size == 0:
+                continue
+            refs = self._refs[g]
+            if spec.group_data_ref_counts[g] != len(refs):
+                raise ValueError(
+                    f"group {g}: {spec.group_data_ref_counts[g]} layer references "
+                    f"in the pointers, {len(refs)} in the engine's KV caches"
+                )
+            group: np.ndarray | None = None
+            for ref in refs:
+                base, stride, rows = self._bases[ref.tensor_idx]
+                run = ptrs[at : at + size].astype(np.int64) - base
+                blocks = run // stride
+                if (
+                    (run % stride).any()
+                    or (blocks < 0).any()
+                    or (blocks >= rows).any()
+                    or (sizes[at : at + size] != ref.page_size_bytes).any()
+                ):
+                    raise ValueError(
+                        f"group {g}: block pointers off the engine's rows of "
+                        f"tensor {ref.tensor_idx}"
+                    )
+                if group is None:
+                    group = blocks
+                elif not np.array_equal(group, blocks):
+                    raise ValueError(f"group {g}: layers name different blocks")
+                at += size
+            assert group is not None
+            ids.append(group)
+        if at != len(ptrs):
+            raise ValueError(f"{len(ptrs)} block pointers, {at} accounted for")
+        block_ids = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
+        return EngineBlocks(
+            block_ids, tuple(spec.group_block_counts), tuple(spec.block_indices)
+        )
+
     def _copy(
-        self, job_id: int, gpu: GPULoadStoreSpec, host: LoadStoreSpec, store: bool
+        self, job_id: int, gpu: EngineBlocks, host: LoadStoreSpec, store: bool
     ) -> bool:
         assert isinstance(host, BlockIDsLoadStoreSpec)
         start = time.perf_counter()
@@ -161,15 +244,21 @@ class HostCopyWorker(OffloadingWorker):
         )
         return True
 
-    def submit_store(
-        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
-    ) -> bool:
-        return self._copy(job_id, src_spec, dst_spec, store=True)
+    def submit_store(self, job_id: int, src_spec: Any, dst_spec: LoadStoreSpec) -> bool:
+        """``src_spec``: the engine's blocks (:meth:`engine_blocks`)."""
+        return self._copy(job_id, self.engine_blocks(src_spec), dst_spec, store=True)
 
     def submit_load(
-        self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec
+        self,
+        job_id: int,
+        src_spec: LoadStoreSpec,
+        dst_spec: Any,
+        expedited: bool = False,
     ) -> bool:
-        return self._copy(job_id, dst_spec, src_spec, store=False)
+        """``dst_spec``: the engine's blocks (:meth:`engine_blocks`).
+        ``expedited`` (vLLM 0.33 and later: the step waits on this load)
+        changes nothing: every copy here ends inside its submit call."""
+        return self._copy(job_id, self.engine_blocks(dst_spec), src_spec, store=False)
 
     def get_finished(self) -> list[TransferResult]:
         done, self._done = self._done, []
