@@ -172,10 +172,9 @@ def test_a_remote_hit_moves_the_producers_blocks(make: Callable[..., Engine]) ->
     """A stores three blocks; B's request names A as its source and looks
     them up through vLLM's manager: B's tier asks A, vLLM promotes the
     hits (B's load job, a READ of A's pinned slots), and B's primary tier
-    then holds A's bytes. A is an idle engine-core process throughout:
-    on 0.34 the tier-poll thread answers B and A never steps; on 0.33 the
-    thread answers too, but vLLM steps A while A holds the pins it
-    offered; on 0.32 our waker wakes A to serve. A is idle again after."""
+    then holds A's bytes. A is an idle engine-core process throughout: on
+    0.33 and 0.34 the tier-poll thread answers B and nothing wakes A (it
+    never steps); on 0.32 our waker wakes A to serve. A is idle after."""
     a = make("a", [p2p_entry()], core=True)
     b = make("b", [p2p_entry()])
     payload = _store(a)
@@ -196,13 +195,11 @@ def test_a_remote_hit_moves_the_producers_blocks(make: Callable[..., Engine]) ->
     _empty(a)
     _empty(b)
     served_steps = a.steps - a_steps
-    if THREAD and not RELEASE.asks_polled_tier:
-        assert served_steps == 0, "0.34: the tier-poll thread served the peer"
+    if THREAD:
+        assert served_steps == 0 and a.wakes == 0, "the tier-poll thread served"
     else:
-        # 0.32: the waker woke the engine to serve; 0.33: the thread
-        # served, but vLLM steps the engine while it holds the pins it
-        # offered (store jobs of its manager) until the peer's Release
-        assert served_steps > 0
+        assert served_steps > 0 and a.wakes > 0, "the waker woke the engine"
+    a.poke()
     time.sleep(0.3)
     assert a.steps == a_steps + served_steps, "idle again"
 
@@ -221,9 +218,11 @@ def test_an_idle_engine_is_not_stepped_for_p2p_kv(
     tiers: list[dict[str, Any]],
     interval: float | None,
 ) -> None:
-    """An engine-core process with p2p_kv and no request steps not at all
-    in 0.5 s, on every version, alone, beside vLLM's ``example`` tier, and
-    with the tier-poll thread turned off. vLLM 0.34 never asks a tier it
+    """An idle engine-core process blocks on its input queue and, woken by
+    any input, asks again whether it has work. With p2p_kv and no request
+    it takes no step in 0.5 s and ten such wake-ups, on every version,
+    alone, beside vLLM's ``example`` tier and with the tier-poll thread
+    off; nor does p2p_kv's waker wake it. vLLM 0.34 never asks a tier it
     polls off-thread for ``has_pending_work``; every other case asks us,
     and we answer from our own work. (Asking for the thread beside another
     tier, or without one, made 0.34 report pending work at every step:
@@ -240,15 +239,17 @@ def test_an_idle_engine_is_not_stepped_for_p2p_kv(
     engine = make("idle", tiers, interval=interval, core=True)
     engine.start_loop()
     time.sleep(0.3)  # the first steps take the start's leftovers
-    steps, n_asked = engine.steps, len(asked)
-    time.sleep(0.5)
-    assert engine.steps == steps, "an idle engine stepped"
+    steps, wakes, n_asked = engine.steps, engine.wakes, len(asked)
+    for _ in range(10):
+        engine.poke()
+        time.sleep(0.05)
+    assert (engine.steps, engine.wakes) == (steps, wakes), "an idle engine stepped"
     assert not engine.pending()
     polled = bool(getattr(engine.ours, RELEASE.poll_flag or "", False))
     if polled and not RELEASE.asks_polled_tier:
         assert asked == []
     else:
-        assert len(asked) > n_asked and not any(asked[n_asked:])
+        assert len(asked) - n_asked >= 10 and not any(asked[n_asked:])
 
 
 def test_beside_a_tier_that_takes_the_thread_0_34_steps_at_idle(
@@ -266,6 +267,7 @@ def test_beside_a_tier_that_takes_the_thread_0_34_steps_at_idle(
     engine.start_loop()
     time.sleep(0.3)
     steps = engine.steps
+    engine.poke()  # any input: the idle engine asks whether it has work
     time.sleep(0.5)
     if RELEASE.polled_only_alone:
         assert engine.pending()
@@ -308,15 +310,15 @@ def test_a_cache_reset_revokes_the_pins_a_peer_holds(
     pins it offered to a peer revokes them; the peer's Release ends them
     inside the drain, and the pins' store jobs are vLLM's no more."""
     a = make("a", [p2p_entry()], core=True)
-    b = make("b", [p2p_entry()], core=True)  # its waker, but no steps
+    b = make("b", [p2p_entry()], core=True)
     _store(a)
     _settle(a)
     a.start_loop()
+    b.start_loop()
     ctx = ReqContext(req_id="b0", kv_transfer_params=_source(a))
     b.start(ctx)
-    with b.locked():
-        [b.manager.lookup(k, ctx) for k in KEYS]
-    b.step()  # the Lookup leaves; B steps no more, so loads nothing
+    with b.locked():  # asked once: B's steps send the Lookup, and with no
+        [b.manager.lookup(k, ctx) for k in KEYS]  # later lookup, load nothing
     end = time.monotonic() + 10
     while not a.ours.state_report()["serves"]:  # A pinned the hits for B
         assert time.monotonic() < end

@@ -186,6 +186,8 @@ class Engine:
         self.steps = 0
         #: requests started and not finished: the engine steps while any is
         self.live: set[str] = set()
+        #: inputs the tier put on the engine's queue (its waker's wake-ups)
+        self.wakes = 0
         #: vLLM 0.32's manager has no lock: its engine thread alone calls
         #: it, which this lock stands in for between the loop and a test
         self._engine_lock = threading.RLock()
@@ -201,16 +203,30 @@ class Engine:
     def port(self) -> int:
         return int(self.ours.address.rsplit(":", 1)[1])
 
-    def locked(self) -> contextlib.AbstractContextManager[Any]:
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
         """What vLLM's scheduler holds around every manager call (0.33 and
-        later: the manager's lock). A call from outside the loop comes as
-        an input, as a client's does, which wakes an engine asleep at its
-        step (p2p_kv's sleep while it holds a peer's pins, 0.32)."""
-        if self.core is not None and self._loop is not None:
-            self.core.input_queue.put_nowait(None)
-        if RELEASE.manager_lock:
-            return self.manager.lock  # type: ignore[no-any-return]
-        return self._engine_lock
+        later: the manager's lock; 0.32: its engine thread, played by a
+        lock). vLLM runs a client's call on the engine's thread, as an
+        input, which wakes an engine asleep at its step (p2p_kv's sleep
+        while it holds a peer's pins, 0.32); a test's call from another
+        thread pokes the engine until the loop lets go, and once after,
+        so that it sees what the call changed (a new request)."""
+        lock: Any = self.manager.lock if RELEASE.manager_lock else self._engine_lock
+        loop = self._loop
+        inputs = self.core.input_queue if self.core is not None else None
+        if inputs is None or loop is None or threading.current_thread() is loop:
+            inputs = None
+            lock.acquire()
+        else:
+            while not lock.acquire(timeout=0.01):
+                inputs.put_nowait(None)
+        try:
+            yield
+        finally:
+            lock.release()
+            if inputs is not None:
+                inputs.put_nowait(None)  # then the engine looks at its work
 
     def step(self) -> None:
         """The manager's part of one engine step, as its last call."""
@@ -245,23 +261,32 @@ class Engine:
         self._loop.start()
 
     def _run(self) -> None:
-        """vLLM's engine-core loop, as far as the manager sees it: while
-        no request is live and nothing reports pending work, block on the
-        input queue and take what comes (the waker's no-op among it), then
-        step."""
+        """vLLM's engine-core loop, as far as the manager sees it: while no
+        request is live and nothing reports pending work, block on the
+        input queue (no timeout: only an input wakes an idle engine) and
+        take what comes, the waker's no-op among it; then step."""
         assert self.core is not None
         inputs = self.core.input_queue
         while not self._stop.is_set():
             while not self.has_work() and not self._stop.is_set():
-                with contextlib.suppress(queue.Empty):
-                    inputs.get(timeout=0.05)
+                self._took(inputs.get())
             with contextlib.suppress(queue.Empty):
                 while True:
-                    inputs.get_nowait()
+                    self._took(inputs.get_nowait())
             if self._stop.is_set():
                 return
             self.step()
             self.steps += 1
+
+    def _took(self, item: Any) -> None:
+        if item is not None:  # None: a test's call or poke, not the waker
+            self.wakes += 1
+
+    def poke(self) -> None:
+        """An input that is no request (as a client's utility call): the
+        idle engine wakes and asks again whether it has work."""
+        assert self.core is not None
+        self.core.input_queue.put_nowait(None)
 
     def close(self) -> None:
         self._stop.set()
