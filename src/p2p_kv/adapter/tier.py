@@ -94,13 +94,13 @@ def poll_plan(release: versions.Release, spec: Any) -> PollPlan:
     - No thread (0.32), or turned off (``tier_poll_interval_s`` zero or
       less): not polled. An idle engine is then never called, so our waker
       keeps peers answered and wakes the engine for them, and we answer
-      ``has_pending_work`` ourselves. On 0.34 asking to be polled without
-      a thread made the manager report pending work at every step.
+      ``has_pending_work`` ourselves. 0.34's manager reports pending work
+      at every step while a tier asks to be polled and no thread runs.
     - 0.34 beside another secondary tier: not polled either. 0.34's manager
       reports pending work at every step while a tier it polls sits
       beside another one (a peer's lookup might promote from that tier),
-      so an idle engine stepped without end; with our waker instead, it
-      asks us and we say no when we have nothing.
+      so an idle engine would step without end; with our waker instead,
+      it asks us and we say no when we have nothing.
     - Otherwise (0.33; 0.34 as the only secondary tier): polled.
     """
     flag = release.poll_flag
