@@ -72,6 +72,7 @@ for _var, _val in (
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from raw_nixl import (  # noqa: E402
+    BENCH_SECRET,
     ProducerProcess,
     WorkerPair,
     block_runs,
@@ -459,6 +460,7 @@ def _p2p_producer(
             region=region,
             reads=path != "write",
             same_host=not path.startswith("nixl_read"),
+            secret=BENCH_SECRET,
         )
         for slot in range(num_blocks):
             peer.pinner.table[_key(slot)] = slot
@@ -609,6 +611,7 @@ class P2PGpuPair:
             same_host=not path.startswith("nixl_read"),
             # nixl_read lands in staging (the default); in place: none.
             read_staging_bytes=0 if path == "nixl_read_in_place" else (64 << 20),
+            secret=BENCH_SECRET,
         )
         self.consumer_mem = self.consumer.runtime.data.local_region().mem_kind
         self._events = trace_peer(self.consumer, "c")

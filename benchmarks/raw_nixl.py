@@ -47,6 +47,9 @@ _STEP_TIMEOUT_S = 120.0
 # without the receiver, so this only shapes how busy the receiver looks;
 # with "peer" each WRITE would wait for the next poll.
 DEFAULT_CONSUMER_POLL_S = 0.001
+#: The shared secret of the peers a benchmark starts, as a fleet runs them
+#: (sealed control frames; the write path needs one).
+BENCH_SECRET = b"p2p_kv-bench"
 
 
 def _p2p_module(name: str) -> ModuleType:

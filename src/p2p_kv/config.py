@@ -239,6 +239,16 @@ class TierConfig:
                 "entirely, set allow_unauthenticated: true",
             )
 
+        if not self.read_path and self.secret is None:
+            raise bad(
+                "read_path",
+                "is false (every load is WRITTEN by the producer) but no secret "
+                "is set: a producer writes only to peers whose NIXL metadata it "
+                "loaded, and it loads that only from peers that proved the "
+                "secret (malformed metadata can abort the process inside UCX). "
+                "Set the fleet's shared 'secret', or read_path: true",
+            )
+
     def timeouts(self) -> Timeouts:
         return Timeouts(
             handshake_s=self.handshake_timeout_s,

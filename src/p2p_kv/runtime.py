@@ -401,6 +401,12 @@ class TierRuntime:
         refusal ends it failed at once."""
         agent = self._agents.get(peer)
         try:
+            if agent is None and kind == "write" and is_inbound(peer):
+                raise ValueError(
+                    "no WRITEs to a peer that dialled us without the shared "
+                    "secret (its NIXL metadata is not loaded): set a secret on "
+                    "both engines, or read_path: true on the consumer"
+                )
             if agent is None:
                 raise ValueError("peer has no data-plane agent")
             if kind == "read":
@@ -408,7 +414,7 @@ class TierRuntime:
             else:
                 xfer = self.data.post_write(agent, src, dst, notif)
         except Exception as exc:  # refused before any byte moved
-            log.warning("p2p_kv: %s with %s refused: %s", kind, peer, exc)
+            self._peer_log.warning(f"{kind}_refused", peer, "%s refused: %s", kind, exc)
             now = self.clock()
             if kind == "read":
                 self.manager.on_read_done(peer, ident, False, now)
@@ -546,14 +552,23 @@ class TierRuntime:
         session = self.manager.session(peer)
         if session is None or not session.ready or session.peer_region is None:
             return
+        if is_inbound(peer) and not session.proven_secret:
+            # NIXL hands a peer's metadata to UCX unchecked, and some of it
+            # (a worker address) aborts the process when malformed: it is
+            # loaded only from peers we dialled (named by our own clients)
+            # or that proved the shared secret. A party that dialled us
+            # without one is never written to: it READs what we offer.
+            return
         # Our outbound connection: a same-host peer proves its pid holds
         # the far end before we open its region.
         conn = self.control.connection_inode(peer)
         try:
             info = msgspec.msgpack.decode(session.peer_region, type=RegionInfo)
             self.data.add_peer(info, conn_inode=conn)
-        except Exception as exc:
-            log.warning("p2p_kv: refusing %s: bad data-plane region: %s", peer, exc)
+        except (ValueError, msgspec.DecodeError) as exc:
+            self._peer_log.warning(
+                "bad_region", peer, "refused: bad data-plane region: %s", exc
+            )
             session.close(f"bad data-plane region: {exc}")
             return
         self._agents[peer] = info.agent_name

@@ -600,6 +600,12 @@ class Session:
         return self._peer_acked
 
     @property
+    def proven_secret(self) -> bool:
+        """The peer proved the shared secret (there is one, and its
+        HelloAck checked)."""
+        return self._peer_acked and self._me.secret is not None
+
+    @property
     def peer_region(self) -> bytes | None:
         """The peer's data-plane region (``RegionInfo``, encoded), set
         before the session is ready."""

@@ -51,6 +51,7 @@ MIB = 1024 * KIB
 SENTINEL = 0xAB
 CONSUMER_BLOCKS = 136  # room for 64 blocks at every other slot
 HB = Timeouts(heartbeat_interval_s=0.2)  # liveness: 0.4 s
+SECRET = b"good"
 
 
 # ---------------------------------------------------------------------------
@@ -66,7 +67,9 @@ class PeerSpec:
     fill: int = 0  # make_key(0..fill-1), placed in shuffled slots
     hash_seed: str = "0"
     layout: str = "standalone"
-    secret: bytes | None = None
+    #: The fleet's secret. The write path needs one (a producer loads a
+    #: dialling consumer's NIXL metadata only once it proved the secret).
+    secret: bytes | None = SECRET
     heartbeat_s: float | None = None
     #: Signal "writing" and sleep this long inside each post_write: a write
     #: that is in progress for a known while (the abort and kill scenarios).
@@ -239,11 +242,11 @@ def producers() -> Iterator[dict[str, Producer]]:
             ctx,
             [
                 PeerSpec("slow", 1 * MIB, 48, fill=32, write_delay_s=0.3, reads=False),
-                PeerSpec("seed", 64 * KIB, 8, fill=4, hash_seed="1", secret=b"good"),
-                PeerSpec("layout", 64 * KIB, 8, fill=4, layout="other", secret=b"good"),
-                PeerSpec("bbytes", 128 * KIB, 8, fill=4, secret=b"good"),
+                PeerSpec("seed", 64 * KIB, 8, fill=4, hash_seed="1"),
+                PeerSpec("layout", 64 * KIB, 8, fill=4, layout="other"),
+                PeerSpec("bbytes", 128 * KIB, 8, fill=4),
                 PeerSpec("badsecret", 64 * KIB, 8, fill=4, secret=b"wrong"),
-                PeerSpec("nosecret", 64 * KIB, 8, fill=4),
+                PeerSpec("nosecret", 64 * KIB, 8, fill=4, secret=None),
             ],
         ),
         # killed mid-write; it sleeps in post_write until the kill comes
@@ -320,24 +323,35 @@ def engines() -> Iterator[Engines]:
     try:
         for bs in MAIN_SIZES:
             made.add(
-                f"c{bs}", StandalonePeer(CONSUMER_BLOCKS, bs, engine_id=f"c{bs}-{pid}")
+                f"c{bs}",
+                StandalonePeer(
+                    CONSUMER_BLOCKS, bs, engine_id=f"c{bs}-{pid}", secret=SECRET
+                ),
             )
             # READs through NIXL even from this host's peers
             made.add(
                 f"n{bs}",
                 StandalonePeer(
-                    CONSUMER_BLOCKS, bs, engine_id=f"n{bs}-{pid}", same_host=False
+                    CONSUMER_BLOCKS,
+                    bs,
+                    engine_id=f"n{bs}-{pid}",
+                    same_host=False,
+                    secret=SECRET,
                 ),
             )
         made.add(
             "hb",
             StandalonePeer(
-                CONSUMER_BLOCKS, 256 * KIB, engine_id=f"c-hb-{pid}", timeouts=HB
+                CONSUMER_BLOCKS,
+                256 * KIB,
+                engine_id=f"c-hb-{pid}",
+                timeouts=HB,
+                secret=SECRET,
             ),
         )
         made.add(
             "secret",
-            StandalonePeer(16, 64 * KIB, engine_id=f"c-secret-{pid}", secret=b"good"),
+            StandalonePeer(16, 64 * KIB, engine_id=f"c-secret-{pid}", secret=SECRET),
         )
         made._thread.start()
         yield made
@@ -875,12 +889,15 @@ def test_a_write_the_producer_cannot_stop_ends_the_session_not_the_load(
     monkeypatch.setenv("UCX_TLS", "tcp")
     slow = Timeouts(heartbeat_interval_s=5.0, fetch_floor_s=0.5)
     bs, keys = 64 * KIB, [make_key(i) for i in range(8)]
-    prod = StandalonePeer(16, bs, engine_id=f"wp-{os.getpid()}", timeouts=slow)
+    prod = StandalonePeer(
+        16, bs, engine_id=f"wp-{os.getpid()}", timeouts=slow, secret=SECRET
+    )
     cons = StandalonePeer(
         32,
         bs,
         engine_id=f"wc-{os.getpid()}",
         timeouts=slow,
+        secret=SECRET,
         reads=False,
         same_host=False,
     )

@@ -868,10 +868,17 @@ def test_a_write_given_up_on_does_not_keep_the_idle_producer_stepping(
             abort_ack_s=8.0,
         ),
         same_host=False,
+        secret=b"s",  # the write path loads the consumer's metadata
     )
     producer.runtime.data._drain_timeout_s = 3.0  # past the window below
     consumer = StandalonePeer(
-        16, bs, engine_id=f"gw-c-{pid}", timeouts=QUIET, same_host=False, reads=False
+        16,
+        bs,
+        engine_id=f"gw-c-{pid}",
+        timeouts=QUIET,
+        same_host=False,
+        reads=False,
+        secret=b"s",
     )
     keys = [make_key(i) for i in range(4)]
     for i, k in enumerate(keys):

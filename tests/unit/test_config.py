@@ -76,9 +76,19 @@ def test_a_secret_that_is_not_utf8_is_refused_at_start(raw: dict[str, str]) -> N
 
 def test_read_path_switch() -> None:
     assert TierConfig.from_dict({}, env={}).read_path is True
-    assert TierConfig.from_dict({"read_path": False}, env={}).read_path is False
-    env = {"VLLM_P2P_KV_READ_PATH": "0"}
+    raw = {"read_path": False, "secret": "s"}
+    assert TierConfig.from_dict(raw, env={}).read_path is False
+    env = {"VLLM_P2P_KV_READ_PATH": "0", "VLLM_P2P_KV_SECRET": "s"}
     assert TierConfig.from_dict({}, env=env).read_path is False
+
+
+def test_the_write_path_needs_a_secret() -> None:
+    """A producer WRITEs only into peers whose NIXL metadata it loaded, and
+    it loads a dialling peer's metadata only once that peer proved the
+    secret: without one, read_path false could serve nobody, so it stops
+    the engine at start instead of failing every load."""
+    with pytest.raises(ConfigError, match=r"read_path is false .* no secret"):
+        TierConfig.from_dict({"read_path": False}, env={})
     with pytest.raises(ConfigError, match="read_path"):
         TierConfig.from_dict({"read_path": "sometimes"}, env={})
 
@@ -153,7 +163,7 @@ def test_a_wildcard_host_is_refused(host: str) -> None:
 def test_whole_floats_and_environment_strings_are_taken() -> None:
     assert TierConfig.from_dict({"port": 5801.0}, env={}).port == 5801
     env = {"VLLM_P2P_KV_PORT": "6000", "VLLM_P2P_KV_READ_PATH": "no"}
-    cfg = TierConfig.from_dict({}, env=env)
+    cfg = TierConfig.from_dict({"secret": "s"}, env=env)
     assert cfg.port == 6000 and cfg.read_path is False
 
 
