@@ -7,7 +7,8 @@ namespace). The process steps its peer continuously, the way an engine
 does, and answers one command at a time between steps; replies go to the
 original stdout, everything else that libraries print goes to stderr.
 
-Config keys: ``engine_id``, ``host``, ``port``, ``num_blocks``,
+Config keys: ``engine_id``, ``host``, ``port``, ``num_blocks``, ``nofile``
+(``RLIMIT_NOFILE`` to run under),
 ``block_bytes``, ``fill`` (blocks ``make_key(0..fill-1)``, shuffled slots),
 ``secret`` (hex), ``timeouts`` (Timeouts fields), ``control_faults`` /
 ``data_faults`` (see :mod:`tests.support.faults`), ``seed``,
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import select
 import sys
 import time
@@ -44,6 +46,10 @@ def expected_crc(key_index: int, block_bytes: int) -> int:
 
 class Agent:
     def __init__(self, cfg: dict[str, Any]) -> None:
+        nofile = cfg.get("nofile")
+        if nofile:  # an engine with few descriptors to spare
+            hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, hard))
         secret = cfg.get("secret")
         self.peer = StandalonePeer(
             cfg["num_blocks"],
@@ -117,6 +123,11 @@ class Agent:
             "max_step_s": self.max_step_s,
             "steps": self.steps,
             "rss": _rss(),
+            "fds": len(os.listdir("/proc/self/fd")),
+            "can_open": _can_open(),
+            "control": dict(self.control.counters),
+            "sessions": len(m.sessions()),
+            "agents": len(self.data.inner.peers()),
         }
         self.max_step_s = 0.0
         return out
@@ -180,6 +191,16 @@ class Agent:
         while time.monotonic() < end:
             self.peer.step()
         return {"max_step_s": self.max_step_s}
+
+
+def _can_open() -> bool:
+    """Whether this process can still open a file (its descriptors are not
+    all taken)."""
+    try:
+        os.close(os.open("/dev/null", os.O_RDONLY))
+    except OSError:
+        return False
+    return True
 
 
 def _rss() -> int:
