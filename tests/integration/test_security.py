@@ -300,6 +300,27 @@ def wait_result(v: StandalonePeer, job: int, timeout: float = 5.0) -> Any:
     raise AssertionError(f"job {job} never finished")
 
 
+@contextlib.contextmanager
+def stepping(v: StandalonePeer) -> Iterator[None]:
+    """Step ``v`` on a thread, as an engine steps, while the test acts
+    elsewhere (and touches ``v`` only after): an engine nobody steps sends
+    no heartbeats, and its peers rightly drop it."""
+    stop = threading.Event()
+
+    def run() -> None:
+        while not stop.is_set():
+            v.step(wait=False)
+            time.sleep(0.005)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(10)
+
+
 def finish(v: StandalonePeer, req: str) -> None:
     v.runtime.end_request(req)
     v.runtime.pump()
@@ -336,35 +357,36 @@ def test_without_the_secret_nothing_is_looked_up_fetched_or_aborted(
     vdata.faults = DataFaults(stall_s=0.5, stall_p=1.0)
     producer.call("faults", control=None, data={"stall_s": 0.5, "stall_p": 1.0})
     req, gen, job = start_load(v, producer.address, "victim-kv", list(range(8)))
-    # 1. no handshake at all: every request-scoped message refused by its
-    # tag, unparsed and unanswered
-    raw = Raw(producer.address)
-    for msg in (
-        Lookup("victim-kv", gen, 1, KEYS),
-        Fetch("victim-kv", gen, job, KEYS, list(range(8))),
-        Abort("victim-kv", gen),
-    ):
-        raw.send(msg)
-    got = raw.recv(1.0)
-    assert not any(isinstance(m, Error | LookupResp | AbortAck) for m in got), got
-    raw.close()
-    # 2. a handshake under the wrong secret, then the same again
-    raw = Raw(producer.address)
-    got = raw.handshake(identity("mallory", 8), b"not-the-secret")
-    assert any(isinstance(m, Goodbye) and "auth" in m.reason for m in got), got
-    for msg in (Lookup("victim-kv", gen, 2, KEYS), Abort("victim-kv", gen)):
-        raw.send(msg)
-    late = raw.recv(0.5)
-    assert not any(isinstance(m, LookupResp | AbortAck) for m in late), late
-    raw.close()
-    # 3. a consumer without the secret misses everything
-    nosecret = StandalonePeer(8, BLOCK, engine_id=f"nosecret-{os.getpid()}")
-    try:
-        out = nosecret.fetch(producer.address, "ns", KEYS[:2], [0, 1])
-        assert (out.hits, out.ok) == (0, False), out
-        assert any(r == "auth" for (_, r) in nosecret.manager.refusals)
-    finally:
-        nosecret.close()
+    with stepping(v):
+        # 1. no handshake at all: every request-scoped message refused by
+        # its tag, unparsed and unanswered
+        raw = Raw(producer.address)
+        for msg in (
+            Lookup("victim-kv", gen, 1, KEYS),
+            Fetch("victim-kv", gen, job, KEYS, list(range(8))),
+            Abort("victim-kv", gen),
+        ):
+            raw.send(msg)
+        got = raw.recv(1.0)
+        assert not any(isinstance(m, Error | LookupResp | AbortAck) for m in got), got
+        raw.close()
+        # 2. a handshake under the wrong secret, then the same again
+        raw = Raw(producer.address)
+        got = raw.handshake(identity("mallory", 8), b"not-the-secret")
+        assert any(isinstance(m, Goodbye) and "auth" in m.reason for m in got), got
+        for msg in (Lookup("victim-kv", gen, 2, KEYS), Abort("victim-kv", gen)):
+            raw.send(msg)
+        late = raw.recv(0.5)
+        assert not any(isinstance(m, LookupResp | AbortAck) for m in late), late
+        raw.close()
+        # 3. a consumer without the secret misses everything
+        nosecret = StandalonePeer(8, BLOCK, engine_id=f"nosecret-{os.getpid()}")
+        try:
+            out = nosecret.fetch(producer.address, "ns", KEYS[:2], [0, 1])
+            assert (out.hits, out.ok) == (0, False), out
+            assert any(r == "auth" for (_, r) in nosecret.manager.refusals)
+        finally:
+            nosecret.close()
     # The victim's load was untouched: it completes, byte-exact.
     result = wait_result(v, job)
     assert result.success, result
@@ -927,7 +949,9 @@ def test_oversized_frames_are_dropped_and_pickles_never_loaded(
             + errors.get("framing", 0)
         )
 
-    assert refused(after) >= refused(before) + 3, after["protocol_errors"]
+    # The first frame that breaks the handshake ends the connection: what
+    # was smuggled behind it is never read.
+    assert refused(after) >= refused(before) + 1, after["protocol_errors"]
     assert raw.conn is not None and raw.conn.closed_by_peer(2.0)
     raw.close()
     assert not marker.exists(), "a pickle was loaded"
