@@ -1,7 +1,7 @@
 """The poll loop: transports in, manager in the middle, transports out.
 
 :class:`TierRuntime` owns the three parts of one engine's tier -- the pure
-:class:`~p2p_kv.manager.LoadManager`, the ZeroMQ
+:class:`~p2p_kv.manager.LoadManager`, the TCP
 :class:`~p2p_kv.control.ControlTransport` and the NIXL
 :class:`~p2p_kv.data.NixlDataTransport` -- and is the only place that reads
 a clock. The adapter calls it from vLLM's scheduler thread.
@@ -17,7 +17,7 @@ are live). The price: vLLM 0.32's engine loop admits a new request only
 between steps, so a fully idle engine may take up to ``idle_wait_s`` to
 start one; in-process drivers call :meth:`wake`. It
 never waits while a data-plane write is in flight: NIXL completions do not
-wake a ZeroMQ poller. :meth:`wake` ends a wait from another thread.
+wake a socket poll. :meth:`wake` ends a wait from another thread.
 """
 
 from __future__ import annotations
@@ -693,7 +693,7 @@ class TierRuntime:
 
     def start_waker(
         self,
-        wake_engine: Callable[[], None],
+        wake_engine: Callable[[], None] | None,
         interval_s: float = DATA_TICK_S,
         idle_s: float = WAKER_IDLE_S,
     ) -> None:
@@ -712,10 +712,17 @@ class TierRuntime:
         ``wake_engine``. A peer's lookup thus reaches an idle engine at
         once, not at the next tick. Callers on the engine's thread hold
         :attr:`lock` around every call into the runtime.
+
+        With ``wake_engine`` None the thread only keeps the sessions alive
+        (frames read, heartbeats sent, deadlines fired) for an engine that
+        steps itself and cannot be woken: one forward pass can take longer
+        than the peers' liveness deadline (a 10 s prefill), and an engine
+        silent that long would be dropped as dead. :attr:`has_waker` stays
+        False: such an engine still steps to serve lookups and take results.
         """
         if self._waker is not None:
             return
-        self.has_waker = True
+        self.has_waker = wake_engine is not None
         idle_s = max(interval_s, idle_s)
 
         def run() -> None:
@@ -739,7 +746,9 @@ class TierRuntime:
                     now = self.clock()
                     # Read once: the engine's thread clears it unlocked.
                     called_at = self._called_at
-                    if not wanted:
+                    if wake_engine is None:
+                        wanted = False  # the engine steps itself
+                    elif not wanted:
                         self._called_at = None  # whatever was wanted is done
                     elif called_at is None or now - called_at >= REWAKE_S:
                         # Again if the engine has not come: a call it took

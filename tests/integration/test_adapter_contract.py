@@ -279,3 +279,43 @@ def test_a_tier_whose_port_is_taken_closes_its_data_plane(
         with pytest.raises(OSError, match="pick a free port"):
             P2PKVTier(spec, view, port=s.getsockname()[1])
     assert len(closed) == 1
+
+
+def test_an_engine_nothing_else_serves_between_steps_gets_a_keep_alive(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Built inside an engine core (its input queue found), the tier keeps
+    a waker that calls the engine in; built anywhere else (an in-process
+    engine) nothing would answer peers while the engine's thread is in a
+    forward pass, so it keeps a thread that only keeps the sessions alive
+    (no call into the engine: it steps itself)."""
+    import queue
+    from types import SimpleNamespace
+
+    from p2p_kv.adapter.tier import P2PKVTier
+
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    parallel = SimpleNamespace(data_parallel_index=0)
+    spec: Any = SimpleNamespace(config=SimpleNamespace(parallel=parallel))
+
+    def build() -> P2PKVTier:
+        view = memoryview(bytearray(4 * 4096)).cast("B", (4, 4096))
+        return P2PKVTier(spec, view, host="127.0.0.1", port=0)
+
+    class EngineCore:  # vLLM's engine core, as the tier finds it
+        def __init__(self) -> None:
+            self.input_queue: queue.Queue[object] = queue.Queue()
+            self.tier = build()
+
+    class EngineCoreProc(EngineCore):
+        pass
+
+    for tier, waker in ((build(), False), (EngineCoreProc().tier, True)):
+        try:
+            if tier._polled:  # vLLM's tier-poll thread calls it between steps
+                assert tier.runtime._waker is None
+            else:
+                assert tier.runtime._waker is not None
+                assert tier.runtime.has_waker is waker
+        finally:
+            tier.shutdown()

@@ -965,3 +965,61 @@ def test_two_threads_closing_at_once_tear_down_once() -> None:
         t.join(10)
     assert errors == []
     assert rt.control._listener is None and rt.data._agent is None
+
+
+# ---------------------------------------------------------------------------
+# an engine that steps itself, in a forward pass longer than liveness
+# ---------------------------------------------------------------------------
+
+
+def _long_forward(with_keepalive: bool, forward_s: float) -> tuple[bool, Any]:
+    """A consumer engine (this process) holds a session to a producer in
+    its own process, then spends ``forward_s`` in one forward pass without
+    a call into the tier; afterwards it loads from the producer. Returns
+    whether the session it had is the one it loads over, and the load."""
+    from tests.support.procs import PeerProc
+
+    hb = {"heartbeat_interval_s": 0.5}  # liveness 0.75 s on both sides
+    producer = PeerProc(
+        {
+            "engine_id": f"fwd-p-{os.getpid()}-{with_keepalive}",
+            "num_blocks": 16,
+            "block_bytes": 4096,
+            "fill": 4,
+            "timeouts": hb,
+        }
+    )
+    consumer = StandalonePeer(
+        16, 4096, engine_id=f"fwd-c-{os.getpid()}", timeouts=Timeouts(**hb)
+    )
+    rt = consumer.runtime
+    keys = [make_key(k) for k in range(4)]
+    try:
+        if with_keepalive:
+            rt.start_waker(None)  # what the adapter starts without a waker
+            assert not rt.has_waker  # the engine still steps itself
+        with rt.lock:
+            first = consumer.fetch(producer.address, "before", keys, [0, 1, 2, 3])
+            assert first.ok and first.hits == 4, first
+            session = consumer.manager.session(producer.address)
+        time.sleep(forward_s)  # the forward pass: no call into the tier
+        with rt.lock:
+            out = consumer.fetch(producer.address, "after", keys, [4, 5, 6, 7])
+            kept = consumer.manager.session(producer.address) is session
+        return kept, out
+    finally:
+        consumer.close()
+        producer.stop()
+
+
+def test_an_engine_in_a_10_s_forward_pass_keeps_its_sessions() -> None:
+    """An engine that steps itself (in-process, a data-parallel rank) may
+    spend seconds in one prefill, far past its peers' liveness deadline
+    (1.5 heartbeat intervals). The tier's keep-alive thread answers for it:
+    the session survives a 10 s forward pass and the next load uses it.
+    Without it, the same engine is dropped within 2 s, which is what makes
+    this test able to fail."""
+    kept, out = _long_forward(with_keepalive=True, forward_s=10.0)
+    assert kept and out.ok and out.hits == 4, out
+    kept, _ = _long_forward(with_keepalive=False, forward_s=2.0)
+    assert not kept, "an engine silent for 2 s kept its session without keep-alive"

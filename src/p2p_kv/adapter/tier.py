@@ -354,6 +354,12 @@ class P2PKVTier(SecondaryTierManager):
             # has_pending_work(), which is then True: it steps and serves.
             wake: tuple[Any, list[str]] = (EngineCoreRequestType.ABORT, [])
             self.runtime.start_waker(lambda: queue.put_nowait(wake))
+        elif not self._polled:
+            # Nothing else answers peers while this engine's thread is in a
+            # forward pass (an in-process engine, a data-parallel rank, or
+            # beside a tier-poll thread that does not poll us): a long
+            # prefill would go silent past the peers' liveness deadline.
+            self.runtime.start_waker(None)
         log.info(
             "p2p_kv tier ready on %s: %d blocks of %d bytes",
             self.address,
