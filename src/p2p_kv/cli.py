@@ -1,6 +1,6 @@
 """``p2p-kv``: the operator's entry point.
 
-``p2p-kv bench step|transfer [args]`` runs a benchmark from the source
+``p2p-kv bench NAME [args]`` runs a benchmark from the source
 tree's ``benchmarks/`` (they are not shipped in the wheel: they measure the
 machine and need the tree's baselines); ``p2p-kv model`` builds the local
 test model; ``p2p-kv demo`` runs two local engines sharing KV; ``p2p-kv
@@ -24,6 +24,7 @@ BENCHES = (
     "gpu",
     "waker",
     "connections",
+    "round_trip",
 )
 
 

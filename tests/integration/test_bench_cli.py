@@ -72,10 +72,11 @@ def test_the_transfer_benchmark_measures_the_control_planes_floor(
     tmp_path: Path,
 ) -> None:
     """Every cell checks its bytes and measures, in the same run, a bare
-    ZeroMQ round trip beside raw NIXL: the small fetches' end to end is
-    reported against raw READ and against raw READ plus that trip (what
-    any lookup over ZeroMQ costs at least). No number is asserted but
-    that each was measured."""
+    TCP round trip and p2p_kv's control-plane round trip beside raw NIXL:
+    one-block fetches are reported against raw READ plus the TCP trip
+    (what any lookup costs at least), the control plane against the bare
+    socket. No number is asserted but that each was measured and each
+    ratio is what its parts say."""
     result = _bench_json(tmp_path, "transfer", "--quick", "--repeats", "2")
     rows = result["rows"]
     assert [(r["block_bytes"], r["num_blocks"]) for r in rows] == [
@@ -87,15 +88,25 @@ def test_the_transfer_benchmark_measures_the_control_planes_floor(
     ]
     for r in rows:
         assert r["raw_read"]["verified"], r  # p2p_kv paths raise on wrong bytes
-        assert r["zmq_rt"]["latency_us"] > 0, r
-        floor = r["raw_read"]["latency_us"] + r["zmq_rt"]["latency_us"]
-        assert r["e2e"]["latency_x_floor"] == pytest.approx(
-            r["e2e"]["latency_us"] / floor
-        )
+        assert r["tcp_rt"]["latency_us"] > 0 and r["ctl_rt"]["latency_us"] > 0, r
+        floor = r["raw_read"]["latency_us"] + r["tcp_rt"]["latency_us"]
+        for cell in ("e2e", "n_e2e"):
+            assert r[cell]["latency_x_floor"] == pytest.approx(
+                r[cell]["latency_us"] / floor
+            )
     targets = result["targets"]
-    assert targets["zmq_round_trip_us"] > 0
-    assert targets["e2e"]["max_latency_x_floor_small"] == max(
-        r["e2e"]["latency_x_floor"] for r in rows if r["bytes"] <= 1024 * 1024
+    rt = targets["round_trip"]
+    assert rt["x_tcp"] == pytest.approx(rt["p2p_kv_us"] / rt["tcp_us"])
+    assert targets["n_e2e"]["max_latency_x_floor_one_block"] == max(
+        r["n_e2e"]["latency_x_floor"] for r in rows if r["num_blocks"] == 1
+    )
+
+
+def test_the_round_trip_benchmark_compares_with_a_bare_socket(tmp_path: Path) -> None:
+    result = _bench_json(tmp_path, "round_trip", "--trips", "50")
+    assert result["tcp"]["trips"] == result["p2p_kv"]["trips"] == 50
+    assert result["ratio"] == pytest.approx(
+        result["p2p_kv"]["median_us"] / result["tcp"]["median_us"]
     )
 
 

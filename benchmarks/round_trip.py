@@ -1,0 +1,233 @@
+"""The control plane's round trip against a bare TCP socket's, same run.
+
+Two echo servers run in another process, each idle between trips as a
+producer is between lookups:
+
+* **bare TCP**: a blocking Python socket that sends back the 64 bytes it
+  reads (``TCP_NODELAY``), the floor of any control plane over TCP;
+* **p2p_kv**: a :class:`p2p_kv.control.ControlTransport` (the runtime's
+  transport: non-blocking sockets, ``poll``, length-prefixed frames) whose
+  frames are sealed and opened with the session's AEAD
+  (:class:`p2p_kv.handshake.FrameKeys`, ChaCha20-Poly1305) on both ends, as
+  a session with a secret seals every frame. The client here waits the way
+  an engine's runtime does (``poll`` on the transport).
+
+Both carry a 64-byte message, about a one-key Lookup. Between trips both
+sides sleep ``GAP_S`` so that each trip starts from idle, as a lookup does
+(a busy loop of trips keeps both processes awake and measures less than
+any lookup can take).
+
+Target (control-plane issue): p2p_kv's round trip at most 1.5x the bare
+socket's. Run: ``p2p-kv bench round_trip [--json] [--trips N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import socket
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from raw_nixl import ProducerProcess, _p2p_module
+
+GAP_S = 0.001
+MESSAGE = b"\x5a" * 64
+TARGET_X = 1.5
+_TIMEOUT_S = 60.0
+#: Both ends' frame keys (a fixed pair: what is measured is the AEAD's
+#: cost, not the handshake that derives them).
+_KEY_A, _KEY_B = b"\x01" * 32, b"\x02" * 32
+
+
+def _tcp_echo(out: Any, stop: Any) -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    try:
+        out.put(("ready", listener.getsockname()[1]))
+        conn, _ = listener.accept()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        while not stop.is_set():
+            if not select.select([conn], [], [], 0.1)[0]:
+                continue
+            data = conn.recv(4096)
+            if not data:
+                return
+            conn.sendall(data)
+    except BaseException:
+        out.put(("error", traceback.format_exc()))
+    finally:
+        listener.close()
+
+
+def _control_echo(out: Any, stop: Any) -> None:
+    control = _p2p_module("control")
+    keys = _p2p_module("handshake").FrameKeys(out=_KEY_B, into=_KEY_A)
+    transport = control.ControlTransport("127.0.0.1", 0)
+    try:
+        out.put(("ready", transport.port))
+        while not stop.is_set():
+            for got in transport.poll(0.1):
+                if got.new:
+                    transport.trust(got.conn)  # the handshake, taken as done
+                elif got.lost:
+                    transport.close_conn(got.conn)
+                else:
+                    reply = keys.seal(keys.open(got.frame))
+                    transport.send(got.conn, [reply])
+    except BaseException:
+        out.put(("error", traceback.format_exc()))
+    finally:
+        transport.close()
+
+
+def _summary(seconds: list[float]) -> dict[str, Any]:
+    ordered = sorted(seconds)
+    return {
+        "median_us": 1e6 * statistics.median(ordered),
+        "p90_us": 1e6 * ordered[int(0.9 * (len(ordered) - 1))],
+        "trips": len(ordered),
+    }
+
+
+class TcpRoundTrip:
+    """A bare socket here and its echo in another process."""
+
+    def __init__(self) -> None:
+        self._echo = ProducerProcess(_tcp_echo, timeout_s=_TIMEOUT_S)
+        (port,) = self._echo.ready
+        self._sock = socket.create_connection(("127.0.0.1", port))
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def trip(self) -> float:
+        t0 = time.perf_counter()
+        self._sock.sendall(MESSAGE)
+        got = b""
+        while len(got) < len(MESSAGE):
+            chunk = self._sock.recv(len(MESSAGE) - len(got))
+            if not chunk:
+                raise RuntimeError("the TCP echo closed")
+            got += chunk
+        if got != MESSAGE:
+            raise AssertionError("the TCP echo answered other bytes")
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self._sock.close()
+        self._echo.close()
+
+
+class ControlRoundTrip:
+    """p2p_kv's transport here, sealing and opening as a session does, and
+    its echo in another process."""
+
+    def __init__(self) -> None:
+        control = _p2p_module("control")
+        self._keys = _p2p_module("handshake").FrameKeys(out=_KEY_A, into=_KEY_B)
+        self._echo = ProducerProcess(_control_echo, timeout_s=_TIMEOUT_S)
+        (port,) = self._echo.ready
+        self._t = control.ControlTransport("127.0.0.1", 0)
+        self._peer = f"127.0.0.1:{port}"
+        self._t.connect(self._peer)
+
+    def trip(self) -> float:
+        t0 = time.perf_counter()
+        why = self._t.send(self._peer, [self._keys.seal(MESSAGE)])
+        if why:
+            raise RuntimeError(f"the control echo is gone: {why}")
+        end = t0 + _TIMEOUT_S
+        while time.perf_counter() < end:
+            for got in self._t.poll(_TIMEOUT_S):
+                if got.lost:
+                    raise RuntimeError(f"the control echo is gone: {got.why}")
+                if got.frame:
+                    if self._keys.open(got.frame) != MESSAGE:
+                        raise AssertionError("the control echo answered other bytes")
+                    return time.perf_counter() - t0
+        raise RuntimeError("the control echo did not answer")
+
+    def close(self) -> None:
+        self._t.close()
+        self._echo.close()
+
+
+class RoundTrips:
+    """Both round trips, each against its own echo process."""
+
+    def __init__(self) -> None:
+        self.tcp = TcpRoundTrip()
+        try:
+            self.ours = ControlRoundTrip()
+        except BaseException:
+            self.tcp.close()
+            raise
+        for _ in range(5):  # warm-ups: the connections' first trips
+            self.tcp.trip()
+            self.ours.trip()
+
+    def measure(self, trips: int) -> dict[str, dict[str, Any]]:
+        """``trips`` of each, interleaved trip by trip (the machine's noise
+        falls on both alike), each from idle."""
+        samples: dict[str, list[float]] = {"tcp": [], "p2p_kv": []}
+        for _ in range(trips):
+            time.sleep(GAP_S)
+            samples["tcp"].append(self.tcp.trip())
+            time.sleep(GAP_S)
+            samples["p2p_kv"].append(self.ours.trip())
+        return {name: _summary(s) for name, s in samples.items()}
+
+    def close(self) -> None:
+        self.tcp.close()
+        self.ours.close()
+
+
+def measure(trips: int) -> dict[str, Any]:
+    """Medians of both round trips and their ratio."""
+    pair = RoundTrips()
+    try:
+        out: dict[str, Any] = pair.measure(trips)
+    finally:
+        pair.close()
+    ratio = out["p2p_kv"]["median_us"] / out["tcp"]["median_us"]
+    return {
+        **out,
+        "ratio": ratio,
+        "target_x": TARGET_X,
+        "met": ratio <= TARGET_X,
+        "cpus": os.cpu_count(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print JSON only")
+    parser.add_argument("--trips", type=int, default=600, help="trips of each")
+    args = parser.parse_args(argv)
+    result = measure(args.trips)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    tcp, ours = result["tcp"], result["p2p_kv"]
+    print("round trip of a 64-byte message between two idle processes, us")
+    print(
+        f"bare TCP socket     median {tcp['median_us']:7.1f}  p90 {tcp['p90_us']:7.1f}"
+    )
+    print(
+        f"p2p_kv control      median {ours['median_us']:7.1f}  p90 {ours['p90_us']:7.1f}"
+        "  (sealed frames, poll-driven)"
+    )
+    print(
+        f"ratio {result['ratio']:.2f}x bare TCP (target <= {TARGET_X}x): "
+        f"{'met' if result['met'] else 'NOT met'}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
