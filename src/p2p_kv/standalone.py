@@ -1,5 +1,5 @@
 """A p2p_kv peer without vLLM: a memory region, a key->slot table and the
-real runtime (ZeroMQ + NIXL).
+real runtime (TCP control plane + NIXL).
 
 It plays the part of an engine for the transport tests, the transfer
 benchmark and ``p2p-kv doctor``: everything below the adapter is the code
