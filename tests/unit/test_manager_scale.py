@@ -284,3 +284,34 @@ def test_past_max_inbound_the_oldest_still_handshaking_goes_and_the_ready_stay()
     assert port.refused("too_many_handshaking") == 2  # i made way for k
     assert port.handshaking() == ["in:j", "in:k"]
     assert {s.peer for s in port.m.sessions() if s.ready} == {"in:c", "in:e"}
+
+
+def test_a_refused_connection_leaves_nothing_to_the_cyclic_collector() -> None:
+    """A Hello we refuse (another layout) is kept as the session's
+    ``refusal``: with its traceback, whose frames hold the session, every
+    refused connection of a flood was a reference cycle, and CPython's
+    full collections (0.1 s each in an engine's heap) came for them."""
+    import gc
+
+    m = manager()
+    other = identity("stranger", secret=SECRET, layout="another-layout")
+    gc.collect()
+    gc.disable()
+    try:
+        for i in range(50):
+            conn = f"in:{i}"
+            m.on_inbound(0.0, conn)
+            receive(m, conn, encode(make_hello(other, i.to_bytes(16, "big"))), 0.0)
+            pump(m, 0.0)
+        assert (
+            sum(s.counters.refused.get("layout", 0) for s in m.retired_sessions) == 50
+        )
+        m.retired_sessions.clear()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        cyclic = [o for o in gc.garbage if isinstance(o, Session)]
+        assert not cyclic, f"{len(cyclic)} refused sessions were reference cycles"
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
