@@ -8,6 +8,7 @@ key is absent), named like vLLM's own: ``VLLM_P2P_KV_<KEY>``.
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
 import math
 import os
@@ -33,14 +34,18 @@ TIMEOUT_S = (0.001, 3600.0)
 IDLE_WAIT_MS = (1.0, 60_000.0)
 #: Addresses that bind every interface and reach none.
 WILDCARD_HOSTS = frozenset({"*", "0.0.0.0", "::", "0:0:0:0:0:0:0:0"})
-_TIMEOUT_KEYS = (
-    "handshake_timeout_s",
-    "lookup_timeout_s",
-    "fetch_timeout_floor_s",
-    "abort_ack_timeout_s",
-    "pin_ttl_s",
-    "parked_ttl_s",
-)
+#: Each deadline's range (s). A lookup or handshake waiting minutes
+#: blocks its request that long; the upper bounds catch milliseconds
+#: written where seconds are meant (``lookup_timeout_s: 2000``).
+_TIMEOUT_RANGES: dict[str, tuple[float, float]] = {
+    "handshake_timeout_s": (TIMEOUT_S[0], 60.0),
+    "lookup_timeout_s": (TIMEOUT_S[0], 60.0),
+    "fetch_timeout_floor_s": (TIMEOUT_S[0], 600.0),
+    "abort_ack_timeout_s": (TIMEOUT_S[0], 60.0),
+    "pin_ttl_s": (TIMEOUT_S[0], 600.0),
+    "parked_ttl_s": (TIMEOUT_S[0], TIMEOUT_S[1]),
+}
+_TIMEOUT_KEYS = tuple(_TIMEOUT_RANGES)
 
 
 class ConfigError(ValueError):
@@ -139,9 +144,15 @@ class TierConfig:
         known = {f.name: f for f in fields(cls)}
         unknown = sorted(set(raw) - set(known))
         if unknown:
+            guesses = [
+                f"{k!r} -> {close[0]!r}"
+                for k in unknown
+                if (close := difflib.get_close_matches(str(k), known, n=1))
+            ]
+            meant = f" (did you mean {', '.join(guesses)}?)" if guesses else ""
             raise ConfigError(
-                f"p2p_kv: unknown tier config key(s) {unknown}; known keys: "
-                f"{sorted(known)}"
+                f"p2p_kv: unknown tier config key(s) {unknown}{meant}; known "
+                f"keys: {sorted(known)}"
             )
         if raw.get("secret", "") is None and ENV_PREFIX + "SECRET" in env:
             # The key wins over the variable: the fleet's secret, set for
@@ -192,13 +203,19 @@ class TierConfig:
             )
         for name, low, high, unit in (
             ("idle_wait_ms", *IDLE_WAIT_MS, "ms"),
-            *((n, *TIMEOUT_S, "s") for n in _TIMEOUT_KEYS),
+            *((n, *r, "s") for n, r in _TIMEOUT_RANGES.items()),
         ):
             value = getattr(self, name)
             if not low <= value <= high:  # NaN too
                 # Every wait must end, and none is shorter than a round trip:
                 # outside these, a unit was mistaken (ms for s) or a typo.
-                raise bad(name, f"{value} is not in {low:g}..{high:g} {unit}")
+                hint = ""
+                if unit == "s" and value > high and low <= value / 1000 <= high:
+                    hint = (
+                        f": it looks like milliseconds; for {value / 1000:g} s "
+                        f"write {value / 1000:g}"
+                    )
+                raise bad(name, f"{value} is not in {low:g}..{high:g} {unit}{hint}")
         if not (self.read_staging_mib >= 0 and math.isfinite(self.read_staging_mib)):
             raise bad(
                 "read_staging_mib",
