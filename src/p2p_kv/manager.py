@@ -25,6 +25,7 @@ not make the other recompute.
 
 from __future__ import annotations
 
+import difflib
 import heapq
 import itertools
 import math
@@ -90,6 +91,12 @@ class Source:
     probe: bool
 
 
+#: The ``kv_transfer_params`` keys p2p_kv reads.
+LEGS = ("remote_prefiller", "remote_kv_source", "remote_decoder")
+#: Other connectors' keys (vLLM's NixlConnector) that resemble a leg.
+FOREIGN_KEYS = frozenset({"do_remote_prefill", "do_remote_decode"})
+
+
 @dataclass(frozen=True, slots=True)
 class Roles:
     """A request's p2p legs, parsed once from ``kv_transfer_params``."""
@@ -98,6 +105,9 @@ class Roles:
     #: ``remote_decoder`` present: our stores are parked for a decoder.
     #: An empty id marks a malformed block: its stores fail, not park.
     dest_kv_id: str | None = None
+    #: keys that look like a misspelt leg, each with the leg it resembles
+    #: (``remote_kv_sorce``: sharing was silently off for the request)
+    misspelt: tuple[tuple[str, str], ...] = ()
 
     @property
     def bad_decoder(self) -> bool:
@@ -146,7 +156,14 @@ class Roles:
             dest_kv_id = _check_kv_id("remote_decoder", raw) if raw else ""
         elif dest is not None:
             dest_kv_id = ""
-        return Roles(source, dest_kv_id)
+        misspelt = tuple(
+            (str(key)[:64], close[0])
+            for key in itertools.islice(params, 64)
+            if key not in LEGS
+            and key not in FOREIGN_KEYS
+            and (close := difflib.get_close_matches(str(key), LEGS, n=1, cutoff=0.8))
+        )
+        return Roles(source, dest_kv_id, misspelt)
 
 
 def _check_kv_id(leg: str, kv_id: object) -> str:
@@ -231,6 +248,11 @@ class JobResult:
     transfer_bytes: int | None = None
     #: why a load failed (the fallback reason); empty on success
     reason: str = ""
+    #: a load's engine request, its ``kv_request_id`` and the peer: what
+    #: an operator greps for when a request recomputed
+    req_id: str = ""
+    kv_id: str = ""
+    peer: str = ""
 
 
 @dataclass(slots=True)
@@ -269,6 +291,7 @@ class _Job:
     peer: str = ""  # load jobs: the source peer
     submitted: float = 0.0
     gen: int = -1  # load jobs: the request's generation when submitted
+    kv_id: str = ""  # load jobs: the leg's kv_request_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -493,6 +516,8 @@ class LoadManager:
         peer = consumer.source.peer if consumer is not None else ""
         gen = consumer.gen if consumer is not None else -1
         self._register_job(job_id, "load", req_id, peer, now, gen)
+        if consumer is not None:
+            self._jobs[job_id].kv_id = consumer.source.kv_id
         if not keys:
             self._results.append(LoadResult(job_id, -1, True))
             return
@@ -633,6 +658,9 @@ class LoadManager:
                         result.elapsed_s if result.success else None,
                         result.nbytes if result.success else None,
                         result.reason,
+                        job.req_id,
+                        job.kv_id,
+                        job.peer,
                     )
                 )
             else:

@@ -128,6 +128,9 @@ class TierRuntime:
         self._dials_log = _Throttle()
         #: lines that peers cause: one per kind per interval, naming the peer
         self._peer_log = PeerLog(clock=clock)
+        #: one line per fallback reason per interval (peers and clients
+        #: choose how often loads fail; the metrics count every one)
+        self._fallback_log = PeerLog(clock=clock)
         #: Held by whoever is inside the runtime: the engine's thread or the
         #: waker (vLLM 0.33 also calls from its tier-poll thread).
         self.lock = threading.RLock()
@@ -651,8 +654,15 @@ class TierRuntime:
             if r.reason:
                 # One line per fallback: the operator's (and a failed
                 # test's) answer to "why did this request recompute".
-                log.info(
-                    "p2p_kv: load job %d failed (%.300r): recomputing",
+                # Reasons are our own codes; anything else shares a budget.
+                kind = r.reason if r.reason.isidentifier() else "other"
+                self._fallback_log.warning(
+                    kind[:40],
+                    r.peer or "-",
+                    "request %s (kv_request_id %s): load job %d failed (%.300s): "
+                    "recomputing",
+                    r.req_id or "?",
+                    r.kv_id or "?",
                     r.job_id,
                     r.reason,
                 )

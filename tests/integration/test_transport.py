@@ -589,6 +589,9 @@ def test_producer_killed_mid_write(
         fallback_s = time.perf_counter() - t_kill
         print(f"\nkill: load failed {1e3 * fallback_s:.0f} ms after SIGKILL")
         assert [r.success for r in results] == [False]
+        # what an operator greps for: the request, its kv id, the peer
+        assert (results[0].req_id, results[0].peer) == (req, victim.addr["victim"])
+        assert results[0].kv_id
         # liveness (2 heartbeats = 0.4 s) plus a step margin
         assert fallback_s < 2 * HB.heartbeat_interval_s + 0.6
         assert m.fallbacks.get("peer_down", 0) >= 1
@@ -751,11 +754,14 @@ def test_cache_reset_drain_waits_for_jobs_not_for_their_collection() -> None:
         peer.close()
 
 
-def test_a_request_to_a_peer_that_is_down_recomputes_at_once() -> None:
+def test_a_request_to_a_peer_that_is_down_recomputes_at_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """A dial to an address where nothing listens is refused at once, and
     the refusal ends the session: the lookup misses within a few steps
     instead of waiting out the 5 s handshake, and the next dial waits for
-    the backoff."""
+    the backoff. A load submitted anyway fails at once, and its one log
+    line names the request, its kv_request_id and the peer."""
     import socket
 
     from p2p_kv.manager import Roles
@@ -778,6 +784,16 @@ def test_a_request_to_a_peer_that_is_down_recomputes_at_once() -> None:
         elapsed = time.monotonic() - t0
         assert answer is Answer.MISS
         assert elapsed < 1.0, f"the lookup waited {elapsed:.2f} s"
+        with caplog.at_level("WARNING", logger="vllm.p2p_kv"):
+            rt.submit_load(5, "r1", [k], [0])
+            (result,) = rt.finished_jobs(False)
+        assert not result.success and result.reason == "peer_down"
+        lines = [
+            r.getMessage() for r in caplog.records if "load job 5" in r.getMessage()
+        ]
+        assert len(lines) == 1, caplog.text
+        assert "r1" in lines[0] and "kv1" in lines[0], lines
+        assert f"127.0.0.1:{port}" in lines[0], lines
         rt.end_request("r1")
     finally:
         peer.close()

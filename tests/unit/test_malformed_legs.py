@@ -85,3 +85,41 @@ def test_a_good_decoder_legs_store_still_parks() -> None:
     assert m.parked_store_count() == 1
     assert m.get_finished_jobs(net.now) == []
     assert m.protocol_errors == {}
+
+
+@pytest.mark.parametrize(
+    ("key", "leg"),
+    [
+        ("remote_kv_sorce", "remote_kv_source"),
+        ("remote_prefiler", "remote_prefiller"),
+        ("remote_decoders", "remote_decoder"),
+    ],
+)
+def test_a_misspelt_leg_is_named_with_the_leg_it_resembles(key: str, leg: str) -> None:
+    """``remote_kv_sorce`` turned sharing off for its request with no log
+    line and no metric; the adapter now warns with the leg it resembles
+    (once per key) and counts it (``protocol_errors`` reason
+    ``misspelt_leg``)."""
+    roles = Roles.parse({key: {"kv_request_id": "kv", "remote_host": "h"}})
+    assert roles.misspelt == ((key, leg),)
+    assert roles.source is None and roles.dest_kv_id is None
+
+
+def test_other_connectors_keys_are_not_taken_for_misspelt_legs() -> None:
+    """vLLM's NixlConnector's keys ride in the same params."""
+    params = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": "e",
+        "remote_block_ids": [1],
+        "remote_host": "h",
+        "remote_port": 1,
+        "remote_kv_source": {
+            "kv_request_id": "kv",
+            "remote_host": "h",
+            "remote_port": 5,
+        },
+    }
+    roles = Roles.parse(params)
+    assert roles.misspelt == ()
+    assert roles.source is not None and roles.source.kv_id == "kv"

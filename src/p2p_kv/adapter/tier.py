@@ -344,6 +344,8 @@ class P2PKVTier(SecondaryTierManager):
                 "docs/versions.md)",
                 RELEASE.version,
             )
+        #: misspelt kv_transfer_params keys already warned about
+        self._warned_keys: set[str] = set()
         #: inside serve_external_requests, where vLLM's parent may call
         #: get_finished_jobs under our lock: no sleep there
         self._serving = False
@@ -378,6 +380,20 @@ class P2PKVTier(SecondaryTierManager):
             log.warning("p2p_kv: request %s: %s; recomputing", req_context.req_id, exc)
             rt.manager.on_bad_frame("", "bad_kv_transfer_params")
             roles = Roles()
+        for key, leg in roles.misspelt:
+            rt.manager.on_bad_frame("", "misspelt_leg")
+            if key not in self._warned_keys and len(self._warned_keys) < 64:
+                # Once per key: a client sends it with every request.
+                self._warned_keys.add(key)
+                log.warning(
+                    "p2p_kv: request %s: kv_transfer_params key %r is not a "
+                    "p2p_kv leg (did you mean %r?): that leg is ignored, the "
+                    "request computes its own KV (protocol_errors "
+                    "reason=misspelt_leg counts each such request)",
+                    req_context.req_id,
+                    key,
+                    leg,
+                )
         if roles.bad_decoder:
             log.warning(
                 "p2p_kv: request %s: kv_transfer_params.remote_decoder names no "
