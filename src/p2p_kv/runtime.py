@@ -373,11 +373,38 @@ class TierRuntime:
                     del self._xfers[xfer_id]
             self.control.close_conn(peer)
             session = m.session(peer)
-            if session is not None and session.close_reason:
-                # %r, cut: a Goodbye's reason is the peer's text, newlines
-                # and all (any party could write forged log lines).
-                log.info(
-                    "p2p_kv: session %s closed: %.300r", peer, session.close_reason
+            if session is not None and session.refusal is not None:
+                # A refused handshake (wrong secret, another layout): the
+                # operator's fix is on one side or the other. Any party can
+                # cause it, so at most one line per reason per interval.
+                self._peer_log.warning(
+                    f"refused_{session.refusal.reason}",
+                    peer,
+                    "handshake refused: %.300s",
+                    session.refusal,
+                )
+            elif (
+                session is not None
+                and session.close_reason
+                and not (session.proven or is_inbound(peer))
+            ):
+                # A peer our clients named that we never got a session with:
+                # unresolvable, refused, unreachable, silent, or refusing us
+                # (its Goodbye says why): requests naming it recompute.
+                self._peer_log.warning(
+                    "dial_failed",
+                    peer,
+                    "no session: %.300r; requests naming it recompute",
+                    session.close_reason,
+                )
+            elif session is not None and session.close_reason:
+                # The reason may be the peer's text (its Goodbye): the
+                # PeerLog line shows it as %r, cut.
+                self._peer_log.info(
+                    "session_closed",
+                    peer,
+                    "session closed: %.300r",
+                    session.close_reason,
                 )
             m.on_invalidated(peer, now)
         m.end_step(now)

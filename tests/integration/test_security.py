@@ -451,14 +451,15 @@ def test_a_relay_between_two_engines_gets_no_session_and_no_region(
 
 
 def test_a_peer_we_refuse_and_hang_up_on_hears_why(
-    victim: tuple[StandalonePeer, FaultyData],
+    victim: tuple[StandalonePeer, FaultyData], caplog: pytest.LogCaptureFixture
 ) -> None:
     """We dial a producer whose proof fails: our Goodbye saying why reaches
     it although we drop the connection in the same step (sockets close
     with no linger), so the operator there reads the reason, not just a
-    disconnect."""
+    disconnect; ours reads it at WARNING, naming the peer."""
     v, _ = victim
     srv = Raw("127.0.0.1:0", bind=True)
+    caplog.set_level(logging.WARNING, logger="vllm.p2p_kv")
     try:
         v.open("refused-req", srv.address, "refused")
         assert v.manager.lookup("refused-req", KEYS[0]) is Answer.RETRY
@@ -471,6 +472,10 @@ def test_a_peer_we_refuse_and_hang_up_on_hears_why(
         assert "auth" in bye.reason, bye
         v.runtime.end_request("refused-req")
         v.runtime.pump()
+        lines = [r for r in caplog.records if "handshake refused" in r.getMessage()]
+        assert len(lines) == 1, caplog.text
+        assert lines[0].levelno == logging.WARNING
+        assert srv.address in lines[0].getMessage() and "auth" in lines[0].getMessage()
     finally:
         srv.close()
 
