@@ -11,6 +11,7 @@ between vLLM versions is read from one table
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import sys
@@ -163,6 +164,17 @@ def _locked(method: _F) -> _F:
             return method(self, *args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
+
+
+#: Addresses of this process's live tiers, newest last: where a prefill's
+#: blocks wait, for :class:`p2p_kv.adapter.connector.P2PKVConnector`'s
+#: responses (an engine process holds one tier).
+_ADDRESSES: list[str] = []
+
+
+def local_address() -> str | None:
+    """The p2p_kv address of this process's tier, if one is live."""
+    return _ADDRESSES[-1] if _ADDRESSES else None
 
 
 def _engine_input_queue() -> tuple[Any, bool]:
@@ -362,6 +374,7 @@ class P2PKVTier(SecondaryTierManager):
             # beside a tier-poll thread that does not poll us): a long
             # prefill would go silent past the peers' liveness deadline.
             self.runtime.start_waker(None)
+        _ADDRESSES.append(self.address)
         log.info(
             "p2p_kv tier ready on %s: %d blocks of %d bytes",
             self.address,
@@ -515,6 +528,8 @@ class P2PKVTier(SecondaryTierManager):
         rt.drain()
 
     def shutdown(self) -> None:
+        with contextlib.suppress(ValueError):
+            _ADDRESSES.remove(self.address)
         self.runtime.close()
 
     @_locked
