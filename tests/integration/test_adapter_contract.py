@@ -254,7 +254,10 @@ def test_a_tier_whose_port_is_taken_closes_its_data_plane(
 ) -> None:
     """The data plane (a NIXL agent and UCX's thread) is built before the
     control socket binds; a bind that failed left it to the garbage
-    collector."""
+    collector. And while vLLM handles the error it closes the primary
+    region's mmap: views of it held by the exception's frames made that a
+    BufferError, the first of a page of tracebacks above the cause."""
+    import mmap
     import socket
     from types import SimpleNamespace
 
@@ -272,13 +275,17 @@ def test_a_tier_whose_port_is_taken_closes_its_data_plane(
     monkeypatch.setattr(NixlDataTransport, "close", close)
     parallel = SimpleNamespace(data_parallel_index=0)
     spec: Any = SimpleNamespace(config=SimpleNamespace(parallel=parallel))
-    view = memoryview(bytearray(4 * 4096)).cast("B", (4, 4096))
+    region = mmap.mmap(-1, 4 * 4096)
+    view = memoryview(region).cast("B", (4, 4096))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
-        with pytest.raises(OSError, match="pick a free port"):
+        with pytest.raises(OSError, match="pick a free port") as err:
             P2PKVTier(spec, view, port=s.getsockname()[1])
     assert len(closed) == 1
+    view.release()  # vLLM's own view goes, then its cleanup closes the file
+    region.close()  # with the exception still held (err): no BufferError
+    assert err.value is not None
 
 
 def test_an_engine_nothing_else_serves_between_steps_gets_a_keep_alive(

@@ -15,6 +15,7 @@ import contextlib
 import functools
 import logging
 import sys
+import traceback
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from queue import Queue
@@ -300,18 +301,30 @@ class P2PKVTier(SecondaryTierManager):
                     f"p2p_kv: port {self.cfg.port} + data-parallel rank {rank} "
                     f"is {port}, past 65535: set a port of at most {65535 - rank}"
                 )
-        data, control = open_transports(
-            lambda: NixlDataTransport(
-                region,
-                block_bytes,
-                name="p2p_kv",
-                same_host=self.cfg.same_host_copy,
-                read_staging_bytes=int(self.cfg.read_staging_mib * (1 << 20)),
-                drain_timeout_s=drain_timeout_for(self.cfg.abort_ack_timeout_s),
-            ),
-            self.cfg.host,
-            port,
-        )
+        try:
+            data, control = open_transports(
+                lambda: NixlDataTransport(
+                    region,
+                    block_bytes,
+                    name="p2p_kv",
+                    same_host=self.cfg.same_host_copy,
+                    read_staging_bytes=int(self.cfg.read_staging_mib * (1 << 20)),
+                    drain_timeout_s=drain_timeout_for(self.cfg.abort_ack_timeout_s),
+                ),
+                self.cfg.host,
+                port,
+            )
+        except BaseException as exc:
+            # vLLM closes the primary region's mmap while it handles this
+            # exception, and views of it in the traceback's frames (ours,
+            # the data plane's arrays) made that close a BufferError: the
+            # first of a page of tracebacks hiding the cause.
+            if exc.__traceback__ is not None:
+                traceback.clear_frames(exc.__traceback__.tb_next)
+            if region is not primary_kv_view:
+                with contextlib.suppress(BufferError):
+                    region.release()
+            raise
         self.address = control.address
         spec = offloading_spec
         algo = _hash_algo()
