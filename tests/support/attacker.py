@@ -116,12 +116,19 @@ def oversize(cfg: dict[str, Any]) -> dict[str, Any]:
         sock = _connect(cfg["target"])
         if sock is None:
             continue
-        with contextlib.suppress(OSError):
+        try:
             sock.sendall(sizes[i % len(sizes)].to_bytes(4, "big") + b"\x00" * 64)
             sent += 1
             sock.settimeout(5.0)
-            if sock.recv(1) == b"":
-                closed += 1
+            # Whatever it says first, then an orderly close, or a reset (it
+            # closed with our bytes unread).
+            while sock.recv(4096):
+                pass
+            closed += 1
+        except ConnectionResetError:
+            closed += 1
+        except OSError:
+            pass
         sock.close()
     return {"sent": sent, "closed_by_victim": closed}
 
