@@ -14,7 +14,7 @@ import math
 import os
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from p2p_kv.session import Timeouts
@@ -77,64 +77,129 @@ def secret_problem(secret: str) -> str:
     return ""
 
 
+@dataclass(frozen=True, slots=True)
+class Key:
+    """What the schema says of one key: the one line of the docs' table,
+    its range (validated at start) and unit. ``docs/configuration.md``'s
+    table is generated from these (``p2p-kv config --markdown``); a test
+    fails when the two differ."""
+
+    doc: str
+    low: float | None = None
+    high: float | None = None
+    unit: str = ""
+
+
+def _key(
+    default: Any,
+    doc: str,
+    low: float | None = None,
+    high: float | None = None,
+    unit: str = "",
+) -> Any:
+    return field(default=default, metadata={"key": Key(doc, low, high, unit)})
+
+
 @dataclass(frozen=True)
 class TierConfig:
-    #: Address this engine's control socket binds to and that peers dial.
-    host: str = "127.0.0.1"
-    #: Control port (0: pick a free one; peers must then learn it).
-    port: int = 5800
-    #: Shared secret; when set, peers must prove they know it (HMAC), and
-    #: every frame after the handshake is encrypted and authenticated.
-    secret: str | None = None
-    #: Serve peers without a secret on an address other hosts can reach.
-    #: Off (the default), a tier bound to a non-loopback host without a
-    #: secret refuses to start: anyone who reaches the port could then read
-    #: the KV cache and feed it wrong blocks.
-    allow_unauthenticated: bool = False
-    #: Longest wait on the control sockets inside an idle engine step: the
-    #: idle engine's CPU (lower with longer waits) against the time it may
-    #: take a fully idle vLLM 0.32 engine to start a new request.
-    idle_wait_ms: float = 200.0
+    """The keys of the tier's ``secondary_tiers`` entry: the one schema of
+    names, types, defaults, ranges and meanings. Why each is what it is:
+    ``docs/architecture.md`` ("Configuration, in depth")."""
+
+    host: str = _key(
+        "127.0.0.1",
+        "address the control socket binds and peers dial; not a wildcard; "
+        "off loopback it needs a `secret`",
+    )
+    port: int = _key(
+        5800,
+        "control port; data-parallel rank *i* uses `port + i`; `0` picks a free one",
+        0,
+        65535,
+    )
+    secret: str | None = _key(
+        None,
+        "the fleet's shared secret: peers prove it, every frame is sealed "
+        "under keys derived from it (set it as the variable: vLLM logs its "
+        "config)",
+    )
+    allow_unauthenticated: bool = _key(
+        False,
+        "serve without a `secret` on a non-loopback `host` (a network you "
+        "trust entirely)",
+    )
+    idle_wait_ms: float = _key(
+        200.0, "longest wait on the sockets in an idle engine step", *IDLE_WAIT_MS, "ms"
+    )
     # The protocol's deadlines default to the core's own (one source).
-    heartbeat_ms: float = _CORE.heartbeat_interval_s * 1000
-    handshake_timeout_s: float = _CORE.handshake_s
-    lookup_timeout_s: float = _CORE.lookup_s
-    fetch_timeout_floor_s: float = _CORE.fetch_floor_s
-    abort_ack_timeout_s: float = _CORE.abort_ack_s
-    pin_ttl_s: float = _CORE.pin_ttl_s
-    #: How long a remote_decoder request's blocks wait for their decoder.
-    parked_ttl_s: float = 60.0
-    #: Require PYTHONHASHSEED (peers must derive the same block hashes).
-    require_hash_seed: bool = True
-    #: Load remote hits with one-sided READs of the blocks the peer pinned
-    #: (no producer step, no round trip after the lookup) and offer ours for
-    #: READ. Off: every load is a Fetch that the producer WRITEs (needed
-    #: where peers may not read each other's memory, e.g. one-way firewalls).
-    read_path: bool = True
-    #: READs from a peer on the same host copy straight out of its shared
-    #: primary region (opened read-only) instead of going through NIXL:
-    #: parallel reads into host memory, DMA speed into GPU memory. Off:
-    #: every READ goes through NIXL.
-    same_host_copy: bool = True
-    #: READs through NIXL land in this much staging memory (host or GPU,
-    #: like the region) and are copied into the engine's slots once done,
-    #: so a READ given up on can never write slots the engine reused (over
-    #: TCP a stalled peer that resumes still serves it). Larger loads move
-    #: in pieces. 0: READs land in place, one copy fewer, with that risk.
-    read_staging_mib: float = 64.0
-    #: Most peers this engine dials at once. Clients name the peers (the
-    #: request's ``kv_transfer_params``), and each dial holds a descriptor:
-    #: without a bound a burst of requests naming distinct addresses could
-    #: leave the engine unable to open a file. A request naming a peer past
-    #: the bound recomputes (``refusals{reason="too_many_peers"}``).
-    max_peers: int = 256
-    #: Most peers connected to this engine at once. Each bound on what one
-    #: peer can make us hold (``docs/architecture.md``, Per-peer bounds)
-    #: holds per connection, so without this one a party opening many
-    #: connections multiplied them. Past it a newly proven connection is
-    #: refused (``refusals{reason="too_many_inbound"}``) and, of those still
-    #: handshaking, the oldest dropped (``too_many_handshaking``).
-    max_inbound_peers: int = 512
+    heartbeat_ms: float = _key(
+        _CORE.heartbeat_interval_s * 1000,
+        "heartbeat interval: a peer silent for 1.5 intervals is dropped",
+        *HEARTBEAT_MS,
+        "ms",
+    )
+    handshake_timeout_s: float = _key(
+        _CORE.handshake_s,
+        "a peer that does not finish the handshake in time is dropped",
+        *_TIMEOUT_RANGES["handshake_timeout_s"],
+        "s",
+    )
+    lookup_timeout_s: float = _key(
+        _CORE.lookup_s,
+        "an unanswered lookup reads as all-miss",
+        *_TIMEOUT_RANGES["lookup_timeout_s"],
+        "s",
+    )
+    fetch_timeout_floor_s: float = _key(
+        _CORE.fetch_floor_s,
+        "a load's deadline: this plus its bytes at 500 MB/s",
+        *_TIMEOUT_RANGES["fetch_timeout_floor_s"],
+        "s",
+    )
+    abort_ack_timeout_s: float = _key(
+        _CORE.abort_ack_s,
+        "a peer that neither finishes nor acknowledges an abort is dropped; "
+        "the same on every engine",
+        *_TIMEOUT_RANGES["abort_ack_timeout_s"],
+        "s",
+    )
+    pin_ttl_s: float = _key(
+        _CORE.pin_ttl_s,
+        "how long blocks stay pinned for a consumer's load",
+        *_TIMEOUT_RANGES["pin_ttl_s"],
+        "s",
+    )
+    parked_ttl_s: float = _key(
+        60.0,
+        "how long a `remote_decoder` request's blocks wait for their decoder",
+        *_TIMEOUT_RANGES["parked_ttl_s"],
+        "s",
+    )
+    require_hash_seed: bool = _key(True, "refuse to start without `PYTHONHASHSEED`")
+    read_path: bool = _key(
+        True,
+        "load by one-sided READ of the blocks the peer holds for us; `false`: "
+        "the producer WRITEs them (needs a `secret`)",
+    )
+    same_host_copy: bool = _key(
+        True,
+        "a READ from a peer on this host copies out of its shared region, "
+        "once the peer proves it holds our connection",
+    )
+    read_staging_mib: float = _key(
+        64.0,
+        "memory a NIXL READ lands in before its copy into the engine's "
+        "slots; `0`: in place, unsafe if a peer stalls and resumes",
+        0,
+        math.inf,
+        "MiB",
+    )
+    max_peers: int = _key(
+        256, "most engines this one dials at once (a descriptor each)", 1, MAX_PEERS
+    )
+    max_inbound_peers: int = _key(
+        512, "most peers connected to this engine at once", 1, MAX_PEERS * 16
+    )
 
     @classmethod
     def from_dict(
@@ -192,21 +257,12 @@ class TierConfig:
                 return ConfigError(f"p2p_kv: {name} {text}")
             return ConfigError(f"p2p_kv: {name} (from {env}) {text}", env=env)
 
-        if not 0 <= self.port <= 65535:
-            raise bad("port", f"{self.port} is not in 0..65535")
-        if not HEARTBEAT_MS[0] <= self.heartbeat_ms <= HEARTBEAT_MS[1]:
-            raise bad(
-                "heartbeat_ms",
-                f"{self.heartbeat_ms} is not in {HEARTBEAT_MS[0]}..{HEARTBEAT_MS[1]} "
-                "ms (a heartbeat leaves every quarter interval; a peer silent "
-                "for 1.5 intervals is dropped)",
-            )
-        for name, low, high, unit in (
-            ("idle_wait_ms", *IDLE_WAIT_MS, "ms"),
-            *((n, *r, "s") for n, r in _TIMEOUT_RANGES.items()),
-        ):
-            value = getattr(self, name)
-            if not low <= value <= high:  # NaN too
+        for f in fields(self):
+            key: Key | None = f.metadata.get("key")
+            if key is None or key.low is None or key.high is None:
+                continue
+            value, low, high, unit = getattr(self, f.name), key.low, key.high, key.unit
+            if not low <= value <= high or not math.isfinite(value):  # NaN too
                 # Every wait must end, and none is shorter than a round trip:
                 # outside these, a unit was mistaken (ms for s) or a typo.
                 hint = ""
@@ -215,22 +271,14 @@ class TierConfig:
                         f": it looks like milliseconds; for {value / 1000:g} s "
                         f"write {value / 1000:g}"
                     )
-                raise bad(name, f"{value} is not in {low:g}..{high:g} {unit}{hint}")
-        if not (self.read_staging_mib >= 0 and math.isfinite(self.read_staging_mib)):
-            raise bad(
-                "read_staging_mib",
-                f"{self.read_staging_mib} must be >= 0 and finite (0 turns "
-                "staging off)",
-            )
+                if not math.isfinite(high):
+                    raise bad(f.name, f"{value} must be >= {low:g} {unit} and finite")
+                raise bad(
+                    f.name,
+                    f"{value} is not in {low:g}..{high:g} {unit}".rstrip() + hint,
+                )
         if self.secret is not None and (problem := secret_problem(self.secret)):
             raise bad("secret", problem)
-        if not 1 <= self.max_peers <= MAX_PEERS:
-            raise bad(
-                "max_peers",
-                f"{self.max_peers} is not in 1..{MAX_PEERS} (a descriptor a peer)",
-            )
-        if self.max_inbound_peers < 1:
-            raise bad("max_inbound_peers", f"{self.max_inbound_peers} must be >= 1")
         if not self.host:
             raise bad("host", "is empty; set the address peers dial")
         if self.host.strip("[]") in WILDCARD_HOSTS:
@@ -276,6 +324,40 @@ class TierConfig:
             pin_ttl_s=self.pin_ttl_s,
             parked_wait_s=self.parked_ttl_s,
         )
+
+
+def markdown_table() -> str:
+    """docs/configuration.md's table of keys, from the schema."""
+
+    def shown(value: Any) -> str:
+        if value is None:
+            return "none"
+        if isinstance(value, bool):
+            return f"`{str(value).lower()}`"
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        return f"`{value}`"
+
+    def span(key: Key) -> str:
+        if key.low is None or key.high is None:
+            return ""
+        unit = f" {key.unit}" if key.unit else ""
+        if not math.isfinite(key.high):
+            return f">= {key.low:g}{unit}"
+        return f"{key.low:g}-{key.high:,g}{unit}"
+
+    lines = [
+        "| key | variable | type | default | range | meaning |",
+        "|---|---|---|---|---|---|",
+    ]
+    for f in fields(TierConfig):
+        key: Key = f.metadata["key"]
+        kind = str(f.type).replace(" | None", "")
+        lines.append(
+            f"| `{f.name}` | `{ENV_PREFIX}{f.name.upper()}` | {kind} | "
+            f"{shown(f.default)} | {span(key)} | {key.doc} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def is_loopback(host: str) -> bool:
