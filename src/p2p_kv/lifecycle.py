@@ -107,6 +107,9 @@ class Event(Enum):
     PEER_LOST = "peer_lost"
     FINISH = "finish"
     RESET = "reset"
+    #: the producer says the prefill a parked Fetch waits for is running:
+    #: the load's deadline moves (up to ``parked_ttl_s``), nothing else
+    WAIT = "wait"
 
 
 S, E = State, Event
@@ -147,6 +150,10 @@ TABLE: Final[dict[Machine, dict[State, dict[Event, State]]]] = {
             # The producer offers its parked stores instead of writing them
             # (a ``read`` Fetch): from here on it is our READ to fence.
             E.OFFER: S.READ_QUEUED,
+            # Its prefill is still running there: nothing was offered or
+            # written yet, so waiting longer lands nothing; the deadline
+            # moves, bounded by parked_ttl_s from the load's start.
+            E.WAIT: S.FETCH_POSTED,
             E.TRANSFER_OK: S.DONE,
             E.TRANSFER_FAILED: S.FAILED,
             # The producer may be mid-write: quarantine, do not fail yet.

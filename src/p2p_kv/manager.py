@@ -282,6 +282,8 @@ class ParkedEntry:
     #: A producer request for this id was seen: once none is live, no more
     #: stores can come and a waiting fetch may be refused at once.
     producer_seen: bool = False
+    #: a FetchWait note for its waiting fetches is in the manager's heap
+    noted: bool = False
 
 
 @dataclass(slots=True)
@@ -378,6 +380,9 @@ class LoadManager:
         self._late_fetches: list[tuple[float, int, str, ParkedEntry]] = []
         #: Offered pins of sessions that ended, held to their deadline.
         self._orphans: list[tuple[float, int, Serve]] = []
+        #: when to tell the peers whose Fetches wait on a live prefill that
+        #: it is still running (FetchWait): (when, tie, kv id)
+        self._wait_notes: list[tuple[float, int, str]] = []
         self._heap_ids = itertools.count()
         self._jobs: dict[int, _Job] = {}
         self._results: list[LoadResult | StoreResult] = []
@@ -446,6 +451,7 @@ class LoadManager:
             entry = self._parked.setdefault(roles.dest_kv_id, ParkedEntry())
             entry.live_producers += 0 if carried else 1
             entry.producer_seen = True
+            self._note_waiting(roles.dest_kv_id, now)  # a decoder came first
         return replaced
 
     def lookup(self, req_id: str, key: bytes) -> Answer:
@@ -1058,6 +1064,12 @@ class LoadManager:
                     entry.stores.remove(store)
                     self._gc_parked(store.kv_id)
                 self._results.append(StoreResult(store.job_id, False, "parked_expired"))
+        while self._wait_notes and self._wait_notes[0][0] <= now:
+            _, _, kv_id = heapq.heappop(self._wait_notes)
+            entry = self._parked.get(kv_id)
+            if entry is not None:
+                entry.noted = False
+                self._note_waiting(kv_id, now)
         while self._orphans and self._orphans[0][0] <= now:
             _, _, serve = heapq.heappop(self._orphans)
             serve.fire(Event.TIMEOUT)
@@ -1085,6 +1097,8 @@ class LoadManager:
             best = min(best, self._parked_heap[0][0])
         if self._orphans:
             best = min(best, self._orphans[0][0])
+        if self._wait_notes:
+            best = min(best, self._wait_notes[0][0])
         return best
 
     def drain_deadline(self, now: float) -> float:
@@ -1212,7 +1226,26 @@ class LoadManager:
             if serve.state is State.FETCH_WAITING:
                 still_waiting.append((peer, serve))
         entry.waiting = still_waiting
+        self._note_waiting(kv_id, now)
         self._gc_parked(kv_id)
+
+    def _note_waiting(self, kv_id: str, now: float) -> None:
+        """While ``kv_id``'s prefill is live here, tell each peer whose Fetch
+        waits on it so, now and every heartbeat interval (a decoder that
+        asked first then waits as long as the prefill runs, up to its
+        parked_ttl_s, not its fetch deadline alone)."""
+        entry = self._parked.get(kv_id)
+        if entry is None or not entry.live_producers or not entry.waiting:
+            return
+        for peer, serve in entry.waiting:
+            session = self._sessions.get(peer)
+            if session is not None:
+                session.tell_waiting(serve, now)
+                self._touch(session)
+        if not entry.noted:
+            entry.noted = True
+            when = now + self.timeouts.heartbeat_interval_s
+            heapq.heappush(self._wait_notes, (when, next(self._heap_ids), kv_id))
 
     def _gc_parked(self, kv_id: str) -> None:
         entry = self._parked.get(kv_id)

@@ -20,7 +20,7 @@ from typing import Annotated, Final, get_args
 
 import msgspec
 
-PROTOCOL_VERSION: Final = 5
+PROTOCOL_VERSION: Final = 6
 
 #: Largest frame accepted from a peer. A lookup of 65,536 keys of 36 bytes
 #: is about 2.5 MiB, so 4 MiB fits the largest legal message with room.
@@ -164,6 +164,21 @@ class FetchOffer(_Msg, tag="fetch_offer", frozen=True):
     ttl_ms: Annotated[int, msgspec.Meta(gt=0, le=MAX_TTL_MS)]
 
 
+class FetchWait(_Msg, tag="fetch_wait", frozen=True):
+    """Producer: the ``parked`` Fetch ``job`` waits for the stores of a
+    prefill that is running here now (its request is live); it will be
+    answered, or refused, within ``ttl_ms``. Sent when the Fetch arrives
+    before its prefill's stores and again every heartbeat interval while
+    it waits, so a decoder that asked first waits as long as the prefill
+    is alive (up to its own ``parked_ttl_s``) instead of its fetch
+    deadline alone."""
+
+    req: ReqId
+    gen: Gen
+    job: Gen
+    ttl_ms: Annotated[int, msgspec.Meta(gt=0, le=MAX_TTL_MS)]
+
+
 class TransferDone(_Msg, tag="transfer_done", frozen=True):
     """Producer: every write for this job has finished (``ok``) or none can
     still land (not ``ok``). Either way the consumer's slots are fenced."""
@@ -234,6 +249,7 @@ Message = (
     | LookupResp
     | Fetch
     | FetchOffer
+    | FetchWait
     | TransferDone
     | Release
     | Revoke

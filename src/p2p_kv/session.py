@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -62,6 +63,7 @@ from p2p_kv.protocol import (
     Error,
     Fetch,
     FetchOffer,
+    FetchWait,
     Goodbye,
     Heartbeat,
     Hello,
@@ -373,6 +375,7 @@ class Serve(Tracked):
         "pending_lookups",
         "pins",
         "req",
+        "told_wait",
         "waiting",
         "write_id",
     )
@@ -393,6 +396,9 @@ class Serve(Tracked):
         self.offered = False
         #: For FETCH_WAITING: the producer request finished, no more stores.
         self.complete = False
+        #: For FETCH_WAITING: when we last told the peer its prefill is
+        #: running here (FetchWait); -inf: never
+        self.told_wait = -math.inf
 
     def fire(self, event: Event) -> State:
         new = super().fire(event)
@@ -891,6 +897,8 @@ class Session:
                     self._on_fetch(msg, now)
                 case FetchOffer():
                     self._on_fetch_offer(msg, now)
+                case FetchWait():
+                    self._on_fetch_wait(msg, now)
                 case TransferDone():
                     self._on_transfer_done(msg, now)
                 case Release():
@@ -1081,6 +1089,31 @@ class Session:
             self._reads.append(ReadOrder(job_id, list(slots), remote))
         elif fetch is not None and initial is State.FETCH_POSTED:
             self._send(fetch)
+
+    def _on_fetch_wait(self, msg: FetchWait, now: float) -> None:
+        """The prefill our parked Fetch waits for is running at the peer:
+        wait on, a fetch deadline from now, but no longer than it holds our
+        Fetch (``ttl_ms``) nor ``parked_ttl_s`` from the load's start."""
+        load = self._loads.get(msg.job)
+        fetch = load.fetch if load is not None else None
+        if (
+            load is None
+            or load.state is not State.FETCH_POSTED
+            or (load.req, load.gen) != (msg.req, msg.gen)
+        ):
+            self.counters.bump(self.counters.protocol_errors, "stale_fetch_wait")
+            return
+        if fetch is not None and not fetch.parked:
+            self.counters.bump(self.counters.protocol_errors, "bad_fetch_wait")
+            return
+        until = min(
+            self.timeouts.fetch_deadline(now, load.nbytes),
+            now + msg.ttl_ms / 1000,
+            load.started + self.timeouts.parked_wait_s,
+        )
+        if until > load.deadline:
+            load.fire(Event.WAIT)
+            self._arm(load, until)
 
     def _on_fetch_offer(self, msg: FetchOffer, now: float) -> None:
         load = self._loads.get(msg.job)
@@ -1550,6 +1583,25 @@ class Session:
                 )
             )
             self._release_serve(serve, Event.TIMEOUT, ok=False, reason="missing")
+
+    def tell_waiting(self, serve: Serve, now: float) -> None:
+        """The prefill ``serve``'s Fetch waits for is running here: tell the
+        peer (FetchWait), at most once a heartbeat interval, so that it
+        waits on past its fetch deadline. Promised for no longer than we
+        hold the Fetch ourselves (its deadline, ``parked_ttl_s``)."""
+        fetch = serve.fetch
+        if (
+            fetch is None
+            or serve.state is not State.FETCH_WAITING
+            or now < serve.told_wait + self.timeouts.heartbeat_interval_s
+            or self.link is not Link.READY
+        ):
+            return
+        ttl_ms = min(MAX_TTL_MS, round((serve.deadline - now) * 1000))
+        if ttl_ms <= 0:
+            return
+        serve.told_wait = now
+        self._send(FetchWait(serve.req, serve.gen, fetch.job, ttl_ms))
 
     def _serve_fetch(self, serve: Serve, write_event: Event, now: float) -> None:
         """The serve's Fetch, its blocks all held: offered for the consumer

@@ -947,6 +947,48 @@ def test_a_write_the_producer_cannot_stop_ends_the_session_not_the_load(
         prod.close()
 
 
+def test_a_decoder_that_asked_first_waits_out_a_10_s_prefill() -> None:
+    """The decoder's Fetch reaches the prefiller before its prefill parked
+    anything, and the prefill takes 10 s, five times the decoder's fetch
+    deadline: while the prefill's request is live the prefiller says so
+    (FetchWait, every heartbeat interval), the decoder waits, and loads the
+    right bytes instead of recomputing."""
+    from p2p_kv.manager import Roles, Source
+
+    bs, keys = 64 * KIB, [make_key(i) for i in range(8)]
+    prod = StandalonePeer(16, bs, engine_id=f"dfp-{os.getpid()}")
+    cons = StandalonePeer(32, bs, engine_id=f"dfc-{os.getpid()}")
+    try:
+        src, dst = [3, 5, 6, 7, 9, 10, 12, 15], list(range(20, 28))
+        prod.fill(keys, src)
+        prt, rt = prod.runtime, cons.runtime
+        rt.start_request("d1", Roles(Source("kv-first", prod.address, probe=False)))
+        rt.submit_load(1, "d1", keys, dst)
+        prt.start_request("p1", Roles(dest_kv_id="kv-first"))  # prefilling
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 10.0:
+            assert 1 not in cons.results, cons.results[1]
+            cons.step(wait=False)
+            prod.step(wait=False)
+            time.sleep(0.005)
+        prod.manager.submit_store(77, "p1", keys, src, prt.clock())
+        prt.end_request("p1")
+        end = time.monotonic() + 10
+        while 1 not in cons.results or 77 not in prod.results:
+            assert time.monotonic() < end, "the parked load did not end"
+            cons.step(wait=False)
+            prod.step(wait=False)
+        assert cons.results.pop(1).success
+        assert prod.results.pop(77).success
+        for k, d in zip(keys, dst, strict=True):
+            assert bytes(cons.block(d)) == bytes(block_pattern(k, bs))
+        rt.end_request("d1")
+        drain_both(cons, prod)
+    finally:
+        cons.close()
+        prod.close()
+
+
 @pytest.mark.parametrize("path", ["read", "nixl_read"])
 def test_a_decoder_reads_the_parked_prefill_and_the_producer_writes_nothing(
     monkeypatch: pytest.MonkeyPatch, path: str

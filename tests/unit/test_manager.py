@@ -1432,3 +1432,73 @@ def test_a_cache_reset_during_a_decoders_read_holds_the_stores_until_it_ends() -
     assert b.results[job][0].success
     assert [b.block(s) for s in (40, 41, 42, 43)] == [payload(k) for k in KEYS]
     finish_and_drain(net)
+
+
+def _decoder_first(prefill_s: float, live: bool) -> tuple[Net, int, int]:
+    """b's decoder asks a for kv9's parked blocks first; a's prefill
+    request for kv9 starts (``live``) and parks its stores ``prefill_s``
+    later. Returns the net, the decoder's load job and the store job."""
+    net = Net(timeouts=Timeouts(heartbeat_interval_s=0.5, parked_wait_s=30.0))
+    a, b = net.engines["a"], net.engines["b"]
+    dec = Roles.parse({"remote_decoder": {"kv_request_id": "kv9"}})
+    b.manager.on_new_request("d1", net.roles("a", "kv9", probe=False), net.now)
+    job = load(net, "d1", [40, 41, 42, 43])
+    net.run()
+    if live:
+        a.manager.on_new_request("p1", dec, net.now)  # the prefill runs
+    wait(net, prefill_s)
+    if not live:
+        a.manager.on_new_request("p1", dec, net.now)
+    store_job = a.new_job()
+    a.store(store_job, "p1", KEYS, [20, 21, 22, 23], net.now)
+    for k, s in zip(KEYS, [20, 21, 22, 23], strict=True):
+        a.region[s * 16 : (s + 1) * 16] = payload(k)
+    a.manager.on_request_finished("p1", net.now)
+    wait(net, 1.0)
+    collect_all(net)
+    return net, job, store_job
+
+
+def test_a_decoder_that_asked_first_waits_while_its_prefill_runs() -> None:
+    """The Fetch arrives before the prefill parks anything: while the
+    prefill's request is live at the producer, FetchWait moves the
+    decoder's deadline (2 s) on, so a 10 s prefill is loaded, not
+    recomputed; and nothing is left on either side."""
+    net, job, store_job = _decoder_first(10.0, live=True)
+    a, b = net.engines["a"], net.engines["b"]
+    assert b.results[job][0].success, b.results[job]
+    assert [b.block(s) for s in (40, 41, 42, 43)] == [payload(k) for k in KEYS]
+    assert a.results[store_job][0].success
+    b.manager.on_request_finished("d1", net.now)
+    wait(net, 1.0)
+    collect_all(net)
+    assert_drained(net)
+
+
+def test_a_decoder_waits_no_longer_than_its_fetch_deadline_for_a_prefill_not_running() -> None:
+    """No prefill request for the id at the producer: no FetchWait, so the
+    decoder gives up at its fetch deadline and recomputes (the prefill that
+    starts later parks for nobody: its stores expire at parked_ttl_s)."""
+    net, job, _ = _decoder_first(10.0, live=False)
+    b = net.engines["b"]
+    assert not b.results[job][0].success
+    assert b.results[job][0].reason == "timeout"
+
+
+def test_a_decoder_waits_no_longer_than_its_parked_ttl() -> None:
+    """A prefill alive past the decoder's parked_ttl_s: the decoder stops
+    waiting at that bound (measured from its load's start)."""
+    net = Net(timeouts=Timeouts(heartbeat_interval_s=0.5, parked_wait_s=5.0))
+    a, b = net.engines["a"], net.engines["b"]
+    b.manager.on_new_request("d1", net.roles("a", "kv9", probe=False), net.now)
+    job = load(net, "d1", [40, 41, 42, 43])
+    net.run()
+    a.manager.on_new_request(
+        "p1", Roles.parse({"remote_decoder": {"kv_request_id": "kv9"}}), net.now
+    )
+    start = net.now
+    while job not in b.results and net.now - start < 20:
+        wait(net, 0.5)
+        collect_all(net)
+    assert not b.results[job][0].success
+    assert 4.5 <= net.now - start <= 6.5, net.now - start
