@@ -1475,7 +1475,9 @@ def test_a_decoder_that_asked_first_waits_while_its_prefill_runs() -> None:
     assert_drained(net)
 
 
-def test_a_decoder_waits_no_longer_than_its_fetch_deadline_for_a_prefill_not_running() -> None:
+def test_a_decoder_waits_no_longer_than_its_fetch_deadline_for_a_prefill_not_running() -> (
+    None
+):
     """No prefill request for the id at the producer: no FetchWait, so the
     decoder gives up at its fetch deadline and recomputes (the prefill that
     starts later parks for nobody: its stores expire at parked_ttl_s)."""
