@@ -12,9 +12,9 @@ process (real TCP and NIXL):
 * ``waker``: the engine sleeps; the waker sleeps on the control sockets'
   descriptors and calls the engine in when the lookup arrives;
 * ``tick``: the same waker with its descriptors hidden, so it wakes only
-  on a 10 ms tick (the waker before session 7; since session 15 it
-  ticks at 10 ms only while transfers are in flight or a peer may be
-  moving bytes to or from us, 200 ms otherwise).
+  on a 10 ms tick (the waker itself ticks at 10 ms only while transfers
+  are in flight or a peer may be moving bytes to or from us, 200 ms
+  otherwise).
 
 Lookups of one key, a hit, one at a time, 50-60 ms apart (the producer
 falls back asleep between them). Run: ``python benchmarks/waker.py

@@ -563,8 +563,8 @@ PIECES_IN_FLIGHT = 2
 #: connected, keeps its READs' staging until it resumes or dies (UCX does
 #: not end them); with no share, one such READ held all of it, and every
 #: other peer's READs waited out their deadlines for as long as the stall
-#: lasted. A share of the whole pool (session 14) let two stalled peers take
-#: it all; of what is left, k stalled peers leave about 1/2**k of it to the
+#: lasted. A share of the whole pool would let two stalled peers take it
+#: all; of what is left, k stalled peers leave about 1/2**k of it to the
 #: rest (one block at least each: 32 blocks last 6 stalled peers).
 PEER_STAGING_SHARE = 0.5
 

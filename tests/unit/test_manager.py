@@ -336,7 +336,7 @@ def test_a_request_that_outlives_its_session_asks_again_through_a_new_one(
     the session). They ask through a new session now. *answered*: its hits
     came through the session that ended; they stayed hits, and vLLM loaded
     them through the next session, whose producer holds no pins for them
-    (``not pinned``): asked again too (session 18)."""
+    (``not pinned``): asked again too."""
     net = make_net(timeouts=FAST_TIMEOUTS)
     b = net.engines["b"].manager
     assert probe(net, "warm", "w") == [Answer.HIT] * 4
