@@ -377,8 +377,10 @@ class TierRuntime:
                 # A refused handshake (wrong secret, another layout): the
                 # operator's fix is on one side or the other. Any party can
                 # cause it, so at most one line per reason per interval.
+                # Its kind is the refusal's reason, the budget a refused
+                # seal's line (``auth``) shares: one event, one line.
                 self._peer_log.warning(
-                    f"refused_{session.refusal.reason}",
+                    session.refusal.reason,
                     peer,
                     "handshake refused: %.300s",
                     session.refusal,
