@@ -41,7 +41,7 @@ import numpy as np
 import pytest
 from tests.support.faults import DataFaults, FaultyData, install
 from tests.support.procs import PeerProc
-from tests.support.wire import RawConn
+from tests.support.wire import RawConn, standalone_identity
 
 from p2p_kv.data import NixlDataTransport
 from p2p_kv.handshake import (
@@ -73,7 +73,7 @@ from p2p_kv.protocol import (
     encode,
 )
 from p2p_kv.session import Timeouts
-from p2p_kv.standalone import StandalonePeer, block_pattern, canonical_hashes, make_key
+from p2p_kv.standalone import StandalonePeer, block_pattern, make_key
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -86,17 +86,7 @@ TIMEOUTS = {"heartbeat_interval_s": 0.5, "parked_wait_s": 1.0}
 
 
 def identity(name: str, num_blocks: int, region: bytes = b"") -> Identity:
-    return Identity(
-        engine_id=name,
-        hash_algo="sha256",
-        hash_seed="0",
-        canonical_hashes=canonical_hashes("0"),
-        layout="standalone",
-        block_bytes=BLOCK,
-        num_blocks=num_blocks,
-        region=region,
-        secret=SECRET,
-    )
+    return standalone_identity(name, BLOCK, num_blocks, SECRET, region)
 
 
 def crc_ok(peer: StandalonePeer, keys: list[bytes], slots: list[int]) -> bool:

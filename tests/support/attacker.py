@@ -38,21 +38,11 @@ from typing import Any
 from p2p_kv.control import parse_peer
 from p2p_kv.handshake import SEALED, Identity, make_hello
 from p2p_kv.protocol import Hello, HelloAck, Region, decode, encode
-from p2p_kv.standalone import canonical_hashes
-from tests.support.wire import RawConn, framed
+from tests.support.wire import RawConn, framed, standalone_identity
 
 
 def identity(name: str, block_bytes: int, secret: bytes | None) -> Identity:
-    return Identity(
-        engine_id=name,
-        hash_algo="sha256",
-        hash_seed="0",
-        canonical_hashes=canonical_hashes("0"),
-        layout="standalone",
-        block_bytes=block_bytes,
-        num_blocks=8,
-        secret=secret,
-    )
+    return standalone_identity(name, block_bytes, 8, secret)
 
 
 def _connect(target: str) -> socket.socket | None:

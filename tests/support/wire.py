@@ -12,6 +12,30 @@ import socket
 import time
 
 from p2p_kv.control import HEADER, parse_peer
+from p2p_kv.handshake import Identity
+from p2p_kv.standalone import canonical_hashes
+
+
+def standalone_identity(
+    name: str,
+    block_bytes: int,
+    num_blocks: int,
+    secret: bytes | None,
+    region: bytes = b"",
+) -> Identity:
+    """An identity a StandalonePeer (layout ``standalone``, hash seed 0)
+    accepts at the handshake, for a party that speaks the wire by hand."""
+    return Identity(
+        engine_id=name,
+        hash_algo="sha256",
+        hash_seed="0",
+        canonical_hashes=canonical_hashes("0"),
+        layout="standalone",
+        block_bytes=block_bytes,
+        num_blocks=num_blocks,
+        region=region,
+        secret=secret,
+    )
 
 
 def framed(frame: bytes) -> bytes:
