@@ -1,6 +1,7 @@
 """Two `vllm serve` engines (vLLM's default 3-process engine, OpenAI API):
 B loads A's KV through p2p_kv via the request body's kv_transfer_params, and
-B's /metrics endpoint carries p2p_kv's per-peer series."""
+B's /metrics endpoint carries p2p_kv's per-peer series, and every metric
+the shipped dashboard, alert rules and docs/observability.md name."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tests.unit.test_observability import SUFFIXES, referenced
 
 from p2p_kv.adapter.engines import EngineSpec, free_port, kv_transfer_config
 from p2p_kv.tiny_model import TINY, ensure_model
@@ -171,6 +173,33 @@ def test_remote_hit_through_openai_api_and_metrics_endpoint(
         if ln.startswith("vllm:kv_offload_p2p_lookup_hit_blocks") and peer in ln
     ]
     assert hits and float(hits[0].rsplit(" ", 1)[1]) >= 4, hits
+
+
+def exported_series(text: str) -> set[str]:
+    """Series names a /metrics text exports: those with samples, and those
+    a metric with no sample yet will have (its # TYPE line only)."""
+    names: set[str] = set()
+    for ln in text.splitlines():
+        if ln.startswith("# TYPE "):
+            family, kind = ln.split()[2:4]
+            if kind == "counter":
+                family = family.removesuffix("_total")
+            names.update(family + s for s in SUFFIXES.get(kind, ("",)))
+        elif ln and not ln.startswith("#"):
+            names.add(ln.split("{", 1)[0].split(" ", 1)[0])
+    return names
+
+
+def test_every_metric_the_dashboard_and_alerts_name_is_exported(
+    servers: tuple[Server, Server, int],
+) -> None:
+    """The Grafana dashboard, the alert rules and the docs' PromQL query
+    what a real engine exports at /metrics, with vLLM's spelling."""
+    for server in servers[:2]:
+        exported = exported_series(server.metrics())
+        for source, names in referenced().items():
+            missing = sorted(names - exported)
+            assert not missing, f"{server.engine_id} lacks {missing} ({source})"
 
 
 def loaded_bytes(text: str, pa: int) -> float:
