@@ -178,3 +178,32 @@ def test_demo_whose_engine_fails_says_so_without_a_traceback() -> None:
     )
     assert out.returncode == 1, out.stderr[-2000:]
     assert "demo failed: " in out.stderr and "Traceback" not in out.stderr
+
+
+def test_vs_intree_says_a_target_of_lengths_not_run_was_not_measured() -> None:
+    """The 5x-up-to-256-tokens verdict read "met" for a run of 1,024 and
+    4,096 tokens only: all() of nothing."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "vs_intree.py"
+    spec = importlib.util.spec_from_file_location("vs_intree_targets", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    def row(tokens: int, speedup: float) -> dict[str, Any]:
+        cell = {"bytes_per_block": 1}
+        return {
+            "tokens": tokens,
+            "p2p_kv_speedup_vs_intree": speedup,
+            "p2p_kv": cell,
+            "intree": cell,
+        }
+
+    tiers = {"p2p_kv": {"idle": {}, "crossover_tokens": 1024}}
+    long_only = module._targets(
+        {"rows": [row(1024, 3.0), row(4096, 2.0)], "tiers": tiers}
+    )
+    assert long_only["speedup_vs_intree_ge_5x_up_to_256"] is None
+    short = module._targets({"rows": [row(64, 6.0), row(4096, 2.0)], "tiers": tiers})
+    assert short["speedup_vs_intree_ge_5x_up_to_256"] is True
