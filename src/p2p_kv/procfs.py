@@ -7,6 +7,8 @@ plane names its connections' sockets here (once a dial connects) so that
 proof can be made later, and the GPU copier finds the CUDA
 runtime torch loaded. Every reader is cheap enough for once-per-peer use
 and returns None/False rather than raising when ``/proc`` says nothing.
+:func:`holders` (which processes hold a file) is one pass over every
+process, for the rare sweep of files in shared memory (:mod:`p2p_kv.shm`).
 """
 
 from __future__ import annotations
@@ -14,16 +16,18 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from functools import cache
 
 __all__ = [
     "boot_id",
+    "holders",
     "holds_connection",
     "loaded_library",
     "mapping_of",
     "process_dir",
     "process_uids",
+    "sees_every_process",
     "shm_devices",
     "socket_inode",
 ]
@@ -215,3 +219,97 @@ def loaded_library(stem: str, maps: str | None = None) -> str | None:
         if rest.startswith((".so", "-")) and ".so" in rest:
             return path
     return None
+
+
+#: The inode of ``/proc/self/ns/pid`` in the host's first pid namespace
+#: (the kernel's ``PROC_PID_INIT_INO``).
+_INIT_PID_NS = 0xEFFFFFFC
+
+
+def sees_every_process() -> bool:
+    """Whether ``/proc`` lists every process of this host: we run in the
+    host's pid namespace and ``/proc`` is mounted for it. Elsewhere (a
+    container) processes of other namespaces are invisible here, and
+    nothing ``/proc`` says about who holds a file is a proof."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino == _INIT_PID_NS and os.readlink(
+            "/proc/self"
+        ) == str(os.getpid())
+    except OSError:
+        return False
+
+
+def _holds_files(
+    proc: int, files: Mapping[tuple[int, int], str]
+) -> set[tuple[int, int]] | None:
+    """Which of ``files`` the process of ``proc`` (a :func:`process_dir`)
+    holds: open (an fd) or mapped. None if we may not read its fds or
+    maps; nothing once it has exited."""
+    found: set[tuple[int, int]] = set()
+    names = set(files.values())
+    try:
+        fds = os.open("fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=proc)
+    except PermissionError:
+        return None
+    except OSError:
+        return found
+    try:
+        for name in os.listdir(fds):
+            try:
+                link = os.readlink(name, dir_fd=fds)
+                # Only a link ending in one of the names is stat'ed: a
+                # stat of a file on a network filesystem could stall.
+                if os.path.basename(link.removesuffix(" (deleted)")) not in names:
+                    continue
+                st = os.stat(name, dir_fd=fds)
+            except PermissionError:
+                return None  # the directory lists, each link is refused
+            except OSError:
+                continue  # closed meanwhile
+            if (st.st_dev, st.st_ino) in files:
+                found.add((st.st_dev, st.st_ino))
+    except PermissionError:
+        return None
+    except OSError:
+        return found
+    finally:
+        os.close(fds)
+    try:
+        maps = os.open("maps", os.O_RDONLY | os.O_CLOEXEC, dir_fd=proc)
+        with os.fdopen(maps) as f:
+            text = f.read()
+    except PermissionError:
+        return None
+    except OSError:
+        return found
+    if any(f" {ino} " in text for _, ino in files):
+        found.update(
+            (dev, ino) for *_, dev, ino, _ in _maps(text) if (dev, ino) in files
+        )
+    return found
+
+
+def holders(
+    files: Mapping[tuple[int, int], str],
+) -> tuple[set[tuple[int, int]], list[int]]:
+    """Which of ``files`` (``(st_dev, st_ino)`` to the file's name) some
+    live process holds, open or mapped, and the pids whose fds or maps we
+    may not read: any of those might hold any of them. One pass over
+    ``/proc``, a readlink per fd (a stat only where the link ends in one
+    of the names), one read of each process's maps. A file no process
+    holds can still be opened by name meanwhile: only its maker's
+    protocol (an engine id no live engine uses) makes that moot."""
+    held: set[tuple[int, int]] = set()
+    hidden: list[int] = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        with process_dir(int(entry.name)) as proc:
+            if proc is None:
+                continue  # exited
+            found = _holds_files(proc, files)
+        if found is None:
+            hidden.append(int(entry.name))
+        else:
+            held |= found
+    return held, hidden

@@ -1,19 +1,28 @@
 """What ``/proc`` proves: which process holds the far end of a connection,
-and which CUDA runtime is loaded."""
+which CUDA runtime is loaded, and who holds a file; and the sweep of files
+left in shared memory by engines that have exited (:mod:`p2p_kv.shm`)."""
 
 from __future__ import annotations
 
+import logging
+import mmap
 import os
 import socket
 import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
+from p2p_kv import shm
 from p2p_kv.procfs import (
+    holders,
     holds_connection,
     loaded_library,
     process_dir,
     process_uids,
+    sees_every_process,
     shm_devices,
     socket_inode,
 )
@@ -120,3 +129,158 @@ def test_a_proof_is_of_the_process_it_began_with() -> None:
 
 def test_shm_devices_are_the_hosts() -> None:
     assert shm_devices() is shm_devices()  # that one is the host's: made once
+
+
+# -- who holds a file; the sweep of engines' leftovers -----------------------
+
+#: A child that holds a file as asked (argv: path, how), says so, and waits.
+_HOLDER = """
+import mmap, os, sys, time
+path, how = sys.argv[1:]
+fd = os.open(path, os.O_RDONLY if how == "read" else os.O_RDWR)
+if how == "map":
+    m = mmap.mmap(fd, 4096)
+    os.close(fd)  # held by the mapping alone
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+Holder = Callable[[Path, str], "subprocess.Popen[str]"]
+
+
+@pytest.fixture
+def holder() -> Iterator[Holder]:
+    children: list[subprocess.Popen[str]] = []
+
+    def start(path: Path, how: str) -> subprocess.Popen[str]:
+        child = subprocess.Popen(
+            [sys.executable, "-c", _HOLDER, str(path), how],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        children.append(child)
+        assert child.stdout is not None and child.stdout.readline() == "ready\n"
+        return child
+
+    yield start
+    for child in children:
+        child.kill()
+        child.wait()
+
+
+def _file(path: Path, size: int = 1 << 16) -> tuple[int, int]:
+    path.write_bytes(b"\0" * size)
+    st = path.stat()
+    return st.st_dev, st.st_ino
+
+
+def test_holders_sees_fds_and_mappings(tmp_path: Path, holder: Holder) -> None:
+    """A file is held while some process has it open, or only mapped (its fd
+    closed); once that process is gone, nothing holds it."""
+    if not sees_every_process():
+        pytest.skip("/proc here does not list every process of the host")
+    opened, mapped, free = (tmp_path / n for n in ("opened", "mapped", "free"))
+    files = {_file(p): p.name for p in (opened, mapped, free)}
+    by_fd = holder(opened, "write")
+    holder(mapped, "map")
+    held, _ = holders(files)  # a protected init may hide: held still holds
+    assert held == {_key(opened), _key(mapped)}
+    by_fd.kill()
+    by_fd.wait()
+    held, _ = holders(files)
+    assert held == {_key(mapped)}
+
+
+def _key(path: Path) -> tuple[int, int]:
+    st = path.stat()
+    return st.st_dev, st.st_ino
+
+
+def _names(directory: Path) -> set[str]:
+    return {p.name for p in directory.iterdir()}
+
+
+def test_sweep_removes_only_files_nobody_holds(
+    tmp_path: Path, holder: Holder, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Files left by exited engines go, each with one line naming it and its
+    size; a file some live process holds (open for writing, for reading, or
+    only mapped) stays, as do other names, links and other users' files."""
+    dead = tmp_path / "vllm_offload_dead.mmap"
+    _file(dead, 3 << 20)
+    for how in ("write", "read", "map"):
+        path = tmp_path / f"vllm_offload_live-{how}.mmap"
+        _file(path)
+        holder(path, how)
+    _file(tmp_path / "vllm_offload_other.txt")
+    _file(tmp_path / "psm_0123abcd")
+    (tmp_path / "vllm_offload_link.mmap").symlink_to(tmp_path / "psm_0123abcd")
+    if os.geteuid() == 0:
+        foreign = tmp_path / "vllm_offload_foreign.mmap"
+        _file(foreign)
+        os.chown(foreign, 65534, 65534)
+    before = _names(tmp_path)
+    with caplog.at_level(logging.INFO, logger="vllm.p2p_kv.shm"):
+        removed = shm.sweep(str(tmp_path))
+    assert removed == [(str(dead), 3 << 20)]
+    assert _names(tmp_path) == before - {dead.name}
+    lines = [r.getMessage() for r in caplog.records if "removed" in r.getMessage()]
+    assert lines == [
+        f"p2p_kv: removed {dead} (3.0 MiB), left by an engine that has exited: "
+        "no process holds it"
+    ]
+    assert shm.sweep(str(tmp_path)) == []  # the rest is all held or not ours
+
+
+def test_without_leases_proc_is_the_proof(
+    tmp_path: Path, holder: Holder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the kernel grants no lease, ``/proc`` decides: a file goes only
+    if every process can be inspected and none holds it; a process whose
+    fds may not be read, or a /proc that does not list every process,
+    leaves every file in place."""
+    monkeypatch.setattr(shm, "_remove_if_unused", lambda path, key: None)
+    dead = tmp_path / "vllm_offload_dead.mmap"
+    live = tmp_path / "vllm_offload_live.mmap"
+    _file(dead)
+    _file(live)
+    holder(live, "map")
+    names = {dead.name: _key(dead), live.name: _key(live)}
+
+    monkeypatch.setattr(shm, "sees_every_process", lambda: False)
+    assert shm.sweep(str(tmp_path)) == []
+    monkeypatch.setattr(shm, "sees_every_process", lambda: True)
+    monkeypatch.setattr(shm, "holders", lambda files: ({names[live.name]}, [1]))
+    assert shm.sweep(str(tmp_path)) == []
+    assert _names(tmp_path) == set(names)
+    monkeypatch.setattr(shm, "holders", lambda files: (holders(files)[0], []))
+    assert shm.sweep(str(tmp_path)) == [(str(dead), 1 << 16)]
+    assert _names(tmp_path) == {live.name}
+
+
+def test_the_name_goes_only_while_it_names_our_file(tmp_path: Path) -> None:
+    """The name goes only while it names the file we hold; a file made
+    under that name since (another engine's) stays."""
+    path = tmp_path / "vllm_offload_e.mmap"
+    _file(path)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        region = mmap.mmap(fd, 4096)
+        path.unlink()
+        _file(path)  # the name is now another file's
+        assert not shm.names_file(str(path), fd)
+        assert not shm.release_name(str(path), fd)
+        assert path.exists()
+        region.close()
+    finally:
+        os.close(fd)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        assert shm.names_file(str(path), fd)
+        assert shm.release_name(str(path), fd)
+        assert not path.exists()
+        assert os.fstat(fd).st_nlink == 0  # the memory lives while held
+        assert not shm.release_name(str(path), fd)
+    finally:
+        os.close(fd)
