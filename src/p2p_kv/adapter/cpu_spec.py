@@ -40,6 +40,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
+from p2p_kv import shm
 from p2p_kv.adapter import versions
 
 __all__ = ["HostCopyTieringSpec", "HostCopyWorker", "claim_amx_tiles"]
@@ -271,7 +272,16 @@ class HostCopyWorker(OffloadingWorker):
         self._host.clear()
         self._chunks.clear()
         if self._region is not None:
-            self._region.cleanup()
+            region = self._region
+            if (
+                getattr(region, "_creator", False)
+                and region.fd is not None
+                and not shm.names_file(region.mmap_path, region.fd)
+            ):
+                # The name is gone (:func:`p2p_kv.shm.release_name`) or now
+                # another engine's: vLLM's cleanup would unlink it blindly.
+                region._creator = False
+            region.cleanup()
             self._region = None
 
 
@@ -282,15 +292,41 @@ class HostCopyTieringSpec(TieringOffloadingSpec):
         super().__init__(config)
         self._host_worker: HostCopyWorker | None = None
 
+    def get_manager(self) -> Any:
+        """vLLM's manager; then the region's file loses its name, if the
+        scheduler's region (built after every worker mapped the file) found
+        it made: nothing opens it by name any more, and an engine that is
+        killed leaves nothing in ``/dev/shm``. Should this scheduler have
+        made the file, workers still to come need the name: it stays, and
+        goes at shutdown or at a later start (:func:`p2p_kv.shm.sweep`)."""
+        manager = super().get_manager()
+        region = getattr(self, "_scheduler_mmap", None)
+        if (
+            region is not None
+            and region.fd is not None
+            and not getattr(region, "_creator", True)
+        ):
+            shm.release_name(region.mmap_path, region.fd)
+        return manager
+
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._host_worker is None:
             if self.config.canonical_layout:
                 raise ValueError(
                     "HostCopyTieringSpec does not support canonical_layout"
                 )
+            if self.config.parallel.rank == 0:
+                try:
+                    shm.sweep()
+                except Exception:
+                    log.warning(
+                        "p2p_kv: could not sweep /dev/shm for files of exited engines",
+                        exc_info=True,
+                    )
             # Same geometry as the scheduler's region, which opens the same
-            # /dev/shm file by engine id; whoever opens it first creates it
-            # and unlinks it on cleanup.
+            # /dev/shm file by engine id (workers first: the scheduler is
+            # built once every worker has its KV caches) and then unlinks
+            # its name (get_manager).
             region = SharedOffloadRegion(
                 engine_id=self._engine_id,
                 num_chunks=self.num_chunks,
