@@ -195,8 +195,6 @@ class EngineProcess:
             except subprocess.TimeoutExpired:
                 self.kill()
         self._log.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(f"/dev/shm/vllm_offload_{self.spec.engine_id}.mmap")
 
     def __enter__(self) -> EngineProcess:
         return self
