@@ -643,16 +643,26 @@ def _identity(
             cfg.parallel.pp_size,
         )
     )
+    seed = get_none_hash_seed()
+    from p2p_kv.handshake import seed_digest
+
+    # Everything `p2p-kv doctor --from-log` needs to check this engine from
+    # another host; the seed and the secret only as a digest and a yes/no.
     log.info(
-        "p2p_kv identity: hash %s, layout %r (peers must match; `p2p-kv doctor "
-        "--layout` takes this string)",
+        "p2p_kv identity: address %s, hash %s, seed digest %s, layout %r, "
+        "block %d bytes, secret %s (peers must match; to check this engine "
+        "from another host, pass this line to p2p-kv doctor --from-log)",
+        address,
         algo,
+        seed_digest(seed).hex()[:16],
         layout,
+        data.block_bytes,
+        "set" if secret else "none",
     )
     return Identity(
         engine_id=f"{address}/{data.agent_name}",
         hash_algo=algo,
-        hash_seed=get_none_hash_seed(),
+        hash_seed=seed,
         canonical_hashes=tuple(canon),
         layout=layout,
         block_bytes=data.block_bytes,
