@@ -4,8 +4,10 @@ Engine A computes a set of shared-prefix prompts; engine B receives the
 same prompts with ``remote_kv_source`` naming A and loads A's blocks instead
 of recomputing them. For each prompt length the demo reports the blocks B
 got from A, the bytes fetched, B's time to first token with the remote hit
-against recomputing a prompt of the same length, and whether B's tokens
-equal A's. Every engine process is stopped on exit, Ctrl-C included.
+against recomputing a prompt of the same length (the median of the repeats
+and their spread, with a flag where the repeats disagree), a bar of the
+speedup, and whether B's tokens equal A's. Every engine process is stopped
+on exit, Ctrl-C included.
 """
 
 from __future__ import annotations
@@ -16,12 +18,18 @@ import random
 import sys
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from p2p_kv.adapter.engines import EngineError, EngineProcess, EngineSpec
 from p2p_kv.tiny_model import BENCH, TINY, ModelSpec, ensure_model
+
+#: Repeats disagree when a TTFT's spread exceeds this share of its median.
+UNSTEADY_SPREAD = 0.25
+#: From this many repeats on, the spread is p10-p90 (else min-max).
+PERCENTILE_FROM = 10
+BAR_WIDTH = 16
 
 
 @dataclass
@@ -32,12 +40,144 @@ class Row:
     ttft_remote_ms: float
     ttft_recompute_ms: float
     identical: bool
+    #: each repeat's TTFTs, in order (a remote hit and a recompute each)
+    ttft_remote_samples_ms: list[float] = field(default_factory=list)
+    ttft_recompute_samples_ms: list[float] = field(default_factory=list)
 
     @property
     def speedup(self) -> float:
         return (
             self.ttft_recompute_ms / self.ttft_remote_ms if self.ttft_remote_ms else 0.0
         )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The row for ``--json``: its fields, the speedup, each measure's
+        spread over the repeats, and why they disagree ("" when they agree)."""
+        remote, local = self.ttft_remote_samples_ms, self.ttft_recompute_samples_ms
+        return asdict(self) | {
+            "speedup": round(self.speedup, 2),
+            "ttft_remote_ms_range": _rounded(spread(remote), 1),
+            "ttft_recompute_ms_range": _rounded(spread(local), 1),
+            "speedup_range": _rounded(spread(speedups(remote, local)), 2),
+            "disagree": disagreement(remote, local),
+        }
+
+
+# ---------------------------------------------------------------------------
+# the report's pieces (pure)
+# ---------------------------------------------------------------------------
+
+
+def median(values: Sequence[float]) -> float:
+    """The middle value (the upper one of an even count); 0 for none."""
+    return sorted(values)[len(values) // 2] if values else 0.0
+
+
+def spread(values: Sequence[float]) -> tuple[float, float]:
+    """The range of the repeats: min-max, or p10-p90 (nearest rank) from
+    :data:`PERCENTILE_FROM` values on, where one outlier says little."""
+    if not values:
+        return (0.0, 0.0)
+    ordered = sorted(values)
+    if len(ordered) < PERCENTILE_FROM:
+        return (ordered[0], ordered[-1])
+    last = len(ordered) - 1
+    return (ordered[round(0.1 * last)], ordered[round(0.9 * last)])
+
+
+def speedups(remote_ms: Sequence[float], recompute_ms: Sequence[float]) -> list[float]:
+    """Each repeat's own speedup: its recompute over its remote hit, both
+    measured back to back."""
+    return [b / a for a, b in zip(remote_ms, recompute_ms, strict=True) if a > 0]
+
+
+def disagreement(remote_ms: Sequence[float], recompute_ms: Sequence[float]) -> str:
+    """Why the repeats of one length disagree, or "": the repeats' speedups
+    fall on both sides of 1.0x, or a TTFT's spread is over
+    :data:`UNSTEADY_SPREAD` of its median (a busy machine, most often)."""
+    if len(remote_ms) < 2:
+        return ""
+    low, high = spread(speedups(remote_ms, recompute_ms))
+    if low < 1.0 < high:
+        return f"speedup {low:.2f}x-{high:.2f}x, both sides of 1.0x"
+    for what, values in (("remote hit", remote_ms), ("recompute", recompute_ms)):
+        low, high = spread(values)
+        mid = median(values)
+        if mid > 0 and high - low > UNSTEADY_SPREAD * mid:
+            return (
+                f"{what} TTFT {low:.0f}-{high:.0f} ms, spread over "
+                f"{UNSTEADY_SPREAD:.0%} of its median {mid:.0f} ms"
+            )
+    return ""
+
+
+def bar(value: float, top: float, width: int = BAR_WIDTH) -> str:
+    """``value`` as a bar of block characters, ``top`` filling ``width``
+    (in eighths of a character)."""
+    if top <= 0 or value <= 0:
+        return ""
+    eighths = round(min(value, top) / top * width * 8)
+    full, part = divmod(eighths, 8)
+    return "\u2588" * full + ("" if part == 0 else chr(0x2590 - part))
+
+
+def residue_text(residue: Mapping[str, Mapping[str, Any]]) -> str:
+    """The per-request state left on the engines: ``none`` when every
+    engine's report is empty, else each engine's non-zero entries."""
+    left = {name: state for name, state in residue.items() if state}
+    if not left:
+        return "none"
+    return "; ".join(
+        f"{name}: " + ", ".join(f"{k}={v}" for k, v in state.items())
+        for name, state in left.items()
+    )
+
+
+def _rounded(pair: tuple[float, float], digits: int) -> list[float]:
+    return [round(pair[0], digits), round(pair[1], digits)]
+
+
+def _range(pair: Sequence[float], fmt: str, unit: str) -> str:
+    low, high = pair
+    return f"{low:{fmt}}-{high:{fmt}}{unit}"
+
+
+def speedup_lines(rows: Sequence[Mapping[str, Any]], repeats: int) -> list[str]:
+    """Below the table: per prompt length a bar of the speedup, with the
+    spread of the repeats' speedups and TTFTs, ``!`` on a row whose repeats
+    disagree; then what each flagged row's repeats disagree on."""
+    if not rows:
+        return []
+    several = repeats > 1
+    top = max(max(r["speedup"], r["speedup_range"][1]) for r in rows)
+    what = "min-max" if repeats < PERCENTILE_FROM else "p10-p90"
+    lines = [
+        "speedup = recompute TTFT / remote-hit TTFT"
+        + (f"; median of {repeats} repeats ({what} in brackets)" if several else "")
+    ]
+    width = max(len(f"{r['tokens']:,}") for r in rows)
+    for r in rows:
+        text = f"{r['speedup']:.1f}x"
+        if several:
+            text += (
+                f" ({_range(r['speedup_range'], '.2f', '')})  hit "
+                f"{_range(r['ttft_remote_ms_range'], '.0f', '')} ms, recompute "
+                f"{_range(r['ttft_recompute_ms_range'], '.0f', '')} ms"
+            )
+        flag = " !" if r["disagree"] else ""
+        lines.append(
+            f"  {r['tokens']:>{width},}  {bar(r['speedup'], top):<{BAR_WIDTH}}  "
+            f"{text}{flag}"
+        )
+    flagged = [r for r in rows if r["disagree"]]
+    for r in flagged:
+        lines.append(f"! {r['tokens']:,} tokens: repeats disagree: {r['disagree']}")
+    if flagged:
+        lines.append(
+            "! a busy machine shows as spread: rerun with more --repeats (or "
+            "on a quieter machine) before trusting a flagged row"
+        )
+    return lines
 
 
 def _prompts(spec: ModelSpec, length: int, seed: int, prefix: list[int]) -> list[int]:
@@ -135,9 +275,11 @@ def run(
                     tokens=length,
                     remote_blocks=blocks // repeats,
                     bytes_fetched=fetched // repeats,
-                    ttft_remote_ms=sorted(remote_ms)[len(remote_ms) // 2],
-                    ttft_recompute_ms=sorted(local_ms)[len(local_ms) // 2],
+                    ttft_remote_ms=median(remote_ms),
+                    ttft_recompute_ms=median(local_ms),
                     identical=identical,
+                    ttft_remote_samples_ms=[round(x, 2) for x in remote_ms],
+                    ttft_recompute_samples_ms=[round(x, 2) for x in local_ms],
                 )
             )
         for e in (a, b):
@@ -154,7 +296,8 @@ def run(
         # per repeat: A computes two prompts; B loads one (8 tokens), loads
         # one for TTFT and recomputes one
         "requests": 5 * repeats * len(lengths),
-        "rows": [asdict(r) | {"speedup": round(r.speedup, 2)} for r in rows],
+        "repeats": repeats,
+        "rows": [r.to_dict() for r in rows],
         "remote_hit_blocks": sum(r.remote_blocks * repeats for r in rows),
         "bytes_fetched": sum(r.bytes_fetched * repeats for r in rows),
         "outputs_identical": all(r.identical for r in rows),
@@ -170,6 +313,34 @@ def _console(progress: bool) -> Any:
     except ImportError:  # pragma: no cover
         return None
     return Console(stderr=True)
+
+
+def table_rows(result: Mapping[str, Any]) -> list[list[str]]:
+    """The table's cells: the medians of the repeats, ``!`` after the
+    speedup of a row whose repeats disagree (their spread follows the
+    table, in :func:`speedup_lines`)."""
+    return [
+        [
+            f"{r['tokens']:,}",
+            str(r["remote_blocks"]),
+            f"{r['bytes_fetched'] / 2**20:.1f}",
+            f"{r['ttft_remote_ms']:.0f} ms",
+            f"{r['ttft_recompute_ms']:.0f} ms",
+            f"{r['speedup']:.1f}x" + (" !" if r["disagree"] else ""),
+            "yes" if r["identical"] else "NO",
+        ]
+        for r in result["rows"]
+    ]
+
+
+def summary_line(result: Mapping[str, Any]) -> str:
+    return (
+        f"requests: {result['requests']}, remote hit blocks: "
+        f"{result['remote_hit_blocks']}, bytes fetched: "
+        f"{result['bytes_fetched']:,}, outputs identical: "
+        f"{'yes' if result['outputs_identical'] else 'NO'}, leftover state: "
+        f"{residue_text(result['residue'])}"
+    )
 
 
 def print_table(result: dict[str, Any]) -> None:
@@ -189,24 +360,12 @@ def print_table(result: dict[str, Any]) -> None:
         "tokens identical",
     ):
         table.add_column(col, justify="right")
-    for r in result["rows"]:
-        table.add_row(
-            str(r["tokens"]),
-            str(r["remote_blocks"]),
-            f"{r['bytes_fetched'] / 2**20:.1f}",
-            f"{r['ttft_remote_ms']:.0f} ms",
-            f"{r['ttft_recompute_ms']:.0f} ms",
-            f"{r['speedup']:.1f}x",
-            "yes" if r["identical"] else "NO",
-        )
-    console = Console()
-    console.print(table)
-    console.print(
-        f"requests: {result['requests']}, remote hit blocks: {result['remote_hit_blocks']}, "
-        f"bytes fetched: {result['bytes_fetched']:,}, outputs identical: "
-        f"{'yes' if result['outputs_identical'] else 'NO'}, leftover state: "
-        f"{result['residue'] or 'none'}"
-    )
+    for cells in table_rows(result):
+        table.add_row(*cells)
+    Console(highlight=False).print(table)
+    for line in speedup_lines(result["rows"], result.get("repeats", 1)):
+        print(line)
+    print(summary_line(result))
 
 
 def _lengths(text: str) -> list[int]:

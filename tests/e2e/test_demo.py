@@ -1,4 +1,5 @@
-"""`p2p-kv demo --json` on small sizes: real engines, real transfers."""
+"""`p2p-kv demo --json` on small sizes: real engines, real transfers; the
+text report rendered from the same run."""
 
 from __future__ import annotations
 
@@ -9,10 +10,14 @@ import sys
 
 import pytest
 
+from p2p_kv.demo import print_table
+
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
-def test_demo_json_reports_identical_outputs_and_remote_hits() -> None:
+def test_demo_json_reports_identical_outputs_and_remote_hits(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     env = dict(os.environ, PYTHONHASHSEED="0")
     proc = subprocess.run(
         [
@@ -24,7 +29,7 @@ def test_demo_json_reports_identical_outputs_and_remote_hits() -> None:
             "--lengths",
             "64,256",
             "--repeats",
-            "1",
+            "2",
             "--json",
         ],
         capture_output=True,
@@ -37,4 +42,31 @@ def test_demo_json_reports_identical_outputs_and_remote_hits() -> None:
     assert result["outputs_identical"] is True
     assert result["remote_hit_blocks"] > 0 and result["bytes_fetched"] > 0
     assert result["residue"] == {"A": {}, "B": {}}
+    assert result["repeats"] == 2
     assert [r["tokens"] for r in result["rows"]] == [64, 256]
+    for row in result["rows"]:
+        # Each row: its repeats, their spread, and whether they disagree.
+        assert len(row["ttft_remote_samples_ms"]) == 2
+        assert len(row["ttft_recompute_samples_ms"]) == 2
+        for what in ("remote", "recompute"):
+            samples = sorted(row[f"ttft_{what}_samples_ms"])
+            low, high = row[f"ttft_{what}_ms_range"]
+            assert [low, high] == pytest.approx(samples, abs=0.06), row
+            assert low <= round(row[f"ttft_{what}_ms"], 1) <= high, row
+        low, high = row["speedup_range"]
+        assert 0 < low <= high, row
+        assert isinstance(row["disagree"], str)
+
+    print_table(result)
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1].endswith("leftover state: none"), out
+    head = next(i for i, line in enumerate(out) if line.startswith("speedup = "))
+    assert out[head].endswith("median of 2 repeats (min-max in brackets)")
+    bars = out[head + 1 : head + 3]
+    assert [line.split()[0] for line in bars] == ["64", "256"]
+    blocks = {chr(c) for c in range(0x2588, 0x2590)}  # a bar's characters
+    assert all(blocks & set(line) and " hit " in line for line in bars), bars
+    flagged = [r["tokens"] for r in result["rows"] if r["disagree"]]
+    assert [b.endswith(" !") for b in bars] == [
+        r["tokens"] in flagged for r in result["rows"]
+    ]
