@@ -1,0 +1,7 @@
+"""``python -m p2p_kv.doctor``: the same as ``p2p-kv doctor``."""
+
+import sys
+
+from p2p_kv.doctor import main
+
+sys.exit(main())
