@@ -52,7 +52,9 @@ def test_demo_json_reports_identical_outputs_and_remote_hits(
             samples = sorted(row[f"ttft_{what}_samples_ms"])
             low, high = row[f"ttft_{what}_ms_range"]
             assert [low, high] == pytest.approx(samples, abs=0.06), row
-            assert low <= round(row[f"ttft_{what}_ms"], 1) <= high, row
+            # (the range is of the samples as reported, to 0.01 ms, then
+            # rounded to 0.1: half a step of slack each way)
+            assert low - 0.05 <= row[f"ttft_{what}_ms"] <= high + 0.05, row
         low, high = row["speedup_range"]
         assert 0 < low <= high, row
         assert isinstance(row["disagree"], str)
