@@ -26,6 +26,7 @@ not make the other recompute.
 from __future__ import annotations
 
 import difflib
+import functools
 import heapq
 import itertools
 import math
@@ -157,13 +158,22 @@ class Roles:
         elif dest is not None:
             dest_kv_id = ""
         misspelt = tuple(
-            (str(key)[:64], close[0])
+            (str(key)[:64], leg)
             for key in itertools.islice(params, 64)
-            if key not in LEGS
-            and key not in FOREIGN_KEYS
-            and (close := difflib.get_close_matches(str(key), LEGS, n=1, cutoff=0.8))
+            if (leg := _resembled_leg(str(key)[:64]))
         )
         return Roles(source, dest_kv_id, misspelt)
+
+
+@functools.lru_cache(maxsize=256)
+def _resembled_leg(key: str) -> str:
+    """The leg ``key`` looks like a misspelling of, or "". Cached: a client
+    sends the same keys with every request, and the comparison runs on the
+    engine's scheduling thread."""
+    if key in LEGS or key in FOREIGN_KEYS:
+        return ""
+    close = difflib.get_close_matches(key, LEGS, n=1, cutoff=0.8)
+    return close[0] if close else ""
 
 
 def _check_kv_id(leg: str, kv_id: object) -> str:
