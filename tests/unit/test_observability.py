@@ -207,18 +207,19 @@ def promtool() -> str:
     return found
 
 
+def run_promtool(*args: str) -> None:
+    out = subprocess.run(
+        [promtool(), *args], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
 def test_alert_rules_pass_their_promtool_tests_and_every_query_parses(
     tmp_path: Path,
 ) -> None:
     """promtool runs the rules' tests, and parses the dashboard's and the
     docs' queries (as recording rules, Grafana's variables filled in)."""
-    out = subprocess.run(
-        [promtool(), "test", "rules", str(ALERT_TESTS)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
+    run_promtool("test", "rules", str(ALERT_TESTS))
     fill = {"$__rate_interval": "5m", "$instance": ".*", "$model_name": ".*"}
     queries = _strings(dashboard(), {"expr"}) + doc_queries()
     for var, value in fill.items():
@@ -226,10 +227,4 @@ def test_alert_rules_pass_their_promtool_tests_and_every_query_parses(
     rules = [{"record": f"check:q{i}", "expr": q} for i, q in enumerate(queries)]
     path = tmp_path / "queries.yml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "q", "rules": rules}]}))
-    out = subprocess.run(
-        [promtool(), "check", "rules", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
+    run_promtool("check", "rules", str(path))
