@@ -226,7 +226,8 @@ def test_no_engine_leaves_its_files_in_shared_memory() -> None:
     after_kill = kill_while_starting(model, killed_id)
     print(f"\nSIGKILL at start: before {before}\n  after {after_kill}")
     assert killed in after_kill, after_kill
-    assert after_kill[killed] > 0
+    # (its size is 0 when the kill came before the worker sized it: the
+    # sweep must take such a stub too)
 
     with held_file(f"vllm_offload_p2pkv-shm-held-{tag}.mmap") as held:
         # 2. The next start removes it, saying so; the held file stays.
