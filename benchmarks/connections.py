@@ -47,8 +47,9 @@ from typing import Any
 
 from p2p_kv.handshake import FrameRefused, Identity, make_hello
 from p2p_kv.manager import LoadManager
+from p2p_kv.peer import Timeouts
+from p2p_kv.peer.events import Closed
 from p2p_kv.protocol import ProtocolError, encode
-from p2p_kv.session import Timeouts
 
 TARGET_US = 1_000.0
 COUNTS = (500, 1_000, 2_000, 4_000)
@@ -108,17 +109,13 @@ def poll(m: LoadManager, frames: Sequence[tuple[str, bytes]], now: float) -> int
             continue
         m.on_message(conn, msg, now)
     m.tick(now)
-    m.take_connects()
-    m.take_cancels()
-    m.take_reads()
+    closed = [peer for peer, ev in m.take_events() if isinstance(ev, Closed)]
     for peer, msgs in m.take_outgoing(now):
         session = m.session(peer)
         for msg in msgs:
             frame = encode(msg)
             if session is not None:
                 session.seal(msg, frame)
-    m.take_writes()
-    closed = m.take_closed()
     for peer in closed:
         m.on_invalidated(peer, now)
     m.end_step(now)

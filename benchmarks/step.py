@@ -1,8 +1,8 @@
 """Cost of the LoadManager poll loop, per engine step.
 
 One *step* is what the runtime does every engine step, timed as one unit:
-``flush``, ``take_connects``, ``take_outgoing``, ``take_writes``,
-``take_cancels``, ``take_closed``, ``tick``, ``get_finished_jobs``, ``serve``
+``flush``, ``take_events``, ``take_outgoing``, ``tick``,
+``get_finished_jobs``, ``serve``
 (only when ``has_lookups_to_serve``) and ``end_step``. Routing what a step
 returned (encode -> decode -> the peer's ``on_message``), engine calls such
 as ``submit_load`` and the data plane are outside the timed region.
@@ -50,8 +50,9 @@ from typing import Any
 
 from p2p_kv.handshake import Identity
 from p2p_kv.manager import Answer, JobResult, LoadManager, Roles, Source
+from p2p_kv.peer import Limits, PinResult, Timeouts
+from p2p_kv.peer.events import Cancel, Closed, Dial, PostWrite, RuntimeEvent
 from p2p_kv.protocol import Message, decode, encode
-from p2p_kv.session import Limits, PinResult, Timeouts, WriteOrder
 
 TARGET_IDLE_NS = 5_000
 BLOCK_BYTES = 16
@@ -97,11 +98,8 @@ class Pinner:
 
 @dataclass
 class Output:
-    connects: list[str]
+    events: list[tuple[str, RuntimeEvent]]
     outgoing: list[tuple[str, list[Message]]]
-    writes: list[tuple[str, WriteOrder]]
-    cancels: list[tuple[str, int]]
-    closed: list[str]
     finished: list[JobResult]
 
 
@@ -148,42 +146,41 @@ class Cluster:
         """THE step: exactly what the runtime calls each engine step."""
         m = self.managers[name]
         m.flush(now)
-        connects = m.take_connects()
+        events = m.take_events()
         outgoing = m.take_outgoing(now)
-        writes = m.take_writes()
-        cancels = m.take_cancels()
-        closed = m.take_closed()
         m.tick(now)
         finished = m.get_finished_jobs(now)
         if m.has_lookups_to_serve:
             m.serve(self.pinners[name], now)
         m.end_step(now)
-        return Output(connects, outgoing, writes, cancels, closed, finished)
+        return Output(events, outgoing, finished)
 
     def route(self, name: str, out: Output) -> None:
         """The transports and the data plane: not part of the timed step."""
         m = self.managers[name]
-        for peer in out.connects:
-            inbound = self.managers[peer].on_inbound(self.now)
-            self.routes[(name, peer)] = (peer, inbound)
-            self.routes[(peer, inbound)] = (name, peer)
+        for peer, event in out.events:
+            if isinstance(event, Dial):
+                inbound = self.managers[peer].on_inbound(self.now)
+                self.routes[(name, peer)] = (peer, inbound)
+                self.routes[(peer, inbound)] = (name, peer)
         for peer, msgs in out.outgoing:
             dst = self.routes.get((name, peer))
             if dst is None:
                 continue
             for msg in msgs:
                 self.managers[dst[0]].on_message(dst[1], decode(encode(msg)), self.now)
-        for peer, order in out.writes:
-            if self.hold_writes:
-                req = order.notif.decode().split(":", 1)[0]
-                self.held.append((name, peer, order.write_id, req))
-            else:
-                m.on_write_done(peer, order.write_id, True, self.now)
-        if out.cancels:
-            gone = {(name, p, w) for p, w in out.cancels}
-            self.held = [h for h in self.held if h[:3] not in gone]
-        for peer in out.closed:
-            m.on_invalidated(peer, self.now)
+        for peer, event in out.events:
+            match event:
+                case PostWrite(ref, _, _, notif) if self.hold_writes:
+                    req = notif.decode().split(":", 1)[0]
+                    self.held.append((name, peer, ref.ident, req))
+                case PostWrite(ref):
+                    m.on_write_done(peer, ref.ident, True, self.now)
+                case Cancel(ref):
+                    gone = (name, peer, ref.ident)
+                    self.held = [h for h in self.held if h[:3] != gone]
+                case Closed():
+                    m.on_invalidated(peer, self.now)
         self.finished[name].extend(out.finished)
 
     def pump(self, done: Callable[[], bool], max_rounds: int = 100) -> None:

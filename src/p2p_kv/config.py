@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from p2p_kv.session import Timeouts
+from p2p_kv.peer import Timeouts
 
 ENV_PREFIX = "VLLM_P2P_KV_"
 _CORE = Timeouts()

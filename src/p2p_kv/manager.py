@@ -2,7 +2,7 @@
 
 It is what vLLM's tier calls reach (through the adapter) and what the
 transports feed (through :mod:`p2p_kv.runtime`). It composes one
-:class:`~p2p_kv.session.Session` per peer connection with the engine-level
+:class:`~p2p_kv.peer.Session` per peer connection with the engine-level
 state no single peer owns:
 
 * consumer requests (one per live engine request with a ``remote_kv_source``
@@ -38,23 +38,35 @@ from typing import Any, Final
 
 from p2p_kv.handshake import FrameRefused, Identity
 from p2p_kv.lifecycle import Event, State
-from p2p_kv.protocol import MAX_KEYS, MAX_REQ_ID_CHARS, Hello, Message
-from p2p_kv.session import (
+from p2p_kv.peer import (
     KeyCount,
     Limits,
-    Link,
-    LoadResult,
     ParkedStore,
     Pinner,
-    ReadOrder,
     Serve,
     Session,
-    StoreResult,
     Timeouts,
-    WriteOrder,
     is_inbound,
     tally,
 )
+from p2p_kv.peer.events import (
+    Cancel,
+    Closed,
+    Dial,
+    LoadDone,
+    LoadResult,
+    Orphaned,
+    PinJob,
+    PostRead,
+    PostWrite,
+    ProbeAnswer,
+    ProbeAnswered,
+    RuntimeEvent,
+    StoreDone,
+    StoreResult,
+    WantsParked,
+)
+from p2p_kv.protocol import MAX_KEYS, MAX_REQ_ID_CHARS, Hello, Message
 
 #: Refused inbound connections remembered (their frames dropped unread).
 MAX_REFUSED_INBOUND = 4096
@@ -401,8 +413,11 @@ class LoadManager:
         self._to_serve: set[str] = set()
         self._waiting_kv: set[str] = set()  # kv ids with fetches waiting
         self._deadlines: list[tuple[float, str]] = []
-        self._to_connect: list[str] = []
-        self._closing: set[str] = set()
+        #: what the runtime's next pump carries out (take_events)
+        self._out: list[tuple[str, RuntimeEvent]] = []
+        #: Fetches for parked stores just received, bound before
+        #: on_message returns (empty between calls)
+        self._wants_parked: list[tuple[Session, Serve]] = []
         self._retry_at: dict[str, float] = {}
         #: Peers not dialled because max_peers were (the runtime logs it).
         self.dials_refused = 0
@@ -476,7 +491,7 @@ class LoadManager:
         session = self._sessions.get(consumer.source.peer)
         if session is None and consumer.refused:
             return Answer.MISS
-        if session is not None and session.link is Link.CLOSED:
+        if session is not None and session.closed:
             return Answer.MISS
         if consumer.fetched:
             # One fetch per generation: the peer released its pins with it
@@ -640,7 +655,6 @@ class LoadManager:
 
     def get_finished_jobs(self, now: float) -> list[JobResult]:
         """Every job that ended since the last call, each exactly once."""
-        self._collect(now)
         out, self._finished = self._finished, []
         for result in self._results:
             job = self._jobs.pop(result.job_id, None)
@@ -684,19 +698,6 @@ class LoadManager:
         self._results.clear()
         return out
 
-    def _collect(self, now: float) -> None:
-        """Take every touched session's results (once a step: the engine's
-        results poll)."""
-        for peer in self._dirty:
-            session = self._sessions.get(peer)
-            if session is not None:
-                self._collect_one(session)
-
-    def _collect_one(self, session: Session) -> None:
-        self._apply_answers(session)
-        self._results.extend(session.take_load_results())
-        self._results.extend(session.take_store_results())
-
     def _register_job(
         self,
         job_id: int,
@@ -723,10 +724,8 @@ class LoadManager:
                     session.serve_lookups(pinner, now)
                 finally:
                     # Pins made before anything raised are the engine's
-                    # store jobs all the same: their results must come.
-                    for job_id in session.new_pin_jobs:
-                        self._register_job(job_id, "pin", "")
-                    session.new_pin_jobs.clear()
+                    # store jobs all the same (PinJob): their results must
+                    # come.
                     self._touch(session)
 
     # ------------------------------------------------------------------
@@ -748,7 +747,7 @@ class LoadManager:
             self._count_limit_refusal("too_many_peers")
             self.dials_refused += 1
             return None
-        self._to_connect.append(peer)
+        self._out.append((peer, Dial()))
         return self._new_session(peer, now)
 
     def _refused_dial(self, peer: str, now: float) -> bool:
@@ -894,7 +893,7 @@ class LoadManager:
         self._touch(session)
         if session.has_lookups_to_serve:
             self._to_serve.add(peer)
-        self._bind_parked(session, now)
+        self._bind_parked(now)
 
     def pending_lookup_keys(self) -> int:
         """Lookup keys every peer together has queued for our engine."""
@@ -945,9 +944,20 @@ class LoadManager:
             session.on_write_done(write_id, ok, now)
             self._touch(session)
 
-    def take_connects(self) -> list[str]:
-        out, self._to_connect = self._to_connect, []
-        return out
+    def take_events(self) -> list[tuple[str, RuntimeEvent]]:
+        """What the transports must do, by peer, in the order it arose:
+        dials, transfers to post or cancel, sessions closed (answer each
+        with :meth:`on_invalidated` once its peer's agent is dropped). A
+        transfer is checked as it is taken: its load or write may have
+        ended unposted since (then nothing can land, and it is left out)."""
+        out, self._out = self._out, []
+        sessions = self._sessions
+        return [
+            (peer, event)
+            for peer, event in out
+            if not isinstance(event, (PostRead, PostWrite))
+            or ((s := sessions.get(peer)) is not None and s.posting(event))
+        ]
 
     def take_outgoing(self, now: float) -> list[tuple[str, list[Message]]]:
         out = []
@@ -958,6 +968,8 @@ class LoadManager:
             msgs = session.take_outbox(now)
             if msgs:
                 out.append((peer, msgs))
+            elif session.closed:
+                self._touch(session)  # lost for an overflowing outbox
         return out
 
     def on_read_done(self, peer: str, job_id: int, ok: bool, now: float) -> None:
@@ -966,63 +978,14 @@ class LoadManager:
             session.on_read_done(job_id, ok, now)
             self._touch(session)
 
-    def take_reads(self) -> list[tuple[str, ReadOrder]]:
-        return [
-            (peer, order)
-            for peer in list(self._dirty)
-            if (s := self._sessions.get(peer)) is not None
-            for order in s.take_reads()
-        ]
-
-    def take_writes(self) -> list[tuple[str, WriteOrder]]:
-        return [
-            (peer, order)
-            for peer in list(self._dirty)
-            if (s := self._sessions.get(peer)) is not None
-            for order in s.take_writes()
-        ]
-
-    def take_cancels(self) -> list[tuple[str, str, int]]:
-        """``(peer, "write" | "read", id)`` of transfers to stop: a write
-        by its write id, a read by its job id."""
-        out: list[tuple[str, str, int]] = []
-        for peer in list(self._dirty):
-            session = self._sessions.get(peer)
-            if session is None:
-                continue
-            out.extend((peer, "write", w) for w in session.cancelled_writes)
-            out.extend((peer, "read", j) for j in session.cancelled_reads)
-            session.cancelled_writes.clear()
-            session.cancelled_reads.clear()
-        return out
-
-    def take_closed(self) -> list[str]:
-        """Closed sessions whose peer agent the data plane must invalidate;
-        answer with :meth:`on_invalidated`."""
-        out = []
-        for peer in self._dirty:
-            session = self._sessions.get(peer)
-            if session is not None and session.closed and peer not in self._closing:
-                self._closing.add(peer)
-                out.append(peer)
-        return out
-
     def on_invalidated(self, peer: str, now: float) -> None:
         """The data plane dropped the peer's agent: fenced loads may fail now,
         and the session's last results are collected before it goes."""
         session = self._sessions.get(peer)
         if session is None:
             return
-        self._closing.discard(peer)
         session.confirm_invalidated()
-        for serve in session.orphans:
-            heapq.heappush(self._orphans, (serve.deadline, next(self._heap_ids), serve))
-        session.orphans.clear()
         self._touch(session)
-        # Its own results only: the other sessions' wait for the engine's
-        # results poll (collecting them all here would cost each retired
-        # session a visit to every touched one).
-        self._collect_one(session)
         self.retired_sessions.append(session)  # its last counts, for metrics
         session.leave_engine()
         session.on_close = None
@@ -1164,29 +1127,49 @@ class LoadManager:
             heapq.heapify(self._deadlines)
 
     def _touch(self, session: Session) -> None:
-        """Note the session changed; probe answers apply at once so the next
-        lookup() sees them without waiting for a results poll."""
-        self._dirty.add(session.peer)
-        self._apply_answers(session)
+        """Note the session changed and take its events, in order: probe
+        answers apply at once (the next lookup() sees them), results wait
+        for the engine's poll, transfers and the close for the runtime's."""
+        peer = session.peer
+        self._dirty.add(peer)
+        for event in session.take_events():
+            match event:
+                case ProbeAnswered(answer):
+                    self._apply_answer(answer)
+                case LoadDone(result):
+                    self._results.append(result)
+                case StoreDone(result):
+                    self._results.append(result)
+                case PinJob(job_id):
+                    self._register_job(job_id, "pin", "")
+                case WantsParked(serve):
+                    self._wants_parked.append((session, serve))
+                case Orphaned(serve):
+                    heapq.heappush(
+                        self._orphans, (serve.deadline, next(self._heap_ids), serve)
+                    )
+                case PostRead() | PostWrite() | Cancel() | Closed():
+                    self._out.append((peer, event))
 
-    def _apply_answers(self, session: Session) -> None:
-        for answer in session.take_probe_answers():
-            consumer = self._by_gen.get(answer.gen)
-            if consumer is None:
-                continue
-            if answer.hits is None:
-                consumer.keys.update(dict.fromkeys(answer.keys, False))
-            else:
-                consumer.keys.update(zip(answer.keys, answer.hits, strict=True))
-            consumer.asked.difference_update(answer.keys)
+    def _apply_answer(self, answer: ProbeAnswer) -> None:
+        consumer = self._by_gen.get(answer.gen)
+        if consumer is None:
+            return
+        if answer.hits is None:
+            consumer.keys.update(dict.fromkeys(answer.keys, False))
+        else:
+            consumer.keys.update(zip(answer.keys, answer.hits, strict=True))
+        consumer.asked.difference_update(answer.keys)
 
     # ------------------------------------------------------------------
     # parked stores
     # ------------------------------------------------------------------
 
-    def _bind_parked(self, session: Session, now: float) -> None:
-        while session.wants_parked:
-            serve = session.wants_parked.pop()
+    def _bind_parked(self, now: float) -> None:
+        """Register the Fetches for parked stores that arrived (WantsParked)
+        and hand them what is parked."""
+        while self._wants_parked:
+            session, serve = self._wants_parked.pop()
             entry = self._parked.get(serve.req)
             if entry is None:
                 entry = self._parked[serve.req] = ParkedEntry()
@@ -1314,9 +1297,9 @@ class LoadManager:
         }
 
     def has_unsent(self) -> bool:
-        """A session changed since the last pump and holds output for it."""
+        """Output for the next pump: events, or a session's messages."""
         sessions = self._sessions
-        return any(
+        return bool(self._out) or any(
             (s := sessions.get(p)) is not None and s.has_output for p in self._dirty
         )
 
@@ -1360,11 +1343,7 @@ class LoadManager:
 
     def results_ready(self) -> bool:
         """Something for the engine: a job result or a lookup answer."""
-        return bool(self._results) or any(
-            s.has_results
-            for s in (self._sessions.get(p) for p in self._dirty)
-            if s is not None
-        )
+        return bool(self._results)
 
     def jobs_in_flight(self) -> int:
         return len(self._jobs) + len(self._results)
@@ -1375,7 +1354,6 @@ class LoadManager:
         has ended (vLLM's drain contract: "yielded by a prior call or queued
         for the next one"); counting it, as :meth:`jobs_in_flight` does,
         held every reset that found a job for the drain's whole bound."""
-        self._collect(now)
         ended = {r.job_id for r in self._results}
         return sum(1 for job_id in self._jobs if job_id not in ended)
 

@@ -8,7 +8,7 @@ last call (``get_stats``, an ``OffloadingConnectorStats``). The adapter turns
 :meth:`MetricsExporter.collect`; nothing here imports vLLM.
 
 Counters are sent as increments: the exporter remembers what it last saw of
-every session's :class:`~p2p_kv.session.SessionCounters` (and of the
+every session's :class:`~p2p_kv.peer.SessionCounters` (and of the
 sessions the manager retired since) and sends the difference. Gauges are
 sent when they change; a label series that disappears (a peer gone) is set
 to zero once, since vLLM never removes a series. Load outcomes come from
@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 from typing import Literal, Protocol
 
 from p2p_kv.manager import LoadManager
-from p2p_kv.session import PEER_REASON, Session, SessionCounters, is_inbound
+from p2p_kv.peer import PEER_REASON, Session, SessionCounters, is_inbound
 
 PREFIX = "vllm:kv_offload_p2p_"
 
@@ -412,7 +412,7 @@ class MetricsExporter:
         }
         for session in sessions:
             peer = self.peer(session_peer(session))
-            key: tuple[str, tuple[str, ...]] = (SESSIONS, (peer, session.link.value))
+            key: tuple[str, tuple[str, ...]] = (SESSIONS, (peer, session.state.value))
             now[key] = now.get(key, 0) + 1
             fenced = session.fenced_slots
             if fenced:

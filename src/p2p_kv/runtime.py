@@ -36,9 +36,19 @@ from p2p_kv.control import ControlTransport, wait_readable
 from p2p_kv.data import NixlDataTransport, RegionInfo
 from p2p_kv.handshake import FrameRefused
 from p2p_kv.manager import JobResult, LoadManager, Roles
+from p2p_kv.peer import Pinner, is_inbound
+from p2p_kv.peer.events import (
+    Cancel,
+    Closed,
+    Dial,
+    Direction,
+    PostRead,
+    PostWrite,
+    RuntimeEvent,
+    TransferRef,
+)
 from p2p_kv.protocol import Heartbeat, Message, ProtocolError, encode
 from p2p_kv.ratelog import PeerLog
-from p2p_kv.session import Pinner, is_inbound
 
 log = logging.getLogger("vllm.p2p_kv")
 
@@ -117,8 +127,8 @@ class TierRuntime:
         #: outbound peers added before our connection's socket was known:
         #: their same-host offer is proved on their next frame
         self._unproven: set[str] = set()
-        #: nixl id -> (peer, "write" | "read", write id or job id)
-        self._xfers: dict[int, tuple[str, str, int]] = {}
+        #: data-plane transfer id -> (peer, the session's name for it)
+        self._xfers: dict[int, tuple[str, TransferRef]] = {}
         #: ids of the engine's requests between start_request and
         #: end_request: a set, as the manager keys them (see start_request)
         self._live: set[str] = set()
@@ -207,8 +217,8 @@ class TierRuntime:
             or m.has_lookups_to_serve
             or m.results_ready()
             or any(
-                kind == "write" and not self.data.given_up(x)
-                for x, (_, kind, _) in self._xfers.items()
+                ref.direction is Direction.WRITE and not self.data.given_up(x)
+                for x, (_, ref) in self._xfers.items()
             )
         ):
             # Nothing of ours keeps it stepping (whatever does is vLLM's
@@ -299,7 +309,8 @@ class TierRuntime:
         self.pump()
 
     def pump(self) -> None:
-        """Carry the manager's outputs to the transports."""
+        """Carry the manager's events out to the transports, in order, and
+        send what every session has to say."""
         m, now = self.manager, self.clock()
         m.tick(now)
         self._dials_log.warn(
@@ -309,13 +320,6 @@ class TierRuntime:
             "they recompute",
             m.max_peers,
         )
-        for peer in m.take_connects():
-            try:
-                self.control.connect(peer)
-            except ValueError as exc:
-                # Its requests recompute; every other peer is dialled.
-                log.warning("p2p_kv: %s", exc)
-                m.on_disconnected(peer, str(exc), now)
         for broken in self.data.take_faulted():
             for peer in [p for p, a in self._agents.items() if a == broken]:
                 session = m.session(peer)
@@ -327,39 +331,68 @@ class TierRuntime:
                         "endpoint, or its agent's name was taken)",
                         peer,
                     )
-        cancels = set(m.take_cancels())
-        if cancels:
-            self.data.cancel(*(x for x, what in self._xfers.items() if what in cancels))
-        # Reads first: they need nothing from the peer, so they start the
-        # moment the engine asks, ahead of this step's messages.
-        posted = self._post_reads()
-        for peer, msgs in m.take_outgoing(now):
-            self._send(peer, msgs, now)
-        for peer, order in m.take_writes():
-            posted |= self._post(
-                peer, "write", order.write_id, order.src, order.dst, order.notif
-            )
+        closed: list[str] = []
+        # Transfers first: a READ needs nothing from the peer, so it starts
+        # the moment the engine asks, ahead of this step's messages.
+        posted = self._carry(m.take_events(), closed)
+        self._send_all(now)
         if posted:
             # Shared-memory UCX copies inside the post: report completions
             # now, so results and TransferDone leave in this step.
             self._take_completions()
-            for peer, msgs in m.take_outgoing(now):
-                self._send(peer, msgs, now)
-        closed = m.take_closed()
+            self._carry(m.take_events(), closed)
+            self._send_all(now)
+        # What sending ended (a session lost for an overflowing outbox).
+        self._carry(m.take_events(), closed)
         if closed:
-            # One give-up bound for all of them: fenced one session after
-            # another, each transfer stuck on a stalled peer waited out a
-            # bound of its own, so k such peers held this thread k bounds
-            # (at shutdown, or a partition that drops several at once).
-            going = set(closed)
-            self.data.cancel(
-                *[x for x, what in self._xfers.items() if what[0] in going]
-            )
+            self._retire(closed, now)
+        m.end_step(now)
+
+    def _carry(self, events: list[tuple[str, RuntimeEvent]], closed: list[str]) -> bool:
+        """Do what each event asks; True if a transfer reached the data
+        plane. Closed sessions are collected for :meth:`_retire`, after
+        their last messages (a Goodbye) have left."""
+        posted = False
+        for peer, event in events:
+            match event:
+                case Dial():
+                    try:
+                        self.control.connect(peer)
+                    except ValueError as exc:
+                        # Its requests recompute; every other peer is dialled.
+                        log.warning("p2p_kv: %s", exc)
+                        self.manager.on_disconnected(peer, str(exc), self.clock())
+                case PostRead(ref, local, remote):
+                    posted |= self._post(peer, ref, remote, local)
+                case PostWrite(ref, src, dst, notif):
+                    posted |= self._post(peer, ref, src, dst, notif)
+                case Cancel(ref):
+                    mine = (peer, ref)
+                    self.data.cancel(*(x for x, w in self._xfers.items() if w == mine))
+                case Closed():
+                    closed.append(peer)
+        return posted
+
+    def _send_all(self, now: float) -> None:
+        for peer, msgs in self.manager.take_outgoing(now):
+            self._send(peer, msgs, now)
+
+    def _retire(self, closed: list[str], now: float) -> None:
+        """Fence closed sessions (their peer's agent dropped, or their
+        transfers ended where the agent is shared), close their
+        connections, say why once, and let the manager retire them."""
+        m = self.manager
+        # One give-up bound for all of them: fenced one session after
+        # another, each transfer stuck on a stalled peer waited out a
+        # bound of its own, so k such peers held this thread k bounds
+        # (at shutdown, or a partition that drops several at once).
+        going = set(closed)
+        self.data.cancel(*[x for x, (p, _) in self._xfers.items() if p in going])
         for peer in closed:
             agent = self._agents.pop(peer, None)
             self._unproven.discard(peer)
             if agent is not None:
-                mine = [x for x, what in self._xfers.items() if what[0] == peer]
+                mine = [x for x, (p, _) in self._xfers.items() if p == peer]
                 if agent in self._agents.values():
                     # The same engine, other direction (its inbound and our
                     # outbound session share one NIXL agent): end only this
@@ -372,58 +405,46 @@ class TierRuntime:
                 for xfer_id in mine:
                     del self._xfers[xfer_id]
             self.control.close_conn(peer)
-            session = m.session(peer)
-            if session is not None and session.refusal is not None:
-                # A refused handshake (wrong secret, another layout): the
-                # operator's fix is on one side or the other. Any party can
-                # cause it, so at most one line per reason per interval.
-                # Its kind is the refusal's reason, the budget a refused
-                # seal's line (``auth``) shares: one event, one line.
-                self._peer_log.warning(
-                    session.refusal.reason,
-                    peer,
-                    "handshake refused: %.300s",
-                    session.refusal,
-                )
-            elif (
-                session is not None
-                and session.close_reason
-                and not (session.proven or is_inbound(peer))
-            ):
-                # A peer our clients named that we never got a session with:
-                # unresolvable, refused, unreachable, silent, or refusing us
-                # (its Goodbye says why): requests naming it recompute.
-                self._peer_log.warning(
-                    "dial_failed",
-                    peer,
-                    "no session: %.300r; requests naming it recompute",
-                    session.close_reason,
-                )
-            elif session is not None and session.close_reason:
-                # The reason may be the peer's text (its Goodbye): the
-                # PeerLog line shows it as %r, cut.
-                self._peer_log.info(
-                    "session_closed",
-                    peer,
-                    "session closed: %.300r",
-                    session.close_reason,
-                )
+            self._log_close(peer)
             m.on_invalidated(peer, now)
-        m.end_step(now)
 
-    def _post_reads(self) -> bool:
-        """Post every READ the manager holds; True if any reached the data
-        plane (a refusal ends its load at once instead)."""
-        posted = False
-        for peer, read in self.manager.take_reads():
-            posted |= self._post(peer, "read", read.job_id, read.remote, read.local)
-        return posted
+    def _log_close(self, peer: str) -> None:
+        session = self.manager.session(peer)
+        if session is None:
+            return
+        if session.refusal is not None:
+            # A refused handshake (wrong secret, another layout): the
+            # operator's fix is on one side or the other. Any party can
+            # cause it, so at most one line per reason per interval. Its
+            # kind is the refusal's reason, the budget a refused seal's
+            # line (``auth``) shares: one event, one line.
+            self._peer_log.warning(
+                session.refusal.reason,
+                peer,
+                "handshake refused: %.300s",
+                session.refusal,
+            )
+        elif session.close_reason and not (session.proven or is_inbound(peer)):
+            # A peer our clients named that we never got a session with:
+            # unresolvable, refused, unreachable, silent, or refusing us
+            # (its Goodbye says why): requests naming it recompute.
+            self._peer_log.warning(
+                "dial_failed",
+                peer,
+                "no session: %.300r; requests naming it recompute",
+                session.close_reason,
+            )
+        elif session.close_reason:
+            # The reason may be the peer's text (its Goodbye): the PeerLog
+            # line shows it as %r, cut.
+            self._peer_log.info(
+                "session_closed", peer, "session closed: %.300r", session.close_reason
+            )
 
     def _post(
         self,
         peer: str,
-        kind: str,
-        ident: int,
+        ref: TransferRef,
         src: list[int],
         dst: list[int],
         notif: bytes = b"",
@@ -432,8 +453,10 @@ class TierRuntime:
         (their blocks into our slots) or a write (ours into theirs). A
         refusal ends it failed at once."""
         agent = self._agents.get(peer)
+        read = ref.direction is Direction.READ
+        kind = ref.direction.value
         try:
-            if agent is None and kind == "write" and is_inbound(peer):
+            if agent is None and not read and is_inbound(peer):
                 raise ValueError(
                     "no WRITEs to a peer that dialled us without the shared "
                     "secret (its NIXL metadata is not loaded): set a secret on "
@@ -441,20 +464,23 @@ class TierRuntime:
                 )
             if agent is None:
                 raise ValueError("peer has no data-plane agent")
-            if kind == "read":
+            if read:
                 xfer = self.data.post_read(agent, src, dst)
             else:
                 xfer = self.data.post_write(agent, src, dst, notif)
         except Exception as exc:  # refused before any byte moved
             self._peer_log.warning(f"{kind}_refused", peer, "%s refused: %s", kind, exc)
-            now = self.clock()
-            if kind == "read":
-                self.manager.on_read_done(peer, ident, False, now)
-            else:
-                self.manager.on_write_done(peer, ident, False, now)
+            self._transfer_ended(peer, ref, False)
             return False
-        self._xfers[xfer] = (peer, kind, ident)
+        self._xfers[xfer] = (peer, ref)
         return True
+
+    def _transfer_ended(self, peer: str, ref: TransferRef, ok: bool) -> None:
+        now = self.clock()
+        if ref.direction is Direction.READ:
+            self.manager.on_read_done(peer, ref.ident, ok, now)
+        else:
+            self.manager.on_write_done(peer, ref.ident, ok, now)
 
     def _identity_ready(self) -> bool:
         """Whether our Hello can be made. vLLM seeds its block hashes after
@@ -563,13 +589,11 @@ class TierRuntime:
             what = self._xfers.pop(xfer_id, None)
             if what is None:
                 continue
-            peer, kind, ident = what
-            if kind == "read":
-                self.manager.on_read_done(peer, ident, ok, self.clock())
-            elif xfer_id in unstopped:
-                self.manager.on_write_unstoppable(peer, ident)
+            peer, ref = what
+            if xfer_id in unstopped and ref.direction is Direction.WRITE:
+                self.manager.on_write_unstoppable(peer, ref.ident)
             else:
-                self.manager.on_write_done(peer, ident, ok, self.clock())
+                self._transfer_ended(peer, ref, ok)
 
     def _maybe_add_agent(self, peer: str) -> None:
         if peer in self._agents:
@@ -670,11 +694,16 @@ class TierRuntime:
         before returning: the load's latency is then the READ plus one
         completion check. Anything else (a Fetch for the peer to WRITE, a
         refusal) goes through a full pump, so it too leaves at once."""
-        self.manager.submit_load(job_id, req_id, keys, slots, self.clock())
-        if self._post_reads():
+        now = self.clock()
+        self.manager.submit_load(job_id, req_id, keys, slots, now)
+        closed: list[str] = []
+        if self._carry(self.manager.take_events(), closed) and not closed:
             self._take_completions()
-        else:
-            self.pump()
+            return
+        if closed:
+            self._send_all(now)  # a closed session's Goodbye leaves first
+            self._retire(closed, now)
+        self.pump()
 
     def finished_jobs(self, wait: bool | None = None) -> list[JobResult]:
         self.poll(wait)

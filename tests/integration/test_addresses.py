@@ -16,7 +16,7 @@ import nixl._api  # noqa: F401  (fail, not skip, without NIXL)
 import pytest
 from tests.support.wire import RawConn
 
-from p2p_kv.session import Timeouts
+from p2p_kv.peer import Timeouts
 from p2p_kv.standalone import StandalonePeer, make_key
 
 BLOCK = 4096

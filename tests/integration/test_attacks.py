@@ -33,7 +33,7 @@ import nixl._api  # noqa: F401  (fail, not skip, without NIXL)
 import pytest
 from tests.support.procs import ROOT, PeerProc
 
-from p2p_kv.session import Timeouts
+from p2p_kv.peer import Timeouts
 from p2p_kv.standalone import StandalonePeer, block_pattern, make_key
 
 pytestmark = pytest.mark.timeout(300)

@@ -53,6 +53,7 @@ from p2p_kv.handshake import (
     make_hello,
 )
 from p2p_kv.manager import Answer
+from p2p_kv.peer import Timeouts
 from p2p_kv.protocol import (
     MAX_FRAME_BYTES,
     Abort,
@@ -72,7 +73,6 @@ from p2p_kv.protocol import (
     decode,
     encode,
 )
-from p2p_kv.session import Timeouts
 from p2p_kv.standalone import StandalonePeer, block_pattern, make_key
 
 pytestmark = pytest.mark.timeout(120)

@@ -43,7 +43,7 @@ from tests.support.procs import PeerProc
 
 from p2p_kv.adapter.engines import free_port
 from p2p_kv.manager import Answer, JobResult
-from p2p_kv.session import Timeouts
+from p2p_kv.peer import Timeouts
 from p2p_kv.standalone import StandalonePeer, block_pattern, make_key
 
 REQUESTS = int(os.environ.get("P2P_KV_SOAK_REQUESTS", "1000"))

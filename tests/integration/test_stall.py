@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 from tests.support.procs import PeerProc
 
-from p2p_kv.session import Timeouts
+from p2p_kv.peer import Timeouts
 from p2p_kv.standalone import StandalonePeer, make_key
 
 HB = 0.5  # the default heartbeat interval

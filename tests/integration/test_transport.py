@@ -41,7 +41,7 @@ import psutil
 import pytest
 
 from p2p_kv.manager import Answer
-from p2p_kv.session import Session, Timeouts
+from p2p_kv.peer import Session, Timeouts
 from p2p_kv.standalone import StandalonePeer, block_pattern, make_key
 
 pytestmark = pytest.mark.timeout(120)
@@ -1122,7 +1122,7 @@ def test_a_producer_that_dropped_our_session_is_dialled_again(
     with it: our session ends at once, and past the reconnect backoff the
     next request dials afresh and hits. (A second Hello on a live
     connection also ends a session: tests/unit/test_hostile.py.)"""
-    from p2p_kv.session import Limits
+    from p2p_kv.peer import Limits
 
     keys = [make_key(k) for k in range(4)]
     pid = os.getpid()

@@ -25,8 +25,8 @@ from tests.support.sockets import TCP_ONLY
 
 from p2p_kv.control import ControlTransport, wait_readable
 from p2p_kv.manager import Answer
+from p2p_kv.peer import Timeouts
 from p2p_kv.runtime import DATA_TICK_S
-from p2p_kv.session import Timeouts
 from p2p_kv.standalone import StandalonePeer, make_key
 
 #: Far longer than any answer may take: an answer in time can only come

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 
 from p2p_kv.handshake import Identity
 from p2p_kv.manager import JobResult, LoadManager, Roles
+from p2p_kv.peer import Limits, PinResult, Timeouts
+from p2p_kv.peer.events import Cancel, Closed, Dial, Direction, PostRead, PostWrite
 from p2p_kv.protocol import Message, decode, encode
-from p2p_kv.session import Limits, PinResult, ReadOrder, Timeouts, WriteOrder
 
 BLOCK = 16
 NBLOCKS = 64
@@ -175,8 +176,8 @@ class Net:
             self.engines[n] = Engine(n, mgr)
         self.links: list[Link] = []
         self.queue: list[tuple[str, str, bytes]] = []  # (engine, peer key, frame)
-        self.writes: list[tuple[str, str, WriteOrder]] = []
-        self.reads: list[tuple[str, str, ReadOrder]] = []
+        self.writes: list[tuple[str, str, PostWrite]] = []
+        self.reads: list[tuple[str, str, PostRead]] = []
         #: Leave posted writes and reads in flight until complete_writes().
         self.hold_writes = False
         #: cancelled writes cannot be stopped (see take_cancels in step)
@@ -213,37 +214,16 @@ class Net:
         for name, eng in self.engines.items():
             m = eng.manager
             m.flush(self.now)
-            for peer in m.take_connects():
-                target = peer.split(":")[0]
-                if target in self.engines:
-                    inbound = self.engines[target].manager.on_inbound(self.now)
-                    self.links.append(Link((name, peer), (target, inbound)))
-                else:
-                    m.on_disconnected(peer, "unreachable", self.now)
-            for peer, kind, ident in m.take_cancels():
-                # A cancelled read still ends once, at complete_writes (as
-                # NIXL reports it): until then it may land, so it stays.
-                if kind != "write":
-                    continue
-                if self.unstoppable_writes:
-                    # Given up on but still running (NIXL over TCP to a
-                    # stalled peer): it stays, and may land later.
-                    m.on_write_unstoppable(peer, ident)
-                    continue
-                self.writes = [
-                    w
-                    for w in self.writes
-                    if not (w[0] == name and w[2].write_id == ident)
-                ]
-                m.on_write_done(peer, ident, False, self.now)
-            for peer, read in m.take_reads():
-                self.reads.append((name, peer, read))
+            closed: list[str] = []
+            while events := m.take_events():
+                for peer, event in events:
+                    self._carry(name, peer, event, closed)
             for peer, msgs in m.take_outgoing(self.now):
                 for msg in msgs:
                     self.queue.append((name, peer, encode(msg)))
-            for peer, order in m.take_writes():
-                self.writes.append((name, peer, order))
-            for peer in m.take_closed():
+            for peer, event in m.take_events():  # what sending ended
+                self._carry(name, peer, event, closed)
+            for peer in closed:
                 # The data plane invalidates the peer agent: drop its writes
                 # and our reads from it (they end failed).
                 self.writes = [
@@ -251,7 +231,7 @@ class Net:
                 ]
                 for r in [r for r in self.reads if r[:2] == (name, peer)]:
                     self.reads.remove(r)
-                    m.on_read_done(peer, r[2].job_id, False, self.now)
+                    m.on_read_done(peer, r[2].ref.ident, False, self.now)
                 other = self._other(name, peer)
                 self.writes = [
                     w for w in self.writes if not (other and (w[0], w[1]) == other)
@@ -271,6 +251,45 @@ class Net:
         for eng in self.engines.values():
             eng.manager.tick(self.now)
             eng.manager.end_step(self.now)
+
+    def _carry(
+        self,
+        name: str,
+        peer: str,
+        event: Dial | PostRead | PostWrite | Cancel | Closed,
+        closed: list[str],
+    ) -> None:
+        """Do what one of engine ``name``'s events asks, as the runtime
+        does; closed sessions are handled after the step's messages."""
+        m = self.engines[name].manager
+        match event:
+            case Dial():
+                target = peer.split(":")[0]
+                if target in self.engines:
+                    inbound = self.engines[target].manager.on_inbound(self.now)
+                    self.links.append(Link((name, peer), (target, inbound)))
+                else:
+                    m.on_disconnected(peer, "unreachable", self.now)
+            case Cancel(ref) if ref.direction is Direction.WRITE:
+                if self.unstoppable_writes:
+                    # Given up on but still running (NIXL over TCP to a
+                    # stalled peer): it stays, and may land later.
+                    m.on_write_unstoppable(peer, ref.ident)
+                    return
+                self.writes = [
+                    w for w in self.writes if not (w[0] == name and w[2].ref == ref)
+                ]
+                m.on_write_done(peer, ref.ident, False, self.now)
+            case Cancel():
+                # A cancelled read still ends once, at complete_writes (as
+                # NIXL reports it): until then it may land, so it stays.
+                pass
+            case PostRead():
+                self.reads.append((name, peer, event))
+            case PostWrite():
+                self.writes.append((name, peer, event))
+            case Closed():
+                closed.append(peer)
 
     def deliver_all(self) -> None:
         queue, self.queue = self.queue, []
@@ -297,20 +316,20 @@ class Net:
             dst = self.engines[name]
             other = self._other(name, peer)
             for d in read.local:
-                if dst.slot_owner.get(d) != read.job_id:
+                if dst.slot_owner.get(d) != read.ref.ident:
                     self.violations.append(
                         f"{name} read into slot {d} owned by "
-                        f"{dst.slot_owner.get(d)}, not job {read.job_id}"
+                        f"{dst.slot_owner.get(d)}, not job {read.ref.ident}"
                     )
             if other is None or not ok:
-                dst.manager.on_read_done(peer, read.job_id, False, self.now)
+                dst.manager.on_read_done(peer, read.ref.ident, False, self.now)
                 continue
             src = self.engines[other[0]]
             for s, d in zip(read.remote, read.local, strict=True):
                 pinned = src.pin_count.get(s, 0) > 0
                 data = src.block(s) if pinned else POISON
                 dst.region[d * BLOCK : (d + 1) * BLOCK] = data
-            dst.manager.on_read_done(peer, read.job_id, True, self.now)
+            dst.manager.on_read_done(peer, read.ref.ident, True, self.now)
         writes, self.writes = self.writes, []
         for name, peer, order in writes:
             other = self._other(name, peer)
@@ -327,7 +346,7 @@ class Net:
             if ok:
                 for s, d in zip(order.src, order.dst, strict=True):
                     dst.region[d * BLOCK : (d + 1) * BLOCK] = src.block(s)
-            src.manager.on_write_done(peer, order.write_id, ok, self.now)
+            src.manager.on_write_done(peer, order.ref.ident, ok, self.now)
 
     def serve(self) -> None:
         for eng in self.engines.values():

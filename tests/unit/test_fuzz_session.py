@@ -44,6 +44,8 @@ from hypothesis import strategies as st
 
 from p2p_kv.handshake import make_hello
 from p2p_kv.manager import Answer
+from p2p_kv.peer import Limits, Session
+from p2p_kv.peer.events import Closed
 from p2p_kv.protocol import (
     MAX_FRAME_BYTES,
     Error,
@@ -58,7 +60,6 @@ from p2p_kv.protocol import (
     decode,
     encode,
 )
-from p2p_kv.session import Limits, Session
 
 from .memnet import FAST_TIMEOUTS, NBLOCKS, Net, identity, key, payload
 from .test_protocol import mutate, random_value
@@ -257,7 +258,7 @@ def check(net: Net, hostile: bool) -> None:
         assert all(len(r) == 1 for r in eng.results.values())
         assert set(eng.results) <= eng.submitted
         for s in m.sessions():
-            assert len(s._outbox) <= LIMITS.max_outbox
+            assert len(s.link._outbox) <= LIMITS.max_outbox
 
 
 def drain(net: Net, hostile: bool) -> None:
@@ -345,8 +346,9 @@ def test_offered_pins_outlive_a_session_lost_mid_read() -> None:
     for _ in range(55):
         net.advance(0.2)
         a.manager.tick(net.now)
-        for peer in a.manager.take_closed():
-            a.manager.on_invalidated(peer, net.now)
+        for peer, event in a.manager.take_events():
+            if isinstance(event, Closed):
+                a.manager.on_invalidated(peer, net.now)
         a.manager.take_outgoing(net.now)
         a.manager.end_step(net.now)
         a.collect(net.now)

@@ -24,6 +24,7 @@ from p2p_kv.handshake import (
     seed_digest,
 )
 from p2p_kv.manager import LoadManager
+from p2p_kv.peer import LinkState, Session
 from p2p_kv.protocol import (
     PROTOCOL_VERSION,
     Abort,
@@ -40,7 +41,6 @@ from p2p_kv.protocol import (
     decode,
     encode,
 )
-from p2p_kv.session import Link, Session
 
 SEED = "seed-8c1f-do-not-leak-4e2a"
 SECRET = b"shared-secret-value-77"
@@ -109,7 +109,7 @@ def test_matching_peers_become_ready_with_the_same_config(
     secret: bytes | None,
 ) -> None:
     w = pair(ident("a", secret=secret), ident("b", secret=secret))
-    assert w.a.link is Link.HANDSHAKING and not w.a.ready
+    assert w.a.state is LinkState.HANDSHAKING and not w.a.ready
     w.pump()
     assert w.a.ready and w.b.ready
     assert w.a.refusal is None and w.b.refusal is None
@@ -176,7 +176,7 @@ MISMATCHES = [
 def assert_refused(s: Session, reason: str) -> None:
     assert s.refusal is not None, "not refused"
     assert s.refusal.reason == reason
-    assert s.link is Link.CLOSED and s.closed and not s.ready
+    assert s.state is LinkState.CLOSED and s.closed and not s.ready
     assert s.counters.refused == {reason: 1}
     assert s.close_reason.startswith("refused")
 
@@ -353,9 +353,9 @@ def test_request_message_before_handshake_gets_an_error(msg: Message) -> None:
     assert isinstance(hello, Hello)
     assert isinstance(reply, Error) and reply.code == "before_handshake"
     assert a.counters.protocol_errors == {"before_handshake": 1}
-    assert a.link is Link.HANDSHAKING
+    assert a.state is LinkState.HANDSHAKING
     assert a.sizes() == dict.fromkeys(a.sizes(), 0)
-    assert a.take_writes() == []
+    assert a.take_events() == []
     # ... and the handshake still completes afterwards.
     b = Session("in:1", ident("b"), 0.0, nonce=b"B" * 16)
     b.receive(decode(encode(hello)), 0.0)
@@ -566,8 +566,8 @@ def test_sessions_seal_every_frame_after_the_handshake() -> None:
         w.b.open(sealed)  # again
     with pytest.raises(FrameRefused, match="plain Lookup"):
         w.b.open(frame)  # plain where a sealed one is due
-    assert not w.b.admits_plain(LOOKUP)
-    assert w.b.admits_plain(HelloAck(mac=b""))
+    assert not w.b.link.admits_plain(LOOKUP)
+    assert w.b.link.admits_plain(HelloAck(mac=b""))
     hello = w.a.peer_hello
     assert hello is not None and w.a.seal(hello, b"hello") == b"hello"
     assert w.a.seal(HelloAck(mac=b""), b"ack") == b"ack"
@@ -599,7 +599,7 @@ def test_without_a_secret_nothing_is_sealed() -> None:
     w = pair(ident("a"), ident("b"))
     w.pump()
     assert w.a.seal(LOOKUP, encode(LOOKUP)) == encode(LOOKUP)
-    assert w.b.admits_plain(LOOKUP)
+    assert w.b.link.admits_plain(LOOKUP)
 
 
 def test_a_relay_of_two_engines_hellos_and_proofs_learns_no_region() -> None:
@@ -622,7 +622,7 @@ def test_a_relay_of_two_engines_hellos_and_proofs_learns_no_region() -> None:
         assert isinstance(region, Region)
         frame = session.seal(region, encode(region))
         assert frame[0] == SEALED and name not in frame
-    assert not r.admits_plain(LOOKUP) and not r.admits_plain(Heartbeat(seq=1))
+    assert not r.link.admits_plain(LOOKUP) and not r.link.admits_plain(Heartbeat(seq=1))
     with pytest.raises(FrameRefused, match="plain Heartbeat"):
         r.open(encode(Heartbeat(seq=1)))
 
@@ -637,9 +637,9 @@ def test_a_goodbye_after_our_proof_checked_is_sealed_and_taken() -> None:
 
     def deliver(src: Session, dst: Session) -> None:
         for msg in src.take_outbox(0.0):
-            frame, sealed = dst.unseal(src.seal(msg, encode(msg)))
+            frame, sealed = dst.link.unseal(src.seal(msg, encode(msg)))
             got = decode(frame)
-            assert sealed or dst.admits_plain(got), got
+            assert sealed or dst.link.admits_plain(got), got
             dst.receive(got, 0.0)
 
     deliver(b, a)  # B's Hello: A queues its HelloAck

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from p2p_kv.lifecycle import State
 from p2p_kv.manager import Answer, JobResult, LoadManager, Roles
+from p2p_kv.peer import Timeouts, is_inbound
 from p2p_kv.protocol import Fetch, FetchOffer, decode, encode
-from p2p_kv.session import Timeouts, is_inbound
 
 from .memnet import FAST_TIMEOUTS, Net, key, payload
 
@@ -374,13 +374,13 @@ def test_a_lost_session_keeps_none_of_what_it_had_armed() -> None:
         assert [b.lookup(f"r{i}", k) for k in KEYS] == [Answer.RETRY] * 4
     net.run(1)
     (session,) = b.sessions()
-    assert len(session._timers) >= 50
+    assert len(session.link._timers) >= 50
     net.run(3)
     assert session.ready and session.peer_region is not None
     net.cut("a", "b")
     net.run()
     assert session in b.retired_sessions
-    assert session._timers == []
+    assert session.link._timers == []
     assert session.peer_region is None
 
 
@@ -735,7 +735,7 @@ def test_a_fetch_naming_none_of_the_parked_blocks_leaves_them_to_the_decoder() -
     a.store(a.new_job(), "p1", KEYS, [20, 21, 22, 23], net.now)
     (cs,) = c.manager.sessions()
     stranger = Fetch("kv9", 999, 1, [key(77)], [1], parked=True, read=True)
-    cs._send(stranger)
+    cs.link.send(stranger)
     c.manager._touch(cs)
     net.run(1)
     a.manager.on_request_finished("p1", net.now)
@@ -805,7 +805,7 @@ def test_a_result_the_engine_has_not_collected_keeps_its_session_ticking() -> No
     b, a = net.engines["b"], net.engines["a"]
     (sb,) = b.manager.sessions()
     (sa,) = a.manager.sessions()
-    assert sb.has_results  # done, and buffered for b's engine
+    assert b.manager.results_ready()  # done, and buffered for b's engine
     for _ in range(round(2 * sb.timeouts.liveness_s / 0.1)):
         net.advance(0.1)
         net.step()  # b's runtime pumps; b's engine does not collect
@@ -1036,7 +1036,7 @@ def test_a_lookup_of_more_keys_than_a_frame_lists_goes_in_several(
     step's keys past that went out in one frame, the peer dropped it, and
     the request waited for its lookup deadline to recompute."""
     import p2p_kv.manager as manager_module
-    import p2p_kv.session as session_module
+    import p2p_kv.peer.consumer as session_module
 
     monkeypatch.setattr(manager_module, "MAX_KEYS", 3)
     monkeypatch.setattr(session_module, "MAX_KEYS", 3)
@@ -1182,8 +1182,8 @@ def test_a_decoder_reads_parked_stores_so_no_producer_write_reaches_its_slots(
     posted: list[str] = []
     for _ in range(8):
         net.run(1)
-        posted += [f"write {o.write_id}" for _, _, o in net.writes]
-        posted += [f"read {o.job_id}" for _, _, o in net.reads]
+        posted += [f"write {o.ref.ident}" for _, _, o in net.writes]
+        posted += [f"read {o.ref.ident}" for _, _, o in net.reads]
     assert posted and all(p.startswith("read" if reads else "write") for p in posted)
     net.hold_writes = False
     net.run()
@@ -1328,7 +1328,7 @@ def test_a_second_fetch_cannot_hold_offered_stores_longer() -> None:
     parked_fetch(net)
     until_read_posted(net)
     (sa,) = a.manager.sessions()
-    ((req, gen), serve) = next(iter(sa._serves.items()))
+    ((req, gen), serve) = next(iter(sa.producer._serves.items()))
     held_until = serve.deadline
     net.advance(1.0)
     again = Fetch(req, gen, 999, KEYS, [60, 61, 62, 63], read=True)

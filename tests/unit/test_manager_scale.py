@@ -16,8 +16,9 @@ from types import FrameType
 
 from p2p_kv.handshake import FrameRefused, make_hello
 from p2p_kv.manager import LoadManager
+from p2p_kv.peer import Session, Timeouts
+from p2p_kv.peer.events import Closed
 from p2p_kv.protocol import Hello, Message, ProtocolError, encode
-from p2p_kv.session import Session, Timeouts
 
 from .memnet import identity
 
@@ -58,9 +59,7 @@ def pump(m: LoadManager, now: float) -> dict[str, list[bytes]]:
     """The runtime's pump, the transports cut out: what leaves, by peer,
     as it would go on the wire; closed sessions are retired."""
     m.tick(now)
-    m.take_connects()
-    m.take_cancels()
-    m.take_reads()
+    closed = [peer for peer, ev in m.take_events() if isinstance(ev, Closed)]
     sent: dict[str, list[bytes]] = {}
     for peer, msgs in m.take_outgoing(now):
         session = m.session(peer)
@@ -68,8 +67,7 @@ def pump(m: LoadManager, now: float) -> dict[str, list[bytes]]:
         for msg in msgs:
             frame = encode(msg)
             frames.append(frame if session is None else session.seal(msg, frame))
-    m.take_writes()
-    for peer in m.take_closed():
+    for peer in closed:
         m.on_invalidated(peer, now)
     m.end_step(now)
     return sent

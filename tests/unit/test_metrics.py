@@ -34,7 +34,7 @@ from p2p_kv.metrics import (
     STAGING_HELD,
     MetricsExporter,
 )
-from p2p_kv.session import MAX_TALLY_KEYS, tally
+from p2p_kv.peer import MAX_TALLY_KEYS, tally
 
 from .memnet import Net, identity, key
 
@@ -357,8 +357,8 @@ def test_an_inbound_peer_is_named_by_its_hello_only_once_proven() -> None:
     secret filled every peer label (64 Hellos) for the life of the
     process. Until its proof checks an inbound peer is ``unknown``."""
     from p2p_kv.metrics import UNKNOWN, session_peer
+    from p2p_kv.peer import Session
     from p2p_kv.protocol import Hello
-    from p2p_kv.session import Session
 
     from .memnet import identity as ident
 

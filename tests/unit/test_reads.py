@@ -13,6 +13,7 @@ import pytest
 
 from p2p_kv.lifecycle import State
 from p2p_kv.manager import Answer
+from p2p_kv.peer import Session, Timeouts
 from p2p_kv.protocol import (
     Lookup,
     LookupResp,
@@ -22,7 +23,6 @@ from p2p_kv.protocol import (
     decode,
     encode,
 )
-from p2p_kv.session import Session, Timeouts
 
 from .memnet import POISON, Net, key, payload
 from .test_manager import (
@@ -192,7 +192,7 @@ def test_pins_are_held_at_least_as_long_as_the_offer_announces() -> None:
     under 1 ms was announced as 1 ms, and the pins released before it."""
     net = make_net(timeouts=Timeouts(pin_ttl_s=0.0004))
     probe(net, "r1", "kv1")
-    (offer,) = session(net, "b")._offers.values()
+    (offer,) = session(net, "b").consumer._offers.values()
     (serve,) = session(net, "a").serves()
     assert offer.valid_until > net.now  # an offer was made and trusted
     assert serve.deadline >= net.now + 0.001

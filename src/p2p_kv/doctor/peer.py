@@ -29,7 +29,7 @@ from p2p_kv.config import (
 from p2p_kv.config import check_nixl as _config_check_nixl
 
 if TYPE_CHECKING:
-    from p2p_kv.session import Session
+    from p2p_kv.peer import Session
 from p2p_kv.doctor.checks import (
     _NIXL_FIX,
     HASH_ALGOS,
@@ -450,8 +450,8 @@ def _handshake(
     from p2p_kv.data import NixlDataTransport
     from p2p_kv.handshake import Identity
     from p2p_kv.manager import Answer, LoadManager, Roles, Source, format_peer
+    from p2p_kv.peer import Timeouts
     from p2p_kv.runtime import TierRuntime, fresh_nonce, open_transports
-    from p2p_kv.session import Timeouts
 
     name = "peer"
     target = format_peer(host, port)

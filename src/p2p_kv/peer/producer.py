@@ -1,0 +1,619 @@
+"""The producer side of a session: the peer loads blocks from us.
+
+A SERVE per peer request (``(req, gen)``) answers the peer's lookups in our
+engine's serve window, pinning the hits (which the peer may READ until it
+releases them), or takes its Fetch: for blocks it pinned, or for parked
+stores of a disaggregated prefill (bound by the owner when they are there),
+which it offers for READ or WRITEs. A serve owns the pins it created and
+the parked stores bound to it until its one release path gives them back.
+"""
+
+from __future__ import annotations
+
+from p2p_kv.lifecycle import Event, State
+from p2p_kv.peer.events import (
+    Cancel,
+    Direction,
+    Orphaned,
+    PinJob,
+    PostWrite,
+    StoreDone,
+    StoreResult,
+    TransferRef,
+    WantsParked,
+)
+from p2p_kv.peer.link import Link
+from p2p_kv.peer.records import (
+    KeyCount,
+    ParkedStore,
+    Pin,
+    Pinner,
+    PinResult,
+    Serve,
+)
+from p2p_kv.protocol import (
+    MAX_TTL_MS,
+    Abort,
+    AbortAck,
+    Fetch,
+    FetchOffer,
+    FetchWait,
+    Lookup,
+    LookupResp,
+    Message,
+    Release,
+    Revoke,
+    TransferDone,
+)
+
+
+class ProducerSide:
+    """Serves over one :class:`~p2p_kv.peer.link.Link`."""
+
+    def __init__(
+        self,
+        link: Link,
+        *,
+        reads: bool,
+        engine_keys: tuple[KeyCount, KeyCount] | None = None,
+    ) -> None:
+        self.link = link
+        #: offer our pinned blocks for one-sided READ
+        self.reads = reads
+        pending, waiting = engine_keys or (KeyCount(), KeyCount())
+        self._serves: dict[tuple[str, int], Serve] = {}
+        self._serve_queue: list[Serve] = []  # LOOKUP_QUEUED, in arrival order
+        #: keys of queued lookups (Limits.max_pending_keys), passed on to
+        #: the engine's count
+        self._pending = KeyCount(pending)
+        #: keys of this peer's serves in FETCH_WAITING (see Serve.waiting)
+        self._waiting = KeyCount(waiting)
+        self._writing: dict[int, Serve] = {}  # by write id
+        self._next_write = 0
+
+    # -- outputs ---------------------------------------------------------------
+
+    def _stores_done(self, results: list[StoreResult]) -> None:
+        for result in results:
+            self.link.emit(StoreDone(result))
+
+    def posting(self, event: PostWrite) -> bool:
+        """Whether ``event`` is still to be posted (its serve still writes);
+        if so, the data plane has it from now on."""
+        serve = self._writing.get(event.ref.ident)
+        if serve is None or serve.write_posted:
+            return False
+        serve.write_posted = True
+        return True
+
+    # -- the link's turns --------------------------------------------------------
+
+    def lose(self, kind: str) -> None:
+        """The link ended: every serve is released, except offered blocks
+        the peer may still READ (it may not know yet): those outlive the
+        session, handed to the owner (``Orphaned``) to their deadline."""
+        for serve in list(self._serves.values()):
+            if serve.exposed and serve.can(Event.ORPHAN):
+                serve.fire(Event.ORPHAN)
+                self._drop_pending(serve)
+                del self._serves[(serve.req, serve.gen)]
+                self.link.emit(Orphaned(serve))
+                continue
+            self._release_serve(serve, Event.PEER_LOST, ok=False, reason=kind)
+        self._serve_queue.clear()
+
+    # -- introspection -----------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._serves)
+
+    def serves(self) -> list[Serve]:
+        return list(self._serves.values())
+
+    @property
+    def has_lookups_to_serve(self) -> bool:
+        return bool(self._serve_queue)
+
+    @property
+    def transfers(self) -> bool:
+        """Blocks of ours the peer was told of and that are still held for
+        it: it may be READing them now."""
+        return any(sv.exposed for sv in self._serves.values())
+
+    @property
+    def pinned_blocks(self) -> int:
+        return sum(s.pinned_blocks for s in self._serves.values())
+
+    @property
+    def active(self) -> bool:
+        return bool(self._serves)
+
+    def sizes(self) -> dict[str, int]:
+        return {
+            "serves": len(self._serves),
+            "writes": len(self._writing),
+            "pending_lookup_keys": self._pending.keys,
+            "serve_queue": len(self._serve_queue),
+        }
+
+    # -- the peer's requests and the engine's answers ------------------------------
+
+    def pending_lookup_keys(self) -> int:
+        return self._pending.keys
+
+    def leave_engine(self) -> None:
+        """The manager forgets this session: what it holds leaves the
+        engine's counts (and whatever it drops later, only its own)."""
+        self._pending.detach()
+        self._waiting.detach()
+
+    def waiting_fetch_keys(self) -> int:
+        """Keys of this peer's Fetches that wait for stores to be parked."""
+        return self._waiting.keys
+
+    def on_lookup(self, msg: Lookup, now: float) -> None:
+        cost = max(1, len(msg.keys))
+        held = self._pending.keys
+        engine = self._pending.engine.keys if self._pending.engine else held
+        mine = held + cost > self.link.limits.max_pending_keys
+        if mine or engine + cost > self.link.limits.engine_pending_keys:
+            self.link.protocol_error(
+                "limit_pending_keys" if mine else "limit_engine_pending_keys",
+                f"{held if mine else engine} lookup keys already "
+                f"wait for our engine{'' if mine else ' from all peers'}",
+                msg.req,
+                msg.gen,
+            )
+            self.link.send(
+                LookupResp(msg.req, msg.gen, msg.seq, [False] * len(msg.keys))
+            )
+            return
+        serve = self._serves.get((msg.req, msg.gen))
+        if serve is None:
+            if len(self._serves) >= self.link.limits.max_serves:
+                self.link.protocol_error(
+                    "limit_serves", "too many requests in flight", msg.req, msg.gen
+                )
+                self.link.send(
+                    LookupResp(msg.req, msg.gen, msg.seq, [False] * len(msg.keys))
+                )
+                return
+            serve = Serve(
+                msg.req,
+                msg.gen,
+                State.LOOKUP_QUEUED,
+                now + self.link.timeouts.pin_ttl_s,
+            )
+            self.link.arm(serve, serve.deadline)
+            self._serves[(msg.req, msg.gen)] = serve
+        elif not serve.can(Event.LOOKUP):
+            # Revoking, or past its Fetch (one load per generation: a key
+            # asked in the step of the load, sent after it).
+            self.link.send(
+                LookupResp(msg.req, msg.gen, msg.seq, [False] * len(msg.keys))
+            )
+            return
+        else:
+            serve.fire(Event.LOOKUP)
+        serve.pending_lookups.append(msg)
+        self._pending.add(cost)
+        if serve not in self._serve_queue:
+            self._serve_queue.append(serve)
+
+    def _drop_pending(self, serve: Serve) -> list[Lookup]:
+        """Take a serve's queued lookups off the pending-keys budget."""
+        pending, serve.pending_lookups = serve.pending_lookups, []
+        self._pending.add(-sum(max(1, len(lk.keys)) for lk in pending))
+        return pending
+
+    def serve_lookups(self, pinner: Pinner, now: float) -> None:
+        """Answer queued lookups against the engine (its serve window)."""
+        queue, self._serve_queue = self._serve_queue, []
+        if not queue:
+            return
+        # Counted once per window, not per lookup: with thousands of serves
+        # a per-lookup sum made a busy window quadratic.
+        pinned = self.pinned_blocks
+        for serve in queue:
+            pending = self._drop_pending(serve)
+            if serve.state is not State.LOOKUP_QUEUED:
+                continue
+            for lookup in pending:
+                budget = self.link.limits.max_pinned_blocks - pinned
+                keys = lookup.keys if len(lookup.keys) <= budget else []
+                if len(keys) < len(lookup.keys):
+                    self.link.counters.bump(
+                        self.link.counters.refused, "limit_pinned_blocks"
+                    )
+                label = f"p2p_kv:{self.link.peer}:{serve.req}:{serve.gen}:{lookup.seq}"
+                try:
+                    result = pinner.pin(label, keys) if keys else PinResult([], [])
+                except Exception:
+                    # The engine could not pin: an all-miss answer, and the
+                    # window goes on for every other lookup.
+                    self.link.counters.bump(self.link.counters.failures, "pin_error")
+                    result = PinResult([], [])
+                hits = result.hits or [False] * len(lookup.keys)
+                for job_id, pkeys, pslots in result.pins:
+                    pinned += len(pkeys)
+                    self.link.emit(PinJob(job_id))
+                    serve.pins.append(
+                        Pin(job_id, dict(zip(pkeys, pslots, strict=True)))
+                    )
+                self.link.send(self._answer(serve, lookup, hits))
+            serve.fire(Event.SERVED)
+            # Never less than an offer announces (whole milliseconds, one at
+            # least): a pin lifetime under 1 ms was announced as 1 ms and
+            # released before it, under a READ the consumer still trusted.
+            self.link.arm(
+                serve, now + max(self.link.timeouts.pin_ttl_s, self._hold_s())
+            )
+
+    def _answer(self, serve: Serve, lookup: Lookup, hits: list[bool]) -> LookupResp:
+        if not self.reads or not any(hits):
+            return LookupResp(serve.req, serve.gen, lookup.seq, hits)
+        table = serve.slot_table()
+        slots = [
+            table.get(key, -1) if hit else 0
+            for key, hit in zip(lookup.keys, hits, strict=True)
+        ]
+        if -1 in slots:
+            # A hit the engine did not pin for us: no READ offer at all.
+            return LookupResp(serve.req, serve.gen, lookup.seq, hits)
+        serve.offered = True
+        ttl_ms = round(self._hold_s() * 1000)
+        return LookupResp(serve.req, serve.gen, lookup.seq, hits, slots, ttl_ms)
+
+    def _hold_s(self, nbytes: int = 0) -> float:
+        """How long blocks offered for a READ of ``nbytes`` are held, as
+        announced: the pins' lifetime, plus the READ's own time (at the rate
+        the deadlines assume, over the reader's share of the window), so a
+        load too large for the bare lifetime can still be read inside it.
+        Whole milliseconds, as the wire carries them: announcing less than
+        we hold is always safe, more never happens."""
+        t = self.link.timeouts
+        hold = t.pin_ttl_s + nbytes / t.fetch_bytes_per_s / t.read_window
+        return max(1, min(int(hold * 1000), MAX_TTL_MS)) / 1000.0
+
+    def on_release(self, msg: Release) -> None:
+        serve = self._serves.get((msg.req, msg.gen))
+        if serve is None:
+            return  # already released (deadline, abort): nothing to do
+        serve.fire(Event.RELEASE)
+        blocks = min(msg.blocks, serve.held_blocks)
+        self.link.counters.bytes_served += blocks * self.link.me.block_bytes
+        # Parked stores the consumer never read (it gave the load up) were
+        # not served; pins only held blocks either way.
+        ok = blocks > 0 or not serve.parked
+        self._release_serve(serve, None, ok=ok, reason="" if ok else "unread")
+
+    def on_fetch(self, msg: Fetch, now: float) -> None:
+        region = self.link.peer_hello
+        assert region is not None
+        bad = [s for s in msg.slots if s >= region.num_blocks]
+        if bad:
+            self.link.protocol_error(
+                "slot_out_of_range",
+                f"slot {bad[0]} outside the peer's {region.num_blocks} blocks",
+                msg.req,
+                msg.gen,
+            )
+            self.link.send(
+                TransferDone(msg.req, msg.gen, msg.job, False, "slot out of range")
+            )
+            return
+        serve = self._serves.get((msg.req, msg.gen))
+        if serve is None and not msg.parked:
+            # A lookup came first, and its pins are gone: nothing of ours
+            # will ever serve this.
+            self.link.counters.bump(self.link.counters.failures, "fetch_not_pinned")
+            self.link.send(TransferDone(msg.req, msg.gen, msg.job, False, "not pinned"))
+            return
+        if serve is None:
+            if len(self._serves) >= self.link.limits.max_serves:
+                self.link.send(TransferDone(msg.req, msg.gen, msg.job, False, "busy"))
+                return
+            waiting = self._waiting.keys
+            engine = self._waiting.engine.keys if self._waiting.engine else waiting
+            cost = len(msg.keys)
+            mine = waiting + cost > self.link.limits.max_waiting_fetch_keys
+            if mine or engine + cost > self.link.limits.engine_waiting_fetch_keys:
+                # Counted per serve alone, a peer could make us hold 4,096
+                # Fetches of 65,536 keys each: 28 GiB.
+                self.link.protocol_error(
+                    "limit_waiting_fetch_keys"
+                    if mine
+                    else "limit_engine_waiting_fetch_keys",
+                    f"{waiting if mine else engine} keys of fetches already wait "
+                    f"for our stores{'' if mine else ' from all peers'}",
+                    msg.req,
+                    msg.gen,
+                )
+                self.link.send(TransferDone(msg.req, msg.gen, msg.job, False, "busy"))
+                return
+            # No lookup came first: a disaggregated-prefill fetch for parked
+            # stores. The manager binds them (wants_parked).
+            serve = Serve(
+                msg.req,
+                msg.gen,
+                State.FETCH_WAITING,
+                now + self.link.timeouts.parked_wait_s,
+            )
+            serve.fetch = msg
+            self.link.arm(serve, serve.deadline)
+            self._serves[(msg.req, msg.gen)] = serve
+            serve.waiting = self._waiting
+            self._waiting.add(cost)
+            self.link.emit(WantsParked(serve))
+            return
+        if serve.state is State.REVOKING:
+            # The consumer had not seen our Revoke yet: the pins are going.
+            self.link.send(TransferDone(msg.req, msg.gen, msg.job, False, "reset"))
+            return
+        if serve.state is not State.PINNED:
+            # One Fetch per serve: a second one re-offering (or writing)
+            # blocks whose Release a first READ may send would let a peer
+            # hold parked stores for good, or read them after their release.
+            self.link.protocol_error(
+                "duplicate_fetch",
+                f"fetch job {msg.job} while the request is {serve.state.value}",
+                msg.req,
+                msg.gen,
+            )
+            # A replay of the job being served must not fail it early (its
+            # slots would be released while our write can still land); a
+            # different job has nothing in flight and can be refused.
+            if serve.fetch is None or msg.job != serve.fetch.job:
+                self.link.send(
+                    TransferDone(msg.req, msg.gen, msg.job, False, "duplicate fetch")
+                )
+            return
+        # (A read Fetch here: the consumer's READ window on our lookup
+        # answer closed before its load; the pins are offered again.)
+        serve.fetch = msg
+        self._serve_fetch(serve, Event.FETCH, now)
+
+    def attach_parked(
+        self, serve: Serve, stores: list[ParkedStore], complete: bool, now: float
+    ) -> None:
+        """The manager hands over parked stores for a waiting fetch."""
+        for store in stores:
+            store.fire(Event.FETCH)
+            serve.parked.append(store)
+        serve.complete = serve.complete or complete
+        fetch = serve.fetch
+        assert fetch is not None
+        table = serve.slot_table()
+        if all(k in table for k in fetch.keys):
+            self._serve_fetch(serve, Event.STORES_READY, now)
+        elif serve.complete:
+            self.link.send(
+                TransferDone(
+                    serve.req, serve.gen, fetch.job, False, "blocks not stored"
+                )
+            )
+            self._release_serve(serve, Event.TIMEOUT, ok=False, reason="missing")
+
+    def tell_waiting(self, serve: Serve, now: float) -> None:
+        """The prefill ``serve``'s Fetch waits for is running here: tell the
+        peer (FetchWait), at most once a heartbeat interval, so that it
+        waits on past its fetch deadline. Promised for no longer than we
+        hold the Fetch ourselves (its deadline, ``parked_ttl_s``)."""
+        fetch = serve.fetch
+        if (
+            fetch is None
+            or serve.state is not State.FETCH_WAITING
+            or now < serve.told_wait + self.link.timeouts.heartbeat_interval_s
+            or not self.link.ready
+        ):
+            return
+        ttl_ms = min(MAX_TTL_MS, round((serve.deadline - now) * 1000))
+        if ttl_ms <= 0:
+            return
+        serve.told_wait = now
+        self.link.send(FetchWait(serve.req, serve.gen, fetch.job, ttl_ms))
+
+    def _serve_fetch(self, serve: Serve, write_event: Event, now: float) -> None:
+        """The serve's Fetch, its blocks all held: offered for the consumer
+        to READ if it asked and we offer reads at all (``read_path``), else
+        written (``write_event`` starts the write)."""
+        assert serve.fetch is not None
+        if serve.fetch.read and self.reads:
+            self._offer(serve, now)
+        else:
+            self._start_writes(serve, write_event, now)
+
+    def _offer(self, serve: Serve, now: float) -> None:
+        """Answer a ``read`` Fetch whose blocks we hold (pins, or parked
+        stores all here) with where they are, and hold them as offered pins
+        are held: to the consumer's Release or Abort, the hold's deadline,
+        or orphaned past a lost session."""
+        src = self._fetch_sources(serve)
+        if src is None:
+            return
+        serve.fire(Event.OFFER)
+        serve.offered = True
+        hold_s = self._hold_s(len(src) * self.link.me.block_bytes)
+        self.link.arm(serve, now + hold_s)
+        fetch = serve.fetch
+        assert fetch is not None
+        ttl_ms = round(hold_s * 1000)
+        self.link.send(FetchOffer(fetch.req, fetch.gen, fetch.job, src, ttl_ms))
+
+    def _fetch_sources(self, serve: Serve) -> list[int] | None:
+        """Our slots of the serve's Fetch, key by key; None (the peer told,
+        the serve released) if a key is not among what it holds."""
+        fetch = serve.fetch
+        assert fetch is not None
+        table = serve.slot_table()
+        src = [table.get(key, -1) for key in fetch.keys]
+        if -1 in src:
+            self.link.send(
+                TransferDone(serve.req, serve.gen, fetch.job, False, "block not pinned")
+            )
+            self._release_serve(serve, Event.ABORT, ok=False, reason="not_pinned")
+            return None
+        return src
+
+    def _start_writes(self, serve: Serve, event: Event, now: float) -> None:
+        fetch = serve.fetch
+        assert fetch is not None
+        src = self._fetch_sources(serve)
+        if src is None:
+            return
+        serve.fire(event)
+        self._next_write += 1
+        serve.write_id = self._next_write
+        nbytes = len(src) * self.link.me.block_bytes
+        self.link.arm(serve, self.link.timeouts.fetch_deadline(now, nbytes))
+        self._writing[serve.write_id] = serve
+        self.link.emit(
+            PostWrite(
+                TransferRef(Direction.WRITE, serve.write_id),
+                src,
+                list(fetch.slots),
+                f"{fetch.req}:{fetch.gen}:{fetch.job}".encode(),
+            )
+        )
+
+    def on_write_done(self, write_id: int, ok: bool, now: float) -> None:
+        """The data plane finished (or failed) a posted write."""
+        serve = self._writing.pop(write_id, None)
+        if serve is None:
+            return
+        fetch = serve.fetch
+        assert fetch is not None
+        self.link.send(self._write_reply(serve, ok))
+        if ok:
+            self.link.counters.bytes_served += (
+                len(fetch.keys) * self.link.me.block_bytes
+            )
+        self._release_serve(
+            serve,
+            Event.WRITES_DONE if ok else Event.WRITES_FAILED,
+            ok=ok,
+            reason="" if ok else "write_failed",
+        )
+
+    def _write_reply(self, serve: Serve, ok: bool) -> Message:
+        """What the peer hears once a posted write can no longer land."""
+        if serve.state in (State.ABORT_WRITING, State.ABORT_CANCELLING):
+            return AbortAck(serve.req, serve.gen)
+        assert serve.fetch is not None
+        why = (
+            "write deadline"
+            if serve.state is State.WRITE_CANCELLING
+            else "write failed"
+        )
+        return TransferDone(
+            serve.req, serve.gen, serve.fetch.job, ok, "" if ok else why
+        )
+
+    def on_write_unstoppable(
+        self, write_id: int, event: Event = Event.WRITES_FAILED
+    ) -> None:
+        """A write of ours was given up on while still running: its bytes
+        may yet land in the peer's slots (NIXL cannot stop them). The serve
+        is released; the session then ends (the peer must not hear that the
+        write is over: it hears Goodbye, fails the load and drops our agent,
+        which is what fences it). ``event``: what ended the serve (the data
+        plane's report, or its own TIMEOUT row when no report came)."""
+        serve = self._writing.pop(write_id, None)
+        if serve is not None:
+            self._release_serve(serve, event, ok=False, reason="write_failed")
+
+    def on_abort(self, msg: Abort) -> None:
+        serve = self._serves.get((msg.req, msg.gen))
+        if serve is None:
+            # Nothing held for it (already released): the fence holds.
+            self.link.send(AbortAck(msg.req, msg.gen))
+            return
+        if serve.state in (State.ABORT_WRITING, State.ABORT_CANCELLING):
+            return
+        serve.fire(Event.ABORT)
+        if serve.state is State.RELEASED:
+            self.link.send(AbortAck(msg.req, msg.gen))
+            self._release_serve(serve, None, ok=False, reason="abort")
+        # else ABORT_WRITING / ABORT_CANCELLING: AbortAck goes out once the
+        # write settles.
+
+    def _release_serve(
+        self, serve: Serve, event: Event | None, *, ok: bool, reason: str
+    ) -> None:
+        """The one release path of a SERVE: pins back to the engine, bound
+        parked stores released, bookkeeping dropped."""
+        if event is not None and serve.state is not State.RELEASED:
+            serve.fire(event)
+        for lookup in self._drop_pending(serve):
+            # Answered, not dropped: the consumer need not wait for its
+            # lookup deadline to learn that nothing is held.
+            self.link.send(
+                LookupResp(serve.req, serve.gen, lookup.seq, [False] * len(lookup.keys))
+            )
+        self._serves.pop((serve.req, serve.gen), None)
+        if serve.write_id in self._writing:
+            del self._writing[serve.write_id]
+        self._stores_done(serve.let_go(event, ok, reason))
+        # Its timer entry may outlive it (see _arm): not the peer's keys and
+        # slots (8 MiB for 60,000 keys, outside every per-peer bound).
+        serve.fetch = None
+
+    def release_unwritten(self) -> None:
+        """Release every serve with no write in flight (cache reset). A later
+        fetch for it is answered TransferDone(ok=False): the peer recomputes.
+        Pins offered for READ are revoked instead: they go back when the
+        peer's Release says no read is in flight (or at their deadline)."""
+        for serve in list(self._serves.values()):
+            if serve.exposed and serve.can(Event.REVOKE):
+                for lookup in self._drop_pending(serve):
+                    self.link.send(
+                        LookupResp(
+                            serve.req, serve.gen, lookup.seq, [False] * len(lookup.keys)
+                        )
+                    )
+                if serve in self._serve_queue:
+                    self._serve_queue.remove(serve)
+                serve.fire(Event.REVOKE)
+                self.link.send(Revoke(serve.req, serve.gen))
+                continue
+            if serve.can(Event.RESET):
+                fetch = serve.fetch
+                if fetch is not None:
+                    self.link.send(
+                        TransferDone(serve.req, serve.gen, fetch.job, False, "reset")
+                    )
+                self._release_serve(serve, Event.RESET, ok=False, reason="reset")
+
+    def expire(self, serve: Serve, now: float) -> bool:
+        """``serve``'s deadline passed; False if that must end the session
+        (a write the data plane never said it stopped)."""
+        fetch = serve.fetch
+        if serve.state in (State.WRITE_CANCELLING, State.ABORT_CANCELLING):
+            self.on_write_unstoppable(serve.write_id, Event.TIMEOUT)
+            return False
+        if serve.state in (State.WRITING, State.ABORT_WRITING):
+            self.link.counters.bump(self.link.counters.failures, "write_timeout")
+            if not serve.write_posted:
+                # Never handed to the data plane, and now it never will be
+                # (its PostWrite goes stale): nothing can land, so the peer
+                # may hear so at once.
+                self.link.send(self._write_reply(serve, False))
+                self._release_serve(
+                    serve, Event.WRITES_FAILED, ok=False, reason="deadline"
+                )
+                return True
+            # The data plane stops it (Cancel) and then reports it
+            # (on_write_done: the reply goes), or reports it unstopped
+            # (on_write_unstoppable: the session ends instead).
+            serve.fire(Event.TIMEOUT)
+            self.link.emit(Cancel(TransferRef(Direction.WRITE, serve.write_id)))
+            self.link.arm(serve, now + self.link.timeouts.abort_ack_s)
+            return True
+        if serve.state is State.FETCH_WAITING and fetch is not None:
+            self.link.send(
+                TransferDone(
+                    serve.req, serve.gen, fetch.job, False, "blocks not stored in time"
+                )
+            )
+        self._release_serve(serve, Event.TIMEOUT, ok=False, reason="deadline")
+        return True
