@@ -2,11 +2,15 @@
 
 Rules of this file (after h11's ``_state.py``):
 
-* Everything that changes a request's state is a row of :data:`TABLE`.
-  Code elsewhere never assigns a state; it calls :func:`step`.
+* Everything that changes a request's state is a row of :data:`ROWS`, and
+  each row names its effect beside its next state (after hyper-h2's
+  stream table): code elsewhere never assigns a state, it fires an event
+  (:meth:`Tracked.fire`) and runs what the returned :class:`Effect` says.
+  State sets that mean something (:data:`FENCED_LOADS`, ...) sit beside
+  the states.
 * An event that has no row for the current state is illegal. Whether that
   is *our* bug or the *peer's* fault depends on where the event came from,
-  so :func:`step` raises :class:`IllegalTransition` and the caller decides:
+  so :func:`transition` raises :class:`IllegalTransition` and the caller decides:
   local callers let it propagate (a bug, loud), the session turns an
   illegal *remote* event into an ``Error`` reply and a metric and leaves the
   request untouched.
@@ -37,7 +41,7 @@ The four machines
 from __future__ import annotations
 
 from enum import Enum
-from typing import Final
+from typing import Final, NamedTuple
 
 
 class Machine(Enum):
@@ -112,175 +116,246 @@ class Event(Enum):
     WAIT = "wait"
 
 
-S, E = State, Event
+class Effect(Enum):
+    """What a transition does, beside its next state (as each row of
+    hyper-h2's stream table names its side effect). The side that fires an
+    event runs one ``match`` on the effect :meth:`Tracked.fire` returns;
+    nothing re-derives it from the state afterwards."""
+
+    NONE = "none"
+    # LOAD
+    SEND_FETCH = "send_fetch"  # its Fetch leaves: the session is up
+    QUEUE_READ = "queue_read"  # its READ waits for the data plane
+    EXTEND = "extend"  # its deadline moves; nothing else changes
+    POSTED = "posted"  # the data plane has its READ: bytes may land now
+    SUCCEED = "succeed"  # every byte is in: the result leaves
+    #: nothing can land in its slots (never started, or the transfer ended
+    #: or was acknowledged): the failure leaves now
+    END = "end"
+    #: a transfer may still land: the failure leaves once the peer's data
+    #: agent is gone (``Session.confirm_invalidated``)
+    FENCE = "fence"
+    STOP_READ = "stop_read"  # cancel our READ, and wait for it to end
+    AWAIT_ACK = "await_ack"  # the peer is told to stop; wait for its word
+    #: neither ended nor acknowledged in time: only closing the session
+    #: (which drops the peer's agent) fences what is in flight
+    LOSE_SESSION = "lose_session"
+    # PROBE
+    ANSWER = "answer"  # the lookup's answer (or its absence) goes out
+    # SERVE
+    QUEUE_LOOKUP = "queue_lookup"  # answered in the engine's serve window
+    HOLD = "hold"  # pins held for the peer to READ or fetch
+    OFFER = "offer"  # a FetchOffer tells the peer where to READ
+    WRITE = "write"  # our WRITE of the blocks is posted
+    CANCEL_WRITE = "cancel_write"  # stop our WRITE; reply once it stopped
+    ACK_WHEN_SETTLED = "ack_when_settled"  # AbortAck once the WRITE settles
+    REVOKE = "revoke"  # the peer is told; the pins wait for its Release
+    ORPHAN = "orphan"  # held past the session, to the deadline
+    RELEASE = "release"  # everything held goes back to the engine
+    ACK_AND_RELEASE = "ack_and_release"  # AbortAck, then RELEASE
+    REFUSE_AND_RELEASE = "refuse_and_release"  # TransferDone(ok=False), RELEASE
+    # PARKED
+    BIND = "bind"  # owned by one serve from now on
+
+
+class Row(NamedTuple):
+    """One transition: the next state and what the transition does."""
+
+    to: State
+    effect: Effect
+
+
+S, E, X = State, Event, Effect
+
+#: Loads in these states may still have bytes land in their slots (our
+#: READ, or the peer's WRITE): their slots stay out of the engine's hands.
+FENCED_LOADS: Final = frozenset(
+    {S.FETCH_POSTED, S.READING, S.READ_CANCELLING, S.ABORTING}
+)
+#: Serves whose WRITE the peer aborted: it hears AbortAck, not TransferDone.
+ABORTED_WRITES: Final = frozenset({S.ABORT_WRITING, S.ABORT_CANCELLING})
+#: Serves with a WRITE of ours in flight (or queued for the data plane)
+#: that no deadline has cancelled yet.
+WRITES_IN_FLIGHT: Final = frozenset({S.WRITING, S.ABORT_WRITING})
 
 #: How a serve holding pins (maybe offered for READ) ends: the consumer's
 #: Release (it READ them, or gave up on them), its Abort, their deadline,
 #: the session's end or a reset. Offered pins may still be read: a reset
 #: waits for the Release (REVOKE) and a lost session leaves them held to
 #: their deadline (ORPHAN), since the peer may not know yet.
-_PINS_END: Final[dict[Event, State]] = {
-    E.RELEASE: S.RELEASED,
-    E.REVOKE: S.REVOKING,
-    E.ORPHAN: S.ORPHANED,
-    E.ABORT: S.RELEASED,
-    E.TIMEOUT: S.RELEASED,
-    E.PEER_LOST: S.RELEASED,
-    E.RESET: S.RELEASED,
+_PINS_END: Final[dict[Event, Row]] = {
+    E.RELEASE: Row(S.RELEASED, X.RELEASE),
+    E.REVOKE: Row(S.REVOKING, X.REVOKE),
+    E.ORPHAN: Row(S.ORPHANED, X.ORPHAN),
+    E.ABORT: Row(S.RELEASED, X.ACK_AND_RELEASE),
+    E.TIMEOUT: Row(S.RELEASED, X.RELEASE),
+    E.PEER_LOST: Row(S.RELEASED, X.RELEASE),
+    E.RESET: Row(S.RELEASED, X.RELEASE),
 }
 
-TABLE: Final[dict[Machine, dict[State, dict[Event, State]]]] = {
+ROWS: Final[dict[Machine, dict[State, dict[Event, Row]]]] = {
     Machine.PROBE: {
         S.PROBING: {
-            E.LOOKUP_RESP: S.ANSWERED,
-            E.TIMEOUT: S.EXPIRED,
-            E.PEER_LOST: S.EXPIRED,
-            E.FINISH: S.EXPIRED,
+            E.LOOKUP_RESP: Row(S.ANSWERED, X.ANSWER),
+            E.TIMEOUT: Row(S.EXPIRED, X.ANSWER),
+            E.PEER_LOST: Row(S.EXPIRED, X.ANSWER),
+            # The request is gone: nobody reads an answer.
+            E.FINISH: Row(S.EXPIRED, X.NONE),
         },
     },
     Machine.LOAD: {
         S.QUEUED: {
-            E.SESSION_READY: S.FETCH_POSTED,
+            E.SESSION_READY: Row(S.FETCH_POSTED, X.SEND_FETCH),
             # Never sent: no write can exist, so failing at once is fenced.
-            E.ABORT: S.FAILED,
-            E.TIMEOUT: S.FAILED,
-            E.PEER_LOST: S.FAILED,
+            E.ABORT: Row(S.FAILED, X.END),
+            E.TIMEOUT: Row(S.FAILED, X.END),
+            E.PEER_LOST: Row(S.FAILED, X.END),
         },
         S.FETCH_POSTED: {
             # The producer offers its parked stores instead of writing them
             # (a ``read`` Fetch): from here on it is our READ to fence.
-            E.OFFER: S.READ_QUEUED,
+            E.OFFER: Row(S.READ_QUEUED, X.QUEUE_READ),
             # Its prefill is still running there: nothing was offered or
             # written yet, so waiting longer lands nothing; the deadline
             # moves, bounded by parked_ttl_s from the load's start.
-            E.WAIT: S.FETCH_POSTED,
-            E.TRANSFER_OK: S.DONE,
-            E.TRANSFER_FAILED: S.FAILED,
+            E.WAIT: Row(S.FETCH_POSTED, X.EXTEND),
+            E.TRANSFER_OK: Row(S.DONE, X.SUCCEED),
+            E.TRANSFER_FAILED: Row(S.FAILED, X.END),
             # The producer may be mid-write: quarantine, do not fail yet.
-            E.ABORT: S.ABORTING,
-            E.TIMEOUT: S.ABORTING,
+            E.ABORT: Row(S.ABORTING, X.AWAIT_ACK),
+            E.TIMEOUT: Row(S.ABORTING, X.AWAIT_ACK),
             # The session invalidates the peer's agent before results leave.
-            E.PEER_LOST: S.FAILED,
+            E.PEER_LOST: Row(S.FAILED, X.FENCE),
         },
         S.READ_QUEUED: {
-            E.POSTED: S.READING,
+            E.POSTED: Row(S.READING, X.POSTED),
             # Not posted yet: nothing can land, so failing at once is fenced.
-            E.ABORT: S.FAILED,
-            E.TIMEOUT: S.FAILED,
-            E.PEER_LOST: S.FAILED,
+            E.ABORT: Row(S.FAILED, X.END),
+            E.TIMEOUT: Row(S.FAILED, X.END),
+            E.PEER_LOST: Row(S.FAILED, X.END),
         },
         S.READING: {
-            E.TRANSFER_OK: S.DONE,
-            E.TRANSFER_FAILED: S.FAILED,
+            E.TRANSFER_OK: Row(S.DONE, X.SUCCEED),
+            E.TRANSFER_FAILED: Row(S.FAILED, X.END),
             # Our own READ may still land: cancel it and wait for its end.
-            E.ABORT: S.READ_CANCELLING,
-            E.TIMEOUT: S.READ_CANCELLING,
-            E.PEER_LOST: S.FAILED,
+            E.ABORT: Row(S.READ_CANCELLING, X.STOP_READ),
+            E.TIMEOUT: Row(S.READ_CANCELLING, X.STOP_READ),
+            E.PEER_LOST: Row(S.FAILED, X.FENCE),
         },
         S.READ_CANCELLING: {
-            E.TRANSFER_OK: S.FAILED,
-            E.TRANSFER_FAILED: S.FAILED,
+            E.TRANSFER_OK: Row(S.FAILED, X.END),
+            E.TRANSFER_FAILED: Row(S.FAILED, X.END),
             # Not ended in time: the session drops the peer's agent (which
-            # closes our endpoints to it) and only then lets the failure out.
-            E.TIMEOUT: S.FAILED,
-            E.PEER_LOST: S.FAILED,
+            # closes our endpoints to it); its loss then fails the load.
+            E.TIMEOUT: Row(S.READ_CANCELLING, X.LOSE_SESSION),
+            E.PEER_LOST: Row(S.FAILED, X.FENCE),
         },
         S.ABORTING: {
             # The writes finished before the producer saw our Abort. The
             # bytes are whole and the slots safe, but we gave the load up:
             # it fails, so "aborted" always means "recompute".
-            E.TRANSFER_OK: S.FAILED,
-            E.TRANSFER_FAILED: S.FAILED,
-            E.ABORT_ACK: S.FAILED,
+            E.TRANSFER_OK: Row(S.FAILED, X.END),
+            E.TRANSFER_FAILED: Row(S.FAILED, X.END),
+            E.ABORT_ACK: Row(S.FAILED, X.END),
             # No ack in time: the session closes the peer (agent
-            # invalidated) and only then lets the failure out.
-            E.TIMEOUT: S.FAILED,
-            E.PEER_LOST: S.FAILED,
+            # invalidated); its loss then fails the load.
+            E.TIMEOUT: Row(S.ABORTING, X.LOSE_SESSION),
+            E.PEER_LOST: Row(S.FAILED, X.FENCE),
         },
     },
     Machine.SERVE: {
         S.LOOKUP_QUEUED: {
             # Another batch for the same request before the serve window:
             # it joins the queue and is answered in the same window.
-            E.LOOKUP: S.LOOKUP_QUEUED,
-            E.SERVED: S.PINNED,
+            E.LOOKUP: Row(S.LOOKUP_QUEUED, X.QUEUE_LOOKUP),
+            E.SERVED: Row(S.PINNED, X.HOLD),
             **_PINS_END,  # earlier batches' pins
         },
         S.PINNED: {
-            E.LOOKUP: S.LOOKUP_QUEUED,
-            E.FETCH: S.WRITING,
+            E.LOOKUP: Row(S.LOOKUP_QUEUED, X.QUEUE_LOOKUP),
+            E.FETCH: Row(S.WRITING, X.WRITE),
             # A ``read`` Fetch (the consumer's window on our answer closed
             # before its load): the pins are offered again, held anew.
-            E.OFFER: S.FETCH_OFFERED,
+            E.OFFER: Row(S.FETCH_OFFERED, X.OFFER),
             **_PINS_END,
         },
         S.FETCH_OFFERED: _PINS_END,
         S.REVOKING: {
-            E.RELEASE: S.RELEASED,
-            E.ABORT: S.RELEASED,
+            E.RELEASE: Row(S.RELEASED, X.RELEASE),
+            E.ABORT: Row(S.RELEASED, X.ACK_AND_RELEASE),
             # The pins' own deadline: the consumer reads only well inside
             # it, so nothing can read these slots any more.
-            E.TIMEOUT: S.RELEASED,
-            E.ORPHAN: S.ORPHANED,
+            E.TIMEOUT: Row(S.RELEASED, X.RELEASE),
+            E.ORPHAN: Row(S.ORPHANED, X.ORPHAN),
         },
         # Owned by the manager once its session is gone; nothing but the
         # pins' deadline ends it (a reset cannot know the peer stopped).
         S.ORPHANED: {
-            E.TIMEOUT: S.RELEASED,
+            E.TIMEOUT: Row(S.RELEASED, X.RELEASE),
         },
         S.FETCH_WAITING: {
-            E.STORES_READY: S.WRITING,
+            E.STORES_READY: Row(S.WRITING, X.WRITE),
             # A ``read`` Fetch: the stores are offered, held as pins are.
-            E.OFFER: S.FETCH_OFFERED,
-            E.ABORT: S.RELEASED,
-            E.TIMEOUT: S.RELEASED,
-            E.PEER_LOST: S.RELEASED,
-            E.RESET: S.RELEASED,
+            E.OFFER: Row(S.FETCH_OFFERED, X.OFFER),
+            E.ABORT: Row(S.RELEASED, X.ACK_AND_RELEASE),
+            # The stores never came: the peer hears so, and recomputes.
+            E.TIMEOUT: Row(S.RELEASED, X.REFUSE_AND_RELEASE),
+            E.PEER_LOST: Row(S.RELEASED, X.RELEASE),
+            E.RESET: Row(S.RELEASED, X.REFUSE_AND_RELEASE),
         },
         S.WRITING: {
-            E.WRITES_DONE: S.RELEASED,
-            E.WRITES_FAILED: S.RELEASED,
-            E.ABORT: S.ABORT_WRITING,
+            E.WRITES_DONE: Row(S.RELEASED, X.RELEASE),
+            E.WRITES_FAILED: Row(S.RELEASED, X.RELEASE),
+            E.ABORT: Row(S.ABORT_WRITING, X.ACK_WHEN_SETTLED),
             # Deadline: the write is cancelled, the pins held while it may
             # still read them; the reply goes once the data plane stopped it.
-            E.TIMEOUT: S.WRITE_CANCELLING,
-            E.PEER_LOST: S.RELEASED,
+            E.TIMEOUT: Row(S.WRITE_CANCELLING, X.CANCEL_WRITE),
+            E.PEER_LOST: Row(S.RELEASED, X.RELEASE),
         },
         S.ABORT_WRITING: {
-            E.WRITES_DONE: S.RELEASED,
-            E.WRITES_FAILED: S.RELEASED,
-            E.TIMEOUT: S.ABORT_CANCELLING,
-            E.PEER_LOST: S.RELEASED,
+            E.WRITES_DONE: Row(S.RELEASED, X.RELEASE),
+            E.WRITES_FAILED: Row(S.RELEASED, X.RELEASE),
+            E.TIMEOUT: Row(S.ABORT_CANCELLING, X.CANCEL_WRITE),
+            E.PEER_LOST: Row(S.RELEASED, X.RELEASE),
         },
         S.WRITE_CANCELLING: {
-            E.WRITES_DONE: S.RELEASED,
-            E.WRITES_FAILED: S.RELEASED,
-            E.ABORT: S.ABORT_CANCELLING,
+            E.WRITES_DONE: Row(S.RELEASED, X.RELEASE),
+            E.WRITES_FAILED: Row(S.RELEASED, X.RELEASE),
+            E.ABORT: Row(S.ABORT_CANCELLING, X.ACK_WHEN_SETTLED),
             # The data plane never answered: as for a write it could not
             # stop, the session ends (the peer's agent drop fences it).
-            E.TIMEOUT: S.RELEASED,
-            E.PEER_LOST: S.RELEASED,
+            E.TIMEOUT: Row(S.RELEASED, X.LOSE_SESSION),
+            E.PEER_LOST: Row(S.RELEASED, X.RELEASE),
         },
         S.ABORT_CANCELLING: {
-            E.WRITES_DONE: S.RELEASED,
-            E.WRITES_FAILED: S.RELEASED,
-            E.TIMEOUT: S.RELEASED,
-            E.PEER_LOST: S.RELEASED,
+            E.WRITES_DONE: Row(S.RELEASED, X.RELEASE),
+            E.WRITES_FAILED: Row(S.RELEASED, X.RELEASE),
+            E.TIMEOUT: Row(S.RELEASED, X.LOSE_SESSION),
+            E.PEER_LOST: Row(S.RELEASED, X.RELEASE),
         },
     },
     Machine.PARKED: {
         S.STORED: {
-            E.FETCH: S.BOUND,
-            E.TIMEOUT: S.EXPIRED,
-            E.RESET: S.EXPIRED,
+            E.FETCH: Row(S.BOUND, X.BIND),
+            E.TIMEOUT: Row(S.EXPIRED, X.END),
+            E.RESET: Row(S.EXPIRED, X.END),
         },
         S.BOUND: {
-            E.WRITES_DONE: S.RELEASED,
-            E.WRITES_FAILED: S.RELEASED,
-            E.PEER_LOST: S.RELEASED,
-            E.RESET: S.RELEASED,
+            E.WRITES_DONE: Row(S.RELEASED, X.END),
+            E.WRITES_FAILED: Row(S.RELEASED, X.END),
+            E.PEER_LOST: Row(S.RELEASED, X.END),
+            E.RESET: Row(S.RELEASED, X.END),
         },
     },
+}
+
+#: The next states alone, for the checks that walk the graph.
+TABLE: Final[dict[Machine, dict[State, dict[Event, State]]]] = {
+    machine: {
+        state: {event: row.to for event, row in events.items()}
+        for state, events in states.items()
+    }
+    for machine, states in ROWS.items()
 }
 
 #: A SERVE may start in LOOKUP_QUEUED (a Lookup arrived) or FETCH_WAITING
@@ -310,12 +385,17 @@ def allowed(machine: Machine, state: State, event: Event) -> bool:
     return event in TABLE[machine].get(state, {})
 
 
-def step(machine: Machine, state: State, event: Event) -> State:
-    """The one function that computes a next state."""
+def transition(machine: Machine, state: State, event: Event) -> Row:
+    """The one function that computes a next state and its effect."""
     try:
-        return TABLE[machine][state][event]
+        return ROWS[machine][state][event]
     except KeyError:
         raise IllegalTransition(machine, state, event) from None
+
+
+def step(machine: Machine, state: State, event: Event) -> State:
+    """The next state alone (see :func:`transition`)."""
+    return transition(machine, state, event).to
 
 
 def is_terminal(machine: Machine, state: State) -> bool:
@@ -348,6 +428,8 @@ class Tracked:
     def can(self, event: Event) -> bool:
         return allowed(self.machine, self._state, event)
 
-    def fire(self, event: Event) -> State:
-        self._state = step(self.machine, self._state, event)
-        return self._state
+    def fire(self, event: Event) -> Effect:
+        """Move to the next state; returns what the move does."""
+        row = transition(self.machine, self._state, event)
+        self._state = row.to
+        return row.effect

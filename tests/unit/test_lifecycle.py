@@ -10,8 +10,13 @@ from collections.abc import Iterable
 import pytest
 
 from p2p_kv.lifecycle import (
+    ABORTED_WRITES,
+    FENCED_LOADS,
     INITIAL,
+    ROWS,
     TABLE,
+    WRITES_IN_FLIGHT,
+    Effect,
     Event,
     IllegalTransition,
     Machine,
@@ -144,8 +149,9 @@ def test_tracked_fire_follows_the_table(machine: Machine) -> None:
                 assert obj.terminal == is_terminal(machine, state)
                 assert obj.can(event) == allowed(machine, state, event)
                 if allowed(machine, state, event):
-                    assert obj.fire(event) is TABLE[machine][state][event]
-                    assert obj.state is TABLE[machine][state][event]
+                    row = ROWS[machine][state][event]
+                    assert obj.fire(event) is row.effect
+                    assert obj.state is row.to is TABLE[machine][state][event]
                 else:
                     with pytest.raises(IllegalTransition):
                         obj.fire(event)
@@ -312,3 +318,95 @@ def test_load_slots_leave_only_from_done_or_failed() -> None:
         assert queued not in reachable(Machine.LOAD, [started])
     # A READ becomes fenced only by being posted.
     assert [e for s, e, d in edges(Machine.LOAD) if d is S.READING] == [E.POSTED]
+
+
+# ---------------------------------------------------------------------------
+# each row's effect
+# ---------------------------------------------------------------------------
+
+X = Effect
+
+
+def load_rows() -> list[tuple[State, Event, State, Effect]]:
+    return [
+        (src, event, row.to, row.effect)
+        for src, events in ROWS[Machine.LOAD].items()
+        for event, row in events.items()
+    ]
+
+
+def test_a_load_fails_now_only_where_nothing_can_land() -> None:
+    """A failure leaves at once (END) only from a state no transfer can
+    land in, or on the event that proves the transfer over; from a fenced
+    state the session's loss waits for the agent (FENCE)."""
+    for src, event, dst, effect in load_rows():
+        if dst is not S.FAILED:
+            continue
+        if event is E.PEER_LOST:
+            assert effect is (X.FENCE if src in FENCED_LOADS else X.END), src
+        else:
+            assert effect is X.END, (src, event)
+            assert src not in FENCED_LOADS or event in (
+                E.TRANSFER_OK,
+                E.TRANSFER_FAILED,
+                E.ABORT_ACK,
+            ), (src, event)
+
+
+def test_fenced_loads_are_the_states_a_transfer_may_land_in() -> None:
+    """Entered by sending the Fetch or posting the READ; left only to a
+    terminal state, or from one fenced state to another."""
+    entered = {dst for src, _, dst, x in load_rows() if x in (X.SEND_FETCH, X.POSTED)}
+    assert entered == {S.FETCH_POSTED, S.READING}
+    assert S.FETCH_POSTED in INITIAL[Machine.LOAD]  # a Fetch sent at once
+    for src, _, dst, _ in load_rows():
+        if src in FENCED_LOADS and dst not in FENCED_LOADS:
+            assert dst in TERMINALS[Machine.LOAD] or (src, dst) == (
+                S.FETCH_POSTED,
+                S.READ_QUEUED,  # the producer offered instead of writing
+            ), (src, dst)
+
+
+def test_giving_a_started_load_up_stops_it_or_waits_for_the_peer() -> None:
+    for src in (S.FETCH_POSTED, S.READING):
+        for event in (E.ABORT, E.TIMEOUT):
+            row = ROWS[Machine.LOAD][src][event]
+            assert row.effect is (X.STOP_READ if src is S.READING else X.AWAIT_ACK)
+            assert row.to in FENCED_LOADS
+    # Given up and still unanswered at the next deadline: only the
+    # session's end (dropping the peer's agent) fences it.
+    for src in (S.ABORTING, S.READ_CANCELLING):
+        assert ROWS[Machine.LOAD][src][E.TIMEOUT] == (src, X.LOSE_SESSION)
+
+
+def test_a_serve_tells_the_peer_how_its_abort_ended() -> None:
+    """An Abort is acknowledged at once where nothing of ours is being
+    written, and only once the write settled where it is."""
+    for src, events in ROWS[Machine.SERVE].items():
+        row = events.get(E.ABORT)
+        if row is None:
+            continue
+        if src in WRITES_IN_FLIGHT or src is S.WRITE_CANCELLING:
+            assert row == (
+                S.ABORT_WRITING if src is S.WRITING else S.ABORT_CANCELLING,
+                X.ACK_WHEN_SETTLED,
+            )
+            assert row.to in ABORTED_WRITES
+        else:
+            assert row == (S.RELEASED, X.ACK_AND_RELEASE), src
+    # A write that missed its deadline is cancelled; one that missed the
+    # cancel's ends the session.
+    for src in WRITES_IN_FLIGHT:
+        assert ROWS[Machine.SERVE][src][E.TIMEOUT].effect is X.CANCEL_WRITE
+    for src in ABORTED_WRITES - WRITES_IN_FLIGHT | {S.WRITE_CANCELLING}:
+        assert ROWS[Machine.SERVE][src][E.TIMEOUT].effect is X.LOSE_SESSION
+
+
+def test_every_effect_is_named_by_some_row() -> None:
+    used = {
+        row.effect
+        for machine in ROWS.values()
+        for events in machine.values()
+        for row in events.values()
+    }
+    assert used == set(Effect) - {X.NONE} | ({X.NONE} & used)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import heapq
 from itertools import compress
 
-from p2p_kv.lifecycle import Event, State
+from p2p_kv.lifecycle import Effect, Event, State
 from p2p_kv.peer.events import (
     Cancel,
     Direction,
@@ -97,8 +97,9 @@ class ConsumerSide:
             if not probe.sent:
                 self._send_probe(probe)
         for load in self._loads.values():
-            if load.state is State.QUEUED:
-                load.fire(Event.SESSION_READY)
+            if load.can(Event.SESSION_READY) and (
+                load.fire(Event.SESSION_READY) is Effect.SEND_FETCH
+            ):
                 assert load.fetch is not None  # only a Fetch waits for READY
                 self.link.send(load.fetch)
                 if not load.fetch.read:
@@ -113,14 +114,14 @@ class ConsumerSide:
             self._answered(ProbeAnswer(probe.gen, probe.keys, None))
         self._probes.clear()
         for load in self._loads.values():
-            fenced = load.fenced
-            load.fire(Event.PEER_LOST)
+            effect = load.fire(Event.PEER_LOST)
             why = self._count_failure(load, kind)
             result = self._result(load, False, why, load.started)
-            if fenced:
-                self._fenced.append((result, load.blocks))
-            else:
-                self._done(result)
+            match effect:
+                case Effect.FENCE:
+                    self._fenced.append((result, load.blocks))
+                case Effect.END:
+                    self._done(result)
         self._loads.clear()
         self._contacted.clear()
         self._offers.clear()
@@ -143,18 +144,20 @@ class ConsumerSide:
             self.link.counters.bump(self.link.counters.failures, "lookup_timeout")
             self._answered(ProbeAnswer(item.gen, item.keys, None))
             return True
-        if item.state in (State.ABORTING, State.READ_CANCELLING):
-            return False
-        item.fire(Event.TIMEOUT)
-        self._count_failure(item, "timeout")
-        if item.state is State.FAILED:  # was only queued
-            self._end_unstarted(item, "timeout", now)
-        elif item.is_read:  # READ_CANCELLING
-            self.link.arm(item, now + self.link.timeouts.abort_ack_s)
-            self.link.emit(Cancel(TransferRef(Direction.READ, item.job)))
-        else:
-            self.link.arm(item, now + self.link.timeouts.abort_ack_s)
-            self.link.send(Abort(item.req, item.gen))
+        effect = item.fire(Event.TIMEOUT)
+        if effect is not Effect.LOSE_SESSION:
+            self._count_failure(item, "timeout")
+        match effect:
+            case Effect.LOSE_SESSION:
+                return False
+            case Effect.END:  # was only queued
+                self._end_unstarted(item, "timeout", now)
+            case Effect.STOP_READ:
+                self.link.arm(item, now + self.link.timeouts.abort_ack_s)
+                self.link.emit(Cancel(TransferRef(Direction.READ, item.job)))
+            case Effect.AWAIT_ACK:
+                self.link.arm(item, now + self.link.timeouts.abort_ack_s)
+                self.link.send(Abort(item.req, item.gen))
         return True
 
     def expire_offers(self, now: float) -> None:
@@ -447,13 +450,13 @@ class ConsumerSide:
             return
         # Counted from when our Fetch left, before the peer's hold began.
         until = load.started + msg.ttl_ms / 1000.0 * self.link.timeouts.read_window
-        load.fire(Event.OFFER)
+        load.fire(Event.OFFER)  # QUEUE_READ
         load.fetch, load.read_until = None, until
         if now + load.nbytes / self.link.timeouts.fetch_bytes_per_s >= until:
             # No time left to READ it all inside the window: the load
             # recomputes, and its Release frees what the peer holds.
-            load.fire(Event.TIMEOUT)
-            self._end_unstarted(load, "offer_too_late", now)
+            if load.fire(Event.TIMEOUT) is Effect.END:
+                self._end_unstarted(load, "offer_too_late", now)
             return
         if until < load.deadline:
             self.link.arm(load, until)
@@ -468,7 +471,9 @@ class ConsumerSide:
         if late:
             ok = False  # it may have read slots the peer had already reused
         was_cancelled = load.state is State.READ_CANCELLING
-        load.fire(Event.TRANSFER_OK if ok else Event.TRANSFER_FAILED)
+        ok = load.fire(Event.TRANSFER_OK if ok else Event.TRANSFER_FAILED) is (
+            Effect.SUCCEED
+        )
         del self._loads[job_id]
         self._offers.pop(load.gen, None)
         if load.gen in self._contacted:
@@ -479,7 +484,7 @@ class ConsumerSide:
             # Release, so the pins stayed to their deadline.)
             read = min(load.blocks, MAX_KEYS) if ok else 0
             self.link.send(Release(load.req, load.gen, read))
-        if load.state is State.DONE:
+        if ok:
             self.link.counters.bytes_loaded += load.nbytes
             self._done(self._result(load, True, "", now))
             return
@@ -540,12 +545,13 @@ class ConsumerSide:
         for job_id, load in list(self._loads.items()):
             if load.gen != gen or not load.can(Event.ABORT):
                 continue
-            load.fire(Event.ABORT)
-            if load.state is State.FAILED:  # was only queued: nothing to fence
+            effect = load.fire(Event.ABORT)
+            if effect is Effect.END:  # was only queued: nothing to fence
                 self._end_unstarted(load, "abort", now)
                 continue
-            if load.state is State.READ_CANCELLING:
+            if effect is Effect.STOP_READ:
                 self.link.emit(Cancel(TransferRef(Direction.READ, job_id)))
+            # (AWAIT_ACK: one Abort for the generation goes below.)
             # The ack comes once the transfer it fences has settled, which
             # may take as long as the transfer was given: only a peer silent
             # past that is unhealthy (and closing it fails every load).
@@ -572,7 +578,7 @@ class ConsumerSide:
                 self.link.counters.protocol_errors, "stale_transfer_done"
             )
             return
-        load.fire(Event.TRANSFER_OK if msg.ok else Event.TRANSFER_FAILED)
+        effect = load.fire(Event.TRANSFER_OK if msg.ok else Event.TRANSFER_FAILED)
         del self._loads[msg.job]
         if msg.ok:
             # A producer releases everything for (req, gen) once its writes
@@ -580,7 +586,7 @@ class ConsumerSide:
             # (A refusal may leave pins behind: the Abort still goes.)
             self._contacted.discard(msg.gen)
             self.link.counters.loads_written += 1
-        ok = load.state is State.DONE  # an aborted load fails even if whole
+        ok = effect is Effect.SUCCEED  # an aborted load fails even if whole
         if ok:
             self.link.counters.bytes_loaded += load.nbytes
             reason = ""

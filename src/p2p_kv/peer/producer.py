@@ -10,7 +10,7 @@ the parked stores bound to it until its one release path gives them back.
 
 from __future__ import annotations
 
-from p2p_kv.lifecycle import Event, State
+from p2p_kv.lifecycle import ABORTED_WRITES, WRITES_IN_FLIGHT, Effect, Event, State
 from p2p_kv.peer.events import (
     Cancel,
     Direction,
@@ -497,7 +497,7 @@ class ProducerSide:
 
     def _write_reply(self, serve: Serve, ok: bool) -> Message:
         """What the peer hears once a posted write can no longer land."""
-        if serve.state in (State.ABORT_WRITING, State.ABORT_CANCELLING):
+        if serve.state in ABORTED_WRITES:
             return AbortAck(serve.req, serve.gen)
         assert serve.fetch is not None
         why = (
@@ -528,14 +528,14 @@ class ProducerSide:
             # Nothing held for it (already released): the fence holds.
             self.link.send(AbortAck(msg.req, msg.gen))
             return
-        if serve.state in (State.ABORT_WRITING, State.ABORT_CANCELLING):
-            return
-        serve.fire(Event.ABORT)
-        if serve.state is State.RELEASED:
-            self.link.send(AbortAck(msg.req, msg.gen))
-            self._release_serve(serve, None, ok=False, reason="abort")
-        # else ABORT_WRITING / ABORT_CANCELLING: AbortAck goes out once the
-        # write settles.
+        if serve.state in ABORTED_WRITES:
+            return  # its AbortAck goes once the write settles
+        match serve.fire(Event.ABORT):
+            case Effect.ACK_AND_RELEASE:
+                self.link.send(AbortAck(msg.req, msg.gen))
+                self._release_serve(serve, None, ok=False, reason="abort")
+            case Effect.ACK_WHEN_SETTLED:
+                pass  # on_write_done replies
 
     def _release_serve(
         self, serve: Serve, event: Event | None, *, ok: bool, reason: str
@@ -588,10 +588,7 @@ class ProducerSide:
         """``serve``'s deadline passed; False if that must end the session
         (a write the data plane never said it stopped)."""
         fetch = serve.fetch
-        if serve.state in (State.WRITE_CANCELLING, State.ABORT_CANCELLING):
-            self.on_write_unstoppable(serve.write_id, Event.TIMEOUT)
-            return False
-        if serve.state in (State.WRITING, State.ABORT_WRITING):
+        if serve.state in WRITES_IN_FLIGHT:
             self.link.counters.bump(self.link.counters.failures, "write_timeout")
             if not serve.write_posted:
                 # Never handed to the data plane, and now it never will be
@@ -602,18 +599,29 @@ class ProducerSide:
                     serve, Event.WRITES_FAILED, ok=False, reason="deadline"
                 )
                 return True
-            # The data plane stops it (Cancel) and then reports it
-            # (on_write_done: the reply goes), or reports it unstopped
-            # (on_write_unstoppable: the session ends instead).
-            serve.fire(Event.TIMEOUT)
-            self.link.emit(Cancel(TransferRef(Direction.WRITE, serve.write_id)))
-            self.link.arm(serve, now + self.link.timeouts.abort_ack_s)
-            return True
-        if serve.state is State.FETCH_WAITING and fetch is not None:
-            self.link.send(
-                TransferDone(
-                    serve.req, serve.gen, fetch.job, False, "blocks not stored in time"
+        match serve.fire(Event.TIMEOUT):
+            case Effect.LOSE_SESSION:
+                # The data plane never said the write stopped.
+                self._writing.pop(serve.write_id, None)
+                self._release_serve(serve, None, ok=False, reason="write_failed")
+                return False
+            case Effect.CANCEL_WRITE:
+                # The data plane stops it (Cancel) and then reports it
+                # (on_write_done: the reply goes), or reports it unstopped
+                # (on_write_unstoppable: the session ends instead).
+                ref = TransferRef(Direction.WRITE, serve.write_id)
+                self.link.emit(Cancel(ref))
+                self.link.arm(serve, now + self.link.timeouts.abort_ack_s)
+                return True
+            case Effect.REFUSE_AND_RELEASE if fetch is not None:
+                self.link.send(
+                    TransferDone(
+                        serve.req,
+                        serve.gen,
+                        fetch.job,
+                        False,
+                        "blocks not stored in time",
+                    )
                 )
-            )
-        self._release_serve(serve, Event.TIMEOUT, ok=False, reason="deadline")
+        self._release_serve(serve, None, ok=False, reason="deadline")
         return True

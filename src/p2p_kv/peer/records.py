@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Protocol, TypeVar
 
-from p2p_kv.lifecycle import Event, Machine, State, Tracked
+from p2p_kv.lifecycle import FENCED_LOADS, Effect, Event, Machine, State, Tracked
 from p2p_kv.peer.events import StoreResult
 from p2p_kv.protocol import Fetch, Lookup
 
@@ -172,12 +172,7 @@ class Load(Tracked):
     @property
     def fenced(self) -> bool:
         """True while a transfer into this job's slots may still land."""
-        return self.state in (
-            State.FETCH_POSTED,
-            State.ABORTING,
-            State.READING,
-            State.READ_CANCELLING,
-        )
+        return self.state in FENCED_LOADS
 
 
 @dataclass(slots=True)
@@ -274,12 +269,12 @@ class Serve(Tracked):
         #: running here (FetchWait); -inf: never
         self.told_wait = -math.inf
 
-    def fire(self, event: Event) -> State:
-        new = super().fire(event)
-        if self.waiting is not None and new is not State.FETCH_WAITING:
+    def fire(self, event: Event) -> Effect:
+        effect = super().fire(event)
+        if self.waiting is not None and self.state is not State.FETCH_WAITING:
             self.waiting.add(-len(self.fetch.keys) if self.fetch is not None else 0)
             self.waiting = None
-        return new
+        return effect
 
     def slot_table(self) -> Mapping[bytes, int]:
         """Key -> our slot over every pin, then every parked store (the
