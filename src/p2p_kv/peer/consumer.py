@@ -32,7 +32,7 @@ from p2p_kv.peer.events import (
     TransferRef,
 )
 from p2p_kv.peer.link import Link
-from p2p_kv.peer.records import Load, Offer, Probe
+from p2p_kv.peer.records import Gen, Load, Offer, Probe
 from p2p_kv.protocol import (
     MAX_KEYS,
     Abort,
@@ -55,18 +55,27 @@ class ConsumerSide:
         self.link = link
         #: READ blocks the peer offers (else every load is a Fetch it WRITEs)
         self.reads = reads
-        self._probes: dict[tuple[int, int], Probe] = {}  # by (gen, seq)
+        #: one record per live generation (engine request) asking this peer
+        self._gens: dict[int, Gen] = {}
         self._probe_seq = 0
-        self._loads: dict[int, Load] = {}  # by job id
+        #: load jobs by job id (a finished generation's may still settle)
+        self._loads: dict[int, Load] = {}
         #: results of loads a write may still land in, with their slot
         #: counts: out once the peer's agent is invalidated
         self._fenced: list[tuple[LoadResult, int]] = []
-        self._offers: dict[int, Offer] = {}  # by gen
+        #: (valid until, gen) of every offer, stale entries skipped
         self._offer_heap: list[tuple[float, int]] = []
-        #: Gens the peer may hold pins for; the live ones of them whose pins
-        #: it revoked before we loaded fail their load at once.
-        self._contacted: set[int] = set()
-        self._revoked: set[int] = set()
+
+    def _gen(self, gen: int, req: str) -> Gen:
+        record = self._gens.get(gen)
+        if record is None:
+            record = self._gens[gen] = Gen(req, gen)
+        return record
+
+    def _tidy(self, record: Gen | None) -> None:
+        """Forget a generation's record once it holds nothing."""
+        if record is not None and record.empty:
+            self._gens.pop(record.gen, None)
 
     # -- outputs ---------------------------------------------------------------
 
@@ -93,9 +102,10 @@ class ConsumerSide:
 
     def flush(self) -> None:
         """The link became ready: what waited for it leaves now."""
-        for probe in self._probes.values():
-            if not probe.sent:
-                self._send_probe(probe)
+        for record in self._gens.values():
+            for probe in record.probes.values():
+                if not probe.sent:
+                    self._send_probe(record, probe)
         for load in self._loads.values():
             if load.can(Event.SESSION_READY) and (
                 load.fire(Event.SESSION_READY) is Effect.SEND_FETCH
@@ -109,10 +119,11 @@ class ConsumerSide:
         """The link ended: every probe is unanswered, every load fails;
         loads that may still be written wait in the fence until
         :meth:`confirm_invalidated`."""
-        for probe in self._probes.values():
-            probe.fire(Event.PEER_LOST)
-            self._answered(ProbeAnswer(probe.gen, probe.keys, None))
-        self._probes.clear()
+        for record in self._gens.values():
+            for probe in record.probes.values():
+                probe.fire(Event.PEER_LOST)
+                self._answered(ProbeAnswer(probe.gen, probe.keys, None))
+        self._gens.clear()
         for load in self._loads.values():
             effect = load.fire(Event.PEER_LOST)
             why = self._count_failure(load, kind)
@@ -123,10 +134,7 @@ class ConsumerSide:
                 case Effect.END:
                     self._done(result)
         self._loads.clear()
-        self._contacted.clear()
-        self._offers.clear()
         self._offer_heap.clear()
-        self._revoked.clear()
 
     def confirm_invalidated(self) -> None:
         """The peer's data agent is gone: its writes can no longer land."""
@@ -139,7 +147,9 @@ class ConsumerSide:
         (a load neither finished nor acknowledged: only dropping the peer's
         agent fences its slots)."""
         if isinstance(item, Probe):
-            del self._probes[(item.gen, item.seq)]
+            record = self._gens[item.gen]
+            del record.probes[item.seq]
+            self._tidy(record)
             item.fire(Event.TIMEOUT)
             self.link.counters.bump(self.link.counters.failures, "lookup_timeout")
             self._answered(ProbeAnswer(item.gen, item.keys, None))
@@ -165,15 +175,17 @@ class ConsumerSide:
         offers = self._offer_heap
         while offers and offers[0][0] <= now:
             until, gen = heapq.heappop(offers)
-            offer = self._offers.get(gen)
-            if offer is not None and offer.valid_until == until:
-                del self._offers[gen]
+            record = self._gens.get(gen)
+            if record is not None and record.offer_until == until:
+                record.offer = None
+                self._tidy(record)
 
     def next_offer_deadline(self) -> float:
         offers = self._offer_heap
+        gens = self._gens
         while offers and (
-            offers[0][1] not in self._offers
-            or self._offers[offers[0][1]].valid_until != offers[0][0]
+            (record := gens.get(offers[0][1])) is None
+            or record.offer_until != offers[0][0]
         ):
             heapq.heappop(offers)
         return offers[0][0] if offers else float("inf")
@@ -181,7 +193,7 @@ class ConsumerSide:
     # -- introspection -----------------------------------------------------------
 
     def __len__(self) -> int:
-        return len(self._probes) + len(self._loads)
+        return len(self._gens) + len(self._loads)
 
     def loads(self) -> list[Load]:
         return list(self._loads.values())
@@ -199,16 +211,18 @@ class ConsumerSide:
 
     @property
     def active(self) -> bool:
-        return bool(self._probes or self._loads or self._fenced or self._offers)
+        return bool(self._loads or self._fenced) or any(
+            g.probes or g.offer for g in self._gens.values()
+        )
 
     def sizes(self) -> dict[str, int]:
         return {
-            "probes": len(self._probes),
+            "generations": len(self._gens),
+            "probes": sum(len(g.probes) for g in self._gens.values()),
             "loads": len(self._loads),
             "fenced_results": len(self._fenced),
-            "offers": len(self._offers),
-            "revoked": len(self._revoked),
-            "contacted": len(self._contacted),
+            "offers": sum(g.offer is not None for g in self._gens.values()),
+            "revoked": sum(g.revoked for g in self._gens.values()),
         }
 
     # -- requests and the peer's answers -------------------------------------------
@@ -221,21 +235,23 @@ class ConsumerSide:
         self._probe_seq += 1
         probe = Probe(req, gen, self._probe_seq, keys, now, self.link.timeouts.lookup_s)
         self.link.arm(probe, probe.deadline)
-        self._probes[(gen, self._probe_seq)] = probe
+        record = self._gen(gen, req)
+        record.probes[probe.seq] = probe
         if self.link.ready:
-            self._send_probe(probe)
+            self._send_probe(record, probe)
 
-    def _send_probe(self, probe: Probe) -> None:
+    def _send_probe(self, record: Gen, probe: Probe) -> None:
         probe.sent = True
         self.link.counters.lookups += 1
-        self._contacted.add(probe.gen)
+        record.contacted = True
         self.link.send(
             Lookup(req=probe.req, gen=probe.gen, seq=probe.seq, keys=probe.keys)
         )
 
     def on_lookup_resp(self, msg: LookupResp, now: float) -> None:
-        probe = self._probes.get((msg.gen, msg.seq))
-        if probe is None or probe.req != msg.req:
+        record = self._gens.get(msg.gen)
+        probe = record.probes.get(msg.seq) if record is not None else None
+        if record is None or probe is None or probe.req != msg.req:
             # A reply to a probe we gave up on, or to an earlier use of the
             # id: count it, change nothing.
             self.link.counters.bump(
@@ -253,16 +269,19 @@ class ConsumerSide:
             )
             return
         probe.fire(Event.LOOKUP_RESP)
-        del self._probes[(msg.gen, msg.seq)]
+        del record.probes[msg.seq]
         if msg.slots and msg.ttl_ms and self.reads:
-            self._take_offer(probe, msg, now)
+            self._take_offer(record, probe, msg, now)
+        self._tidy(record)
         nhit = sum(msg.hits)
         self.link.counters.hits += nhit
         self.link.counters.misses += n - nhit
         self._answered(ProbeAnswer(msg.gen, probe.keys, msg.hits))
 
-    def _take_offer(self, probe: Probe, msg: LookupResp, now: float) -> None:
-        if probe.gen not in self._contacted:
+    def _take_offer(
+        self, record: Gen, probe: Probe, msg: LookupResp, now: float
+    ) -> None:
+        if not record.contacted:
             # We already released (or gave up) what the peer holds for this
             # generation: a late answer's pins may go any moment.
             return
@@ -279,13 +298,13 @@ class ConsumerSide:
             )
             return
         until = probe.created + msg.ttl_ms / 1000.0 * self.link.timeouts.read_window
-        offer = self._offers.get(probe.gen)
+        offer = record.offer
         if offer is None or offer.valid_until <= now:
             # An offer past its window (not purged yet: no tick since) may
             # name pins the peer let go: this answer came from a new serve,
             # which pinned only its own keys. Within the window the serve
             # that answered is the one that holds them all.
-            offer = self._offers[probe.gen] = Offer(probe.req, until)
+            offer = record.offer = Offer(probe.req, until)
         # Every lookup answer re-arms all of the generation's pins.
         offer.valid_until = max(offer.valid_until, until)
         heapq.heappush(self._offer_heap, (offer.valid_until, probe.gen))
@@ -320,13 +339,14 @@ class ConsumerSide:
             self.link.counters.bump(self.link.counters.failures, "slot_out_of_range")
             self._done(LoadResult(job_id, gen, False, "slot_out_of_range"))
             return
-        if gen in self._revoked:
+        record = self._gen(gen, req)
+        if record.revoked:
             self.link.counters.bump(self.link.counters.failures, "revoked")
             self._done(LoadResult(job_id, gen, False, "revoked"))
             return
         deadline = self.link.timeouts.fetch_deadline(now, nbytes)
-        self._contacted.add(gen)
-        offer = self._offers.pop(gen, None)
+        record.contacted = True
+        offer, record.offer = record.offer, None
         fetch: Fetch | None = None
         if (
             offer is not None
@@ -475,15 +495,18 @@ class ConsumerSide:
             Effect.SUCCEED
         )
         del self._loads[job_id]
-        self._offers.pop(load.gen, None)
-        if load.gen in self._contacted:
+        record = self._gens.get(load.gen)
+        if record is not None:
+            record.offer = None
+        if record is not None and record.contacted:
             # Nothing of ours reads the pins any more: the peer may drop them.
-            self._contacted.discard(load.gen)
+            record.contacted = False
             # (A count, for the peer's bytes-served total: a frame carries
             # at most MAX_KEYS; a larger one was dropped, and with it the
             # Release, so the pins stayed to their deadline.)
             read = min(load.blocks, MAX_KEYS) if ok else 0
             self.link.send(Release(load.req, load.gen, read))
+        self._tidy(record)
         if ok:
             self.link.counters.bytes_loaded += load.nbytes
             self._done(self._result(load, True, "", now))
@@ -497,9 +520,11 @@ class ConsumerSide:
         never sent, its READ never posted, so nothing can land and it ends
         now. A READ's order is forgotten and the peer may drop the pins."""
         # A READ's PostRead, if not taken yet, goes stale (see posting).
-        if load.is_read and load.gen in self._contacted:
-            self._contacted.discard(load.gen)
+        record = self._gens.get(load.gen)
+        if load.is_read and record is not None and record.contacted:
+            record.contacted = False
             self.link.send(Release(load.req, load.gen, 0))
+            self._tidy(record)
         del self._loads[load.job]
         reason = self._count_failure(load, reason)
         self._done(self._result(load, False, reason, now))
@@ -513,19 +538,22 @@ class ConsumerSide:
         return load.failed_as
 
     def on_revoke(self, msg: Revoke) -> None:
-        offer = self._offers.get(msg.gen)
-        if offer is not None and offer.req == msg.req:
-            del self._offers[msg.gen]
-        if msg.gen in self._contacted:  # live: finish_gen forgets it
-            self._revoked.add(msg.gen)
+        record = self._gens.get(msg.gen)
+        if record is not None:
+            if record.offer is not None and record.offer.req == msg.req:
+                record.offer = None
+            if record.contacted:  # live: finish_gen forgets it
+                record.revoked = True
         reading = any(
             ld.is_read and ld.gen == msg.gen and ld.req == msg.req
             for ld in self._loads.values()
         )
         if not reading:
             # A read in flight sends the Release when it ends.
-            self._contacted.discard(msg.gen)
+            if record is not None:
+                record.contacted = False
             self.link.send(Release(msg.req, msg.gen, 0))
+        self._tidy(record)
 
     def finish_gen(self, gen: int, req: str, now: float) -> None:
         """vLLM finished the consumer request: mark every in-flight load and
@@ -538,10 +566,12 @@ class ConsumerSide:
         for result in (*queued, *(r for r, _ in self._fenced)):
             if result.gen == gen:
                 result.request_finished = True
-        for key in [k for k, p in self._probes.items() if p.gen == gen]:
-            self._probes.pop(key).fire(Event.FINISH)
-        self._offers.pop(gen, None)
-        self._revoked.discard(gen)
+        record = self._gens.get(gen)
+        if record is not None:
+            for probe in record.probes.values():
+                probe.fire(Event.FINISH)
+            record.probes.clear()
+            record.offer, record.revoked = None, False
         for job_id, load in list(self._loads.items()):
             if load.gen != gen or not load.can(Event.ABORT):
                 continue
@@ -561,10 +591,11 @@ class ConsumerSide:
         # The peer pins hits when it answers a lookup and releases them on a
         # fetch, on our Abort or at its pin deadline. Which came first is
         # unknowable here; an Abort is cheap and always safe.
-        if gen in self._contacted:
-            self._contacted.discard(gen)
+        if record is not None and record.contacted:
+            record.contacted = False
             if self.link.ready:
                 self.link.send(Abort(req=req, gen=gen))
+        self._gens.pop(gen, None)
 
     def on_transfer_done(self, msg: TransferDone, now: float) -> None:
         load = self._loads.get(msg.job)
@@ -584,7 +615,10 @@ class ConsumerSide:
             # A producer releases everything for (req, gen) once its writes
             # are done, so finishing the request needs no Abort round trip.
             # (A refusal may leave pins behind: the Abort still goes.)
-            self._contacted.discard(msg.gen)
+            record = self._gens.get(msg.gen)
+            if record is not None:
+                record.contacted = False
+                self._tidy(record)
             self.link.counters.loads_written += 1
         ok = effect is Effect.SUCCEED  # an aborted load fails even if whole
         if ok:

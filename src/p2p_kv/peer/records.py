@@ -119,6 +119,34 @@ class Probe(Tracked):
         self.sent = False
 
 
+class Gen:
+    """One consumer generation (one engine request asking this peer): its
+    probes, the offer its lookup answers made, and whether the peer may
+    hold pins for it. Its load jobs are indexed by job id (a finished
+    generation's may still settle); the record itself goes when it holds
+    nothing, or when the request finishes."""
+
+    __slots__ = ("contacted", "gen", "offer", "probes", "req", "revoked")
+
+    def __init__(self, req: str, gen: int) -> None:
+        self.req, self.gen = req, gen
+        self.probes: dict[int, Probe] = {}  # by seq
+        #: blocks the peer pinned and let us READ (see Offer)
+        self.offer: Offer | None = None
+        #: the peer may hold pins for it (we asked, and released nothing)
+        self.contacted = False
+        #: the peer revoked its pins before we loaded: the load fails at once
+        self.revoked = False
+
+    @property
+    def offer_until(self) -> float:
+        return self.offer.valid_until if self.offer is not None else -1.0
+
+    @property
+    def empty(self) -> bool:
+        return not (self.probes or self.offer or self.contacted or self.revoked)
+
+
 class Load(Tracked):
     machine = Machine.LOAD
     __slots__ = (
