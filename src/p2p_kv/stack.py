@@ -19,10 +19,11 @@ from collections.abc import Callable
 
 import msgspec
 
+from p2p_kv.control import ControlTransport
 from p2p_kv.data import NixlDataTransport, Region, drain_timeout_for
 from p2p_kv.handshake import Identity
 from p2p_kv.manager import LoadManager
-from p2p_kv.runtime import TierRuntime, fresh_nonce, open_transports
+from p2p_kv.runtime import TierRuntime, fresh_nonce
 from p2p_kv.session import Timeouts
 from p2p_kv.staging import DEFAULT_READ_STAGING_BYTES
 
@@ -31,6 +32,21 @@ from p2p_kv.staging import DEFAULT_READ_STAGING_BYTES
 #: ``lazy_identity`` at the first handshake (vLLM derives its hash seed
 #: after the tier is built).
 IdentitySource = Callable[[NixlDataTransport, str], Identity]
+
+
+def open_transports(
+    data: Callable[[], NixlDataTransport], host: str, port: int
+) -> tuple[NixlDataTransport, ControlTransport]:
+    """The data plane, then the control socket bound to ``host:port``; a
+    bind that fails closes the data plane (its NIXL agent and UCX's thread
+    were left to the collector, alive as long as the caller kept the
+    exception)."""
+    plane = data()
+    try:
+        return plane, ControlTransport(host, port)
+    except BaseException:
+        plane.close()
+        raise
 
 
 def build_runtime(
