@@ -110,8 +110,8 @@ docs: install
 	$(BIN)/mkdocs build --strict
 
 bench: install
-	$(BIN)/python benchmarks/step.py
-	$(BIN)/python benchmarks/transfer.py
+	$(BIN)/python -m benchmarks.step
+	$(BIN)/python -m benchmarks.transfer
 
 clean:
 	rm -rf $(VENV) $(foreach v,$(COMPAT_VLLM),.venv-vllm$(v)) .cache .pytest_cache .mypy_cache .ruff_cache .hypothesis site

@@ -13,8 +13,9 @@ the consumer's poll loop. The target (issue 6) is two heartbeat intervals.
 Percentiles p50 / p90 / max per scenario, and the consumer's longest poll
 step during each trial (the loop must never hang while it waits).
 
-Needs root and iproute2. Run: ``python benchmarks/fallback.py [--trials N]
-[--heartbeat S] [--json]`` or ``p2p-kv bench fallback``.
+Needs root and iproute2. Run: ``p2p-kv bench fallback [--trials N]
+[--heartbeat S] [--json]`` (or ``python -m benchmarks.fallback`` from the
+checkout: it imports ``tests.support``).
 """
 
 from __future__ import annotations
@@ -28,12 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "src"))
-
-from tests.support.netns import UCX_ENV, Hosts  # noqa: E402
-from tests.support.procs import PeerProc  # noqa: E402
+from tests.support.netns import UCX_ENV, Hosts
+from tests.support.procs import PeerProc
 
 BLOCK = 64 * 1024
 PORT = 5910

@@ -35,7 +35,8 @@ processes timestamp
 a load's events (message received, post, completion, send) on the shared
 monotonic clock, so the output says where a load's time goes, leg by leg.
 
-Run on the GPU machine: ``python benchmarks/gpu.py [--quick] [--json-out F]``;
+Run on the GPU machine: ``python -m benchmarks.gpu [--quick] [--json-out F]``
+from the checkout (or ``p2p-kv bench gpu``);
 ``--no-cuda`` runs the same code with CPU tensors (a smoke test of the
 harness, not a measurement).
 """
@@ -44,22 +45,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import itertools
 import json
 import multiprocessing as mp
 import os
 import platform
 import statistics
-import sys
 import time
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from types import ModuleType
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 # NVLink multicast can take a shared host's GPUs out of service: keep it off
 # in every process this script starts (children inherit the environment).
@@ -70,18 +66,35 @@ for _var, _val in (
 ):
     os.environ.setdefault(_var, _val)
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from raw_nixl import (  # noqa: E402
-    BENCH_SECRET,
+from benchmarks.gpu_memory import (  # noqa: E402
+    clear,
+    empty_cache,
+    fill,
+    make_region,
+    mapping,
+    measure_limits,
+    set_device,
+    summary_of,
+    sync,
+    torch_module,
+    wrong_blocks,
+)
+from benchmarks.harness import (  # noqa: E402
+    KIB,
+    MIB,
+    FetchPair,
     ProducerProcess,
     WorkerPair,
+    bench_peer,
     block_runs,
-    keep_stepping,
-    scattered_mapping,
+    median_round,
+    met,
+    serve_blocks,
 )
 
-KIB = 1024
-MIB = 1024 * KIB
+if TYPE_CHECKING:
+    from p2p_kv.standalone import StandalonePeer
+
 SIZES = (64 * KIB, 256 * KIB, 2 * MIB)
 COUNTS = (1, 16, 256)
 QUICK = ((64 * KIB, 1), (64 * KIB, 16), (2 * MIB, 16))
@@ -92,176 +105,6 @@ BIG_BYTES = 256 * MIB
 TARGET_RATIO = 0.8
 _TIMEOUT_S = 240.0
 _FETCH_TIMEOUT_S = 120.0
-_VERIFY_CHUNK = 32 * MIB
-
-
-def _here() -> ModuleType:
-    """This file as a module that spawned workers can import by name.
-
-    ``p2p-kv bench gpu`` runs it under a name no child process can import,
-    so worker targets are taken from the plain ``gpu`` module instead.
-    """
-    if __name__ in ("__main__", "__mp_main__", "gpu"):
-        return sys.modules[__name__]
-    return importlib.import_module("gpu")
-
-
-# ---------------------------------------------------------------------------
-# Memory: regions of each kind, filled and checked with one byte pattern
-# ---------------------------------------------------------------------------
-
-
-def _torch() -> Any:
-    import torch
-
-    return torch
-
-
-def pattern(start: int, nbytes: int, device: str) -> Any:
-    """The bytes a region holds at ``[start, start + nbytes)``.
-
-    A hash of each byte's global offset: a block that lands one slot off,
-    or a byte range shifted inside a block, never matches by accident.
-    """
-    torch = _torch()
-    x = torch.arange(start, start + nbytes, dtype=torch.int64, device=device)
-    x = x * 0x9E3779B1 + 0x7F4A7C15
-    x = x ^ (x >> 13) ^ (x >> 29)
-    return (x & 0xFF).to(torch.uint8)
-
-
-def fill(region: Any, device: str) -> None:
-    """Write the pattern over a whole region (tensor or numpy array)."""
-    torch = _torch()
-    flat = torch.from_numpy(region) if isinstance(region, np.ndarray) else region
-    for off in range(0, flat.numel(), _VERIFY_CHUNK):
-        n = min(_VERIFY_CHUNK, flat.numel() - off)
-        flat[off : off + n].copy_(pattern(off, n, device).to(flat.device))
-
-
-def wrong_blocks(
-    region: Any, block_bytes: int, src: Sequence[int], dst: Sequence[int]
-) -> int:
-    """How many destination slots do not hold their source block's bytes."""
-    torch = _torch()
-    flat = torch.from_numpy(region) if isinstance(region, np.ndarray) else region
-    rows = flat.view(-1, block_bytes)
-    per = max(1, _VERIFY_CHUNK // block_bytes)
-    bad = 0
-    for i in range(0, len(src), per):
-        s_chunk, d_chunk = src[i : i + per], dst[i : i + per]
-        got = rows[torch.tensor(d_chunk, device=rows.device)]
-        for j, s in enumerate(s_chunk):
-            want = pattern(s * block_bytes, block_bytes, str(rows.device))
-            if not torch.equal(got[j], want):
-                bad += 1
-    return bad
-
-
-def clear(region: Any, block_bytes: int, dst: Sequence[int]) -> None:
-    """Zero destination slots so a stale earlier write cannot pass a check."""
-    torch = _torch()
-    flat = torch.from_numpy(region) if isinstance(region, np.ndarray) else region
-    rows = flat.view(-1, block_bytes)
-    rows[torch.tensor(list(dst), device=rows.device)] = 0
-
-
-def make_region(kind: str, nbytes: int, device: str) -> Any:
-    """``vram``: a tensor on ``device``; ``pinned``: pinned host tensor;
-    ``dram``: host memory in a shared memfd, what StandalonePeer holds by
-    default (and vLLM's primary tier is a shared file too)."""
-    torch = _torch()
-    if kind == "vram":
-        return torch.zeros(nbytes, dtype=torch.uint8, device=device)
-    if kind == "pinned":
-        return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=device != "cpu")
-    if kind == "dram":
-        from p2p_kv.standalone import shared_region
-
-        return shared_region(nbytes)
-    raise ValueError(f"unknown region kind {kind!r}")
-
-
-def _set_device(device: str) -> None:
-    """Make ``device`` current before NIXL sees its memory, as an engine's
-    worker process has its own GPU current."""
-    if device.startswith("cuda"):
-        _torch().cuda.set_device(device)
-
-
-def _sync() -> None:
-    torch = _torch()
-    if torch.cuda.is_available():
-        for i in range(torch.cuda.device_count()):
-            torch.cuda.synchronize(i)
-
-
-def _summary(seconds: list[float], nbytes: int) -> dict[str, Any]:
-    med = statistics.median(seconds)
-    return {
-        "gbps": nbytes / med / 1e9,
-        "latency_us": med * 1e6,
-        "latency_us_min": min(seconds) * 1e6,
-        "repeats": len(seconds),
-    }
-
-
-def contiguous_mapping(num_blocks: int) -> tuple[list[int], list[int]]:
-    return list(range(num_blocks)), list(range(num_blocks))
-
-
-def mapping(layout: str, num_blocks: int) -> tuple[list[int], list[int]]:
-    if layout == "scattered":
-        return scattered_mapping(num_blocks)
-    return contiguous_mapping(num_blocks)
-
-
-# ---------------------------------------------------------------------------
-# Physical limits: torch copies in this process
-# ---------------------------------------------------------------------------
-
-
-def measure_limits(
-    mode: str, src_dev: str, dst_dev: str, bs: int, n: int, layout: str, reps: int
-) -> dict[str, Any]:
-    """One copy of all the bytes, and one copy per run of the mapping."""
-    torch = _torch()
-    src_blocks, dst_blocks = mapping(layout, n)
-    if mode == "vram":
-        src = torch.empty(n * bs, dtype=torch.uint8, device=src_dev)
-    else:
-        src = make_region("pinned", n * bs, dst_dev)
-    dst = torch.empty((max(dst_blocks) + 1) * bs, dtype=torch.uint8, device=dst_dev)
-    src.fill_(7)
-    runs = block_runs(src_blocks, dst_blocks)
-    pairs = [
-        (dst[d * bs : (d + c) * bs], src[s * bs : (s + c) * bs]) for s, d, c in runs
-    ]
-    whole = dst[: n * bs]
-
-    def one() -> None:
-        whole.copy_(src, non_blocking=True)
-
-    def per_run() -> None:
-        for to, frm in pairs:
-            to.copy_(frm, non_blocking=True)
-
-    # Several copies per sample: a lone small copy would time the two
-    # synchronisations, not the link.
-    batch = max(1, (64 * MIB) // (n * bs))
-    out: dict[str, Any] = {}
-    for name, fn in (("limit", one), ("torch_runs", per_run)):
-        seconds = []
-        for i in range(reps + 3):
-            _sync()
-            t0 = time.perf_counter()
-            for _ in range(batch):
-                fn()
-            _sync()
-            if i >= 3:
-                seconds.append((time.perf_counter() - t0) / batch)
-        out[name] = _summary(seconds, n * bs)
-    return out
 
 
 # ---------------------------------------------------------------------------
@@ -273,7 +116,7 @@ def _raw_worker(conn: Any) -> None:
     """Either role: register a region, WRITE timed (producer), drain
     notifications (consumer), verify, copy staged bytes to the GPU."""
     try:
-        import raw_nixl
+        from benchmarks import raw_nixl
         from p2p_kv.data import describe_region
 
         agent: Any = None
@@ -285,7 +128,7 @@ def _raw_worker(conn: Any) -> None:
             cmd = msg[0]
             if cmd == "setup":
                 _, name, kind, device, nbytes, fill_it = msg
-                _set_device(device)
+                set_device(device)
                 region = make_region(kind, nbytes, device)
                 if fill_it:
                     fill(region, device if kind == "vram" else "cpu")
@@ -319,27 +162,27 @@ def _raw_worker(conn: Any) -> None:
                 conn.send(("ok", None))
             elif cmd == "verify":
                 _, bs, src, dst = msg
-                _sync()
+                sync()
                 conn.send(("ok", wrong_blocks(region, bs, src, dst)))
             elif cmd == "clear":
                 _, bs, dst = msg
                 clear(region, bs, dst)
-                _sync()
+                sync()
                 conn.send(("ok", None))
             elif cmd == "h2d":
                 # Staging's second half: pinned host -> GPU, the same runs.
                 _, bs, runs, device, reps = msg
-                torch = _torch()
+                torch = torch_module()
                 gpu = torch.empty(region.numel(), dtype=torch.uint8, device=device)
                 seconds = []
                 for i in range(reps + 2):
-                    _sync()
+                    sync()
                     t0 = time.perf_counter()
                     for _s, d, c in runs:
                         gpu[d * bs : (d + c) * bs].copy_(
                             region[d * bs : (d + c) * bs], non_blocking=True
                         )
-                    _sync()
+                    sync()
                     if i >= 2:
                         seconds.append(time.perf_counter() - t0)
                 del gpu
@@ -348,7 +191,7 @@ def _raw_worker(conn: Any) -> None:
                 if agent is not None:
                     agent.deregister_memory(reg)
                 agent = region = reg = None
-                _empty_cache()
+                empty_cache()
                 conn.send(("ok", None))
             elif cmd == "exit":
                 conn.send(("ok", None))
@@ -357,20 +200,13 @@ def _raw_worker(conn: Any) -> None:
         conn.send(("err", traceback.format_exc()))
 
 
-def _empty_cache() -> None:
-    torch = _torch()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 class RawGpuPair(WorkerPair):
     """Raw NIXL writer and receiver, any memory kinds."""
 
     name = "raw NIXL GPU worker"
 
     def __init__(self) -> None:
-        here = _here()
-        super().__init__((here._raw_worker, here._raw_worker), _TIMEOUT_S)
+        super().__init__((_raw_worker, _raw_worker), _TIMEOUT_S)
 
     def measure(
         self,
@@ -408,7 +244,7 @@ class RawGpuPair(WorkerPair):
             bad = self._call(1, "verify", bs, src_blocks, dst_blocks)
             if bad:
                 raise AssertionError(f"raw NIXL: {bad} of {n} blocks hold wrong bytes")
-            out = _summary(seconds, n * bs)
+            out = summary_of(seconds, n * bs)
             out["descriptors"] = len(runs)
             out["verified"] = True
             if staged_to is not None:
@@ -430,12 +266,6 @@ class RawGpuPair(WorkerPair):
 # ---------------------------------------------------------------------------
 
 
-def _key(i: int) -> bytes:
-    from p2p_kv.standalone import make_key
-
-    return make_key(i)
-
-
 def _p2p_producer(
     kind: str,
     device: str,
@@ -446,35 +276,24 @@ def _p2p_producer(
     out: Any,
     stop: Any,
 ) -> None:
-    try:
-        from p2p_kv.standalone import StandalonePeer
+    traced: list[list[tuple[str, float]]] = []
 
-        _set_device(device)
+    def start() -> tuple[StandalonePeer, tuple[Any, ...]]:
+        set_device(device)
         region = make_region(kind, num_blocks * bs, device)
         fill(region, device if kind == "vram" else "cpu")
-        _sync()
-        peer = StandalonePeer(
-            num_blocks,
-            bs,
-            engine_id=f"gpu-prod-{os.getpid()}",
-            region=region,
-            reads=path != "write",
-            same_host=not path.startswith("nixl_read"),
-            secret=BENCH_SECRET,
-        )
-        for slot in range(num_blocks):
-            peer.pinner.table[_key(slot)] = slot
-        events = trace_peer(peer, "p")
-        out.put(("ready", peer.address, peer.runtime.data.local_region().mem_kind))
-        while not stop.is_set():  # serve_until, answering trace requests
-            peer.step()
-            if trace_conn.poll():
-                trace_conn.recv()
-                trace_conn.send(list(events))
-                events.clear()
-        peer.close()
-    except BaseException:
-        out.put(("error", traceback.format_exc()))
+        sync()
+        peer = bench_peer(num_blocks, bs, f"gpu-prod-{os.getpid()}", path, region)
+        traced.append(trace_peer(peer, "p"))
+        return peer, (peer.address, peer.runtime.data.local_region().mem_kind)
+
+    def answer_trace(peer: StandalonePeer) -> None:
+        if trace_conn.poll():
+            trace_conn.recv()
+            trace_conn.send(list(traced[0]))
+            traced[0].clear()
+
+    serve_blocks(out, stop, start, answer_trace, max_s=float("inf"))
 
 
 def _wrap(obj: Any, method: str, record: Any) -> None:
@@ -570,7 +389,7 @@ def phases(
 PATHS = ("read", "nixl_read", "nixl_read_in_place", "write")
 
 
-class P2PGpuPair:
+class P2PGpuPair(FetchPair):
     """Producer StandalonePeer (``kind`` memory) in a process; consumer
     StandalonePeer here over a tensor on ``dst_dev``."""
 
@@ -583,12 +402,10 @@ class P2PGpuPair:
         max_blocks: int,
         path: str = "write",
     ) -> None:
-        from p2p_kv.standalone import StandalonePeer
-
-        self.bs = bs
+        self.path = path
         self._trace, child = mp.get_context("spawn").Pipe()
-        self._producer = ProducerProcess(
-            _here()._p2p_producer,
+        producer = ProducerProcess(
+            _p2p_producer,
             kind,
             src_dev,
             bs,
@@ -597,39 +414,40 @@ class P2PGpuPair:
             path,
             timeout_s=_TIMEOUT_S,
         )
-        self.peer, self.producer_mem = self._producer.ready
-        _set_device(dst_dev)
+        self.producer_mem = producer.ready[1]
+        set_device(dst_dev)
         self.region = make_region(
             "vram" if dst_dev != "cpu" else "pinned", 2 * max_blocks * bs, dst_dev
         )
-        self.consumer = StandalonePeer(
-            2 * max_blocks,
-            bs,
-            engine_id=f"gpu-cons-{os.getpid()}",
-            region=self.region,
-            reads=path != "write",
-            same_host=not path.startswith("nixl_read"),
-            # nixl_read lands in staging (the default); in place: none.
-            read_staging_bytes=0 if path == "nixl_read_in_place" else (64 << 20),
-            secret=BENCH_SECRET,
+        consumer = bench_peer(
+            2 * max_blocks, bs, f"gpu-cons-{os.getpid()}", path, self.region
         )
-        self.consumer_mem = self.consumer.runtime.data.local_region().mem_kind
-        self._events = trace_peer(self.consumer, "c")
+        super().__init__(producer, {path: consumer}, bs)
+        self.consumer = consumer
+        self.consumer_mem = consumer.runtime.data.local_region().mem_kind
+        self._events = trace_peer(consumer, "c")
         self._windows: list[tuple[float, float]] = []
-        self._n = 0
 
-    def _fetch(self, keys: list[bytes], dst: list[int]) -> tuple[float, float]:
-        self._n += 1
-        t0 = time.perf_counter()
-        out = self.consumer.fetch(
-            self.peer, f"gpu-{self._n}", keys, dst, timeout_s=_FETCH_TIMEOUT_S
-        )
-        if not out.ok or out.hits != len(keys):
-            raise RuntimeError(f"p2p_kv fetch failed: {out}")
+    def request(self, path: str, n: int) -> tuple[str, dict[str, Any]]:
+        return f"gpu-{self._n}", {"timeout_s": _FETCH_TIMEOUT_S}
+
+    def fetched(self, t0: float, out: Any) -> None:
         # fetch() starts its clock a moment after t0: the submit time is
         # early by that moment (a microsecond), never late.
         self._windows.append((t0 + out.lookup_s, t0 + out.total_s))
-        return out.total_s, out.total_s - out.lookup_s
+
+    def clear(self, path: str, dst: list[int]) -> None:
+        clear(self.region, self.block_bytes, dst)
+        sync()
+
+    def check(self, path: str, src: list[int], dst: list[int]) -> None:
+        sync()
+        bad = wrong_blocks(self.region, self.block_bytes, src, dst)
+        if bad:
+            raise AssertionError(f"p2p_kv: {bad} of {len(src)} blocks hold wrong bytes")
+
+    def warmed_up(self, path: str) -> None:
+        self._phases()  # drop the warm-ups' events
 
     def _phases(self) -> dict[str, float]:
         self._trace.send("trace")
@@ -643,51 +461,18 @@ class P2PGpuPair:
 
     def measure(self, n: int, layout: str, reps: int, verify: bool) -> dict[str, Any]:
         src, dst = mapping(layout, n)
-        keys = [_key(s) for s in src]
-        if verify:
-            clear(self.region, self.bs, dst)
-            _sync()
-        self._fetch(keys, dst)  # warm-up, then check what it wrote
-        if verify:
-            _sync()
-            bad = wrong_blocks(self.region, self.bs, src, dst)
-            if bad:
-                raise AssertionError(f"p2p_kv: {bad} of {n} blocks hold wrong bytes")
-        self._fetch(keys, dst)
-        self._phases()  # drop the warm-ups' events
-        total, submit = [], []
-        for _ in range(reps):
-            t, s = self._fetch(keys, dst)
-            total.append(t)
-            submit.append(s)
-        report = self.consumer.manager.state_report()
-        if any(report.values()):
-            raise AssertionError(f"p2p_kv consumer state left over: {report}")
+        total, submit = self.timed_fetches(self.path, src, dst, reps, verify)
         return {
-            "e2e": _summary(total, n * self.bs),
-            "submit": _summary(submit, n * self.bs),
+            "e2e": summary_of(total, n * self.block_bytes),
+            "submit": summary_of(submit, n * self.block_bytes),
             "phases_us": self._phases(),
             "verified": verify,
         }
 
-    @contextlib.contextmanager
-    def idle(self) -> Iterator[None]:
-        """Step the consumer like an idle engine while baselines run, so
-        its session with the producer stays alive."""
-        with keep_stepping([self.consumer]):
-            yield
-
     def close(self) -> None:
-        self.consumer.close()
-        self._producer.close()
+        super().close()
         self.region = None
-        _empty_cache()
-
-    def __enter__(self) -> P2PGpuPair:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        empty_cache()
 
 
 # ---------------------------------------------------------------------------
@@ -699,13 +484,6 @@ def _repeats(nbytes: int, mode: str, base: int) -> int:
     if mode == "dram" and nbytes > 16 * MIB:
         return 3  # UCX's host<->GPU path runs at about 1 GB/s
     return base
-
-
-def _median_round(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    ordered = sorted(runs, key=lambda x: x["gbps"])
-    out = dict(ordered[(len(ordered) - 1) // 2])
-    out["gbps_rounds"] = [round(x["gbps"], 3) for x in runs]
-    return out
 
 
 def run_mode(
@@ -837,7 +615,7 @@ def _cell(
         "verified": True,
     }
     for name, runs in samples.items():
-        row[name] = _median_round(runs)
+        row[name] = median_round(runs)
     if staged is not None:
         row["staged"] = staged
         staged["x_limit"] = staged["gbps"] / row["limit"]["gbps"]
@@ -971,12 +749,12 @@ def _print_tables(result: dict[str, Any]) -> None:
         print(
             f"{key}: fetches >= {BIG_BYTES // MIB} MiB, min ratio to limit: {per}; "
             f"target >= {TARGET_RATIO}x (best p2p_kv path, e2e): "
-            f"{'met' if v['target_met'] else 'NOT met'}"
+            f"{met(v['target_met'])}"
         )
 
 
 def _environment(devices: tuple[str, str]) -> dict[str, Any]:
-    torch = _torch()
+    torch = torch_module()
     env: dict[str, Any] = {
         "host": platform.node(),
         "cpus": os.cpu_count(),
@@ -1019,7 +797,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json-out", default="", help="write the full results here")
     args = parser.parse_args(argv)
 
-    torch = _torch()
+    torch = torch_module()
     if args.no_cuda:
         devices = ("cpu", "cpu")
     elif not torch.cuda.is_available():

@@ -15,69 +15,32 @@ another day means little:
 Both move bytes between memfd-backed buffers, the memory p2p_kv's regions
 live in (:func:`shared_buffer` says why).
 
-Run ``python benchmarks/raw_nixl.py`` for a small table.
+Run ``p2p-kv bench raw_nixl`` (or ``python -m benchmarks.raw_nixl`` from
+the checkout) for a small table.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import importlib
 import logging
-import multiprocessing as mp
 import os
 import statistics
-import sys
-import threading
 import time
 import traceback
 import zlib
-from collections.abc import Iterator, Sequence
-from pathlib import Path
-from types import ModuleType
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-KIB = 1024
-MIB = 1024 * KIB
+from benchmarks.harness import KIB, MIB, WorkerPair, block_runs, scattered_mapping
+
 _STEP_TIMEOUT_S = 120.0
 # How often the receiving process drains notifications while a cell runs.
 # With UCX error handling "none" (the transport's default) WRITEs complete
 # without the receiver, so this only shapes how busy the receiver looks;
 # with "peer" each WRITE would wait for the next poll.
 DEFAULT_CONSUMER_POLL_S = 0.001
-#: The shared secret of the peers a benchmark starts, as a fleet runs them
-#: (sealed control frames; the write path needs one).
-BENCH_SECRET = b"p2p_kv-bench"
-
-
-def _p2p_module(name: str) -> ModuleType:
-    """``p2p_kv.<name>``, also when run from a checkout that is not
-    installed."""
-    try:
-        return importlib.import_module(f"p2p_kv.{name}")
-    except ImportError:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-        return importlib.import_module(f"p2p_kv.{name}")
-
-
-def scattered_mapping(num_blocks: int) -> tuple[list[int], list[int]]:
-    """Source blocks in order, destinations in every other slot.
-
-    No two destinations are adjacent, so nothing coalesces: each block is
-    one descriptor, the worst case for the transport and the realistic one
-    for a consumer whose free slots are fragmented. The destination region
-    therefore needs ``2 * num_blocks`` slots.
-    """
-    return list(range(num_blocks)), [2 * i for i in range(num_blocks)]
-
-
-def block_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
-    """p2p_kv's own coalescing, so every baseline moves the same runs as
-    p2p_kv does (one descriptor or copy per run)."""
-    runs: list[tuple[int, int, int]] = _p2p_module("plan").coalesce(src, dst)
-    return runs
 
 
 def _summary(
@@ -150,7 +113,8 @@ def _make_agent(name: str) -> Any:
             enable_prog_thread=False, enable_listen_thread=False, backends=[]
         ),
     )
-    data = _p2p_module("data")
+    from p2p_kv import data
+
     mode = data.check_ucx_error_handling_mode(
         data.DEFAULT_UCX_ERROR_HANDLING_MODE, os.environ.get("UCX_TLS")
     )
@@ -164,7 +128,6 @@ def shared_buffer(nbytes: int, rng_seed: int | None) -> np.ndarray[Any, Any]:
     pages, on which the kernel's copies (CMA, ``preadv``) ran about 2x
     faster here (7.1 against 3.1 GB/s), so a baseline on them would
     compare unlike memory. Every page is written before timing."""
-    _p2p_module("data")  # puts src/ on the path when run from a checkout
     from p2p_kv.standalone import shared_region
 
     buf: np.ndarray[Any, Any] = shared_region(nbytes)
@@ -262,7 +225,8 @@ def timed_transfers(
     """Post ``op`` over ``runs`` (local start, remote start, count) and time
     each transfer from post to DONE: the NIXL calls ``post_write`` /
     ``post_read`` and ``poll_completions`` make, for any memory kinds."""
-    data = _p2p_module("data")
+    from p2p_kv import data
+
     starts = np.array([r[0] for r in runs], dtype=np.int64)
     dsts = np.array([r[1] for r in runs], dtype=np.int64)
     counts = np.array([r[2] for r in runs], dtype=np.int64)
@@ -292,104 +256,6 @@ def timed_transfers(
         if i >= 2:
             seconds.append(elapsed)
     return seconds
-
-
-class ProducerProcess:
-    """A p2p_kv producer in a spawned process: ``target(*args, out, stop)``
-    puts ``("ready", ...)`` (or ``("error", traceback)``) on ``out``, then
-    serves until ``stop`` is set. ``ready`` holds the rest of that message."""
-
-    def __init__(self, target: Any, *args: Any, timeout_s: float = 180.0) -> None:
-        ctx = mp.get_context("spawn")
-        self._out, self._stop = ctx.Queue(), ctx.Event()
-        self._proc = ctx.Process(
-            target=target, args=(*args, self._out, self._stop), daemon=True
-        )
-        self._proc.start()
-        msg = self._out.get(timeout=timeout_s)
-        if msg[0] != "ready":
-            self._proc.join(5)
-            raise RuntimeError(f"p2p_kv producer failed:\n{msg[1]}")
-        self.ready: tuple[Any, ...] = tuple(msg[1:])
-
-    def close(self) -> None:
-        self._stop.set()
-        self._proc.join(10)
-        if self._proc.is_alive():
-            self._proc.kill()
-
-
-@contextlib.contextmanager
-def keep_stepping(peers: Sequence[Any]) -> Iterator[None]:
-    """Step StandalonePeers from a thread, as idle engines would, while the
-    caller measures something else: a consumer nobody steps loses its
-    session to the peer's liveness deadline. Non-blocking steps with a
-    short sleep, so the stepping itself costs the measurement little."""
-    stop = threading.Event()
-
-    def steps() -> None:
-        while not stop.is_set():
-            for peer in peers:
-                peer.step(wait=False)
-            time.sleep(0.005)
-
-    thread = threading.Thread(target=steps, daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
-
-
-class WorkerPair:
-    """Two spawned worker processes driven over pipes: each message is a
-    tuple, each reply ``("ok", value)`` or ``("err", traceback)``. Reused
-    across measurements because importing NIXL is slow."""
-
-    name = "benchmark worker"
-
-    def __init__(self, targets: Sequence[Any], timeout_s: float) -> None:
-        ctx = mp.get_context("spawn")
-        self._timeout_s = timeout_s
-        self._conns: list[Any] = []
-        self._procs: list[Any] = []
-        for target in targets:
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=target, args=(child,), daemon=True)
-            proc.start()
-            child.close()
-            self._conns.append(parent)
-            self._procs.append(proc)
-        self._cell = 0
-
-    def _call(self, which: int, *msg: Any) -> Any:
-        self._conns[which].send(msg)
-        return self._reply(which)
-
-    def _reply(self, which: int) -> Any:
-        conn = self._conns[which]
-        if not conn.poll(self._timeout_s):
-            raise TimeoutError(f"{self.name} did not answer")
-        status, value = conn.recv()
-        if status != "ok":
-            raise RuntimeError(f"{self.name} failed:\n{value}")
-        return value
-
-    def close(self) -> None:
-        for i, proc in enumerate(self._procs):
-            if proc.is_alive():
-                with contextlib.suppress(Exception):
-                    self._call(i, "exit")
-            proc.join(5)
-            if proc.is_alive():
-                proc.kill()
-
-    def __enter__(self) -> Any:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class RawNixlPair(WorkerPair):

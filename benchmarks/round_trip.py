@@ -29,14 +29,11 @@ import os
 import select
 import socket
 import statistics
-import sys
 import time
 import traceback
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from raw_nixl import ProducerProcess, _p2p_module
+from benchmarks.harness import ProducerProcess, met
 
 GAP_S = 0.001
 MESSAGE = b"\x5a" * 64
@@ -67,8 +64,9 @@ def _tcp_echo(out: Any, stop: Any) -> None:
 
 
 def _control_echo(out: Any, stop: Any) -> None:
-    control = _p2p_module("control")
-    keys = _p2p_module("handshake").FrameKeys(out=_KEY_B, into=_KEY_A)
+    from p2p_kv import control, handshake
+
+    keys = handshake.FrameKeys(out=_KEY_B, into=_KEY_A)
     transport = control.ControlTransport("127.0.0.1", 0)
     try:
         out.put(("ready", transport.port))
@@ -128,8 +126,9 @@ class ControlRoundTrip:
     its echo in another process."""
 
     def __init__(self) -> None:
-        control = _p2p_module("control")
-        self._keys = _p2p_module("handshake").FrameKeys(out=_KEY_A, into=_KEY_B)
+        from p2p_kv import control, handshake
+
+        self._keys = handshake.FrameKeys(out=_KEY_A, into=_KEY_B)
         self._echo = ProducerProcess(_control_echo, timeout_s=_TIMEOUT_S)
         (port,) = self._echo.ready
         self._t = control.ControlTransport("127.0.0.1", 0)
@@ -224,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"ratio {result['ratio']:.2f}x bare TCP (target <= {TARGET_X}x): "
-        f"{'met' if result['met'] else 'NOT met'}"
+        f"{met(result['met'])}"
     )
     return 0
 

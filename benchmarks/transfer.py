@@ -51,13 +51,13 @@ descriptor per block on every path):
 Targets (from the issue): p2p_kv >= 0.8x raw NIXL for fetches of 16 MiB
 and more; small fetches (<= 1 MiB) within 2x raw NIXL's latency.
 
-Run: ``python benchmarks/transfer.py [--json] [--quick] [--repeats N]``.
+Run: ``p2p-kv bench transfer [--json] [--quick] [--repeats N]`` (or
+``python -m benchmarks.transfer`` from the checkout).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import json
 import multiprocessing as mp
@@ -68,27 +68,32 @@ import sys
 import time
 import traceback
 import zlib
-from collections.abc import Iterator, Sequence
-from pathlib import Path
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import round_trip
-from raw_nixl import (
-    BENCH_SECRET,
+from benchmarks import round_trip
+from benchmarks.harness import (
+    KIB,
+    MIB,
+    FetchPair,
     ProducerProcess,
-    RawNixlPair,
     WorkerPair,
-    keep_stepping,
-    measure_memcpy,
+    bench_peer,
+    key,
+    median_round,
+    met,
     scattered_mapping,
+    serve_blocks,
+    summary,
 )
-from round_trip import MESSAGE, RoundTrips
+from benchmarks.raw_nixl import RawNixlPair, measure_memcpy
+from benchmarks.round_trip import MESSAGE, RoundTrips
 
-KIB = 1024
-MIB = 1024 * KIB
+if TYPE_CHECKING:
+    from p2p_kv.standalone import StandalonePeer
+
 SIZES = (64 * KIB, 256 * KIB, 2 * MIB)
 COUNTS = (1, 16, 256)
 QUICK = ((64 * KIB, 1), (64 * KIB, 16), (64 * KIB, 256), (2 * MIB, 1), (2 * MIB, 16))
@@ -117,21 +122,6 @@ P2P_CELLS = {
 _TIMEOUT_S = 180.0
 
 
-def _key(i: int) -> bytes:
-    from p2p_kv.standalone import make_key
-
-    return make_key(i)
-
-
-def _median_summary(seconds: list[float], nbytes: int) -> dict[str, float]:
-    med = statistics.median(seconds)
-    return {
-        "gbps": nbytes / med / 1e9,
-        "latency_us": med * 1e6,
-        "latency_us_min": min(seconds) * 1e6,
-    }
-
-
 # ---------------------------------------------------------------------------
 # p2p_kv end to end: a producer process, a consumer here
 # ---------------------------------------------------------------------------
@@ -142,92 +132,66 @@ def _p2p_producer(
 ) -> None:
     """Serve lookups and fetches; on ``parks`` (a pipe), park the blocks of
     slots ``0..n-1`` as a finished ``remote_decoder`` request's stores."""
-    try:
-        from p2p_kv.manager import Roles
-        from p2p_kv.standalone import StandalonePeer
+    stores = itertools.count(1 << 50)
 
-        peer = StandalonePeer(
-            num_blocks,
-            block_bytes,
-            engine_id=f"bench-prod-{os.getpid()}",
-            secret=BENCH_SECRET,
-        )
+    def start() -> tuple[StandalonePeer, tuple[Any, ...]]:
+        peer = bench_peer(num_blocks, block_bytes, f"bench-prod-{os.getpid()}")
         region = np.asarray(peer.region)
         region[:] = np.random.default_rng(7).integers(
             0, 256, region.size, dtype=np.uint8
         )
         rows = region.reshape(num_blocks, block_bytes)
-        crcs = []
-        for slot in range(num_blocks):
-            peer.pinner.table[_key(slot)] = slot
-            crcs.append(zlib.crc32(rows[slot].data))
-        out.put(("ready", peer.address, crcs))
-        rt, stores = peer.runtime, itertools.count(1 << 50)
-        end = time.monotonic() + 3600
-        while not stop.is_set() and time.monotonic() < end:
-            peer.step()
-            peer.results.clear()  # the parked stores' results: served
-            if parks.poll():
-                kv_id, n = parks.recv()
-                with rt.lock:
-                    rt.start_request(f"p-{kv_id}", Roles(dest_kv_id=kv_id))
-                    rt.manager.submit_store(
-                        next(stores),
-                        f"p-{kv_id}",
-                        [_key(s) for s in range(n)],
-                        list(range(n)),
-                        rt.clock(),
-                    )
-                    rt.end_request(f"p-{kv_id}")
-                parks.send(kv_id)
-        peer.close()
-    except BaseException:
-        out.put(("error", traceback.format_exc()))
+        return peer, (peer.address, [zlib.crc32(r.data) for r in rows])
+
+    def each_step(peer: StandalonePeer) -> None:
+        from p2p_kv.manager import Roles
+
+        peer.results.clear()  # the parked stores' results: served
+        if parks.poll():
+            kv_id, n = parks.recv()
+            rt = peer.runtime
+            with rt.lock:
+                rt.start_request(f"p-{kv_id}", Roles(dest_kv_id=kv_id))
+                rt.manager.submit_store(
+                    next(stores),
+                    f"p-{kv_id}",
+                    [key(s) for s in range(n)],
+                    list(range(n)),
+                    rt.clock(),
+                )
+                rt.end_request(f"p-{kv_id}")
+            parks.send(kv_id)
+
+    serve_blocks(out, stop, start, each_step)
 
 
-class P2PPair:
-    """Producer StandalonePeer in a process; two consumer StandalonePeers
-    here, one per load path (``read``: one-sided READs; ``write``: reads
-    off, so the producer WRITEs)."""
+class P2PPair(FetchPair):
+    """Producer StandalonePeer in a process; a consumer StandalonePeer here
+    per load path (``read``: one-sided READs; ``write``: reads off, so the
+    producer WRITEs; the others: :func:`benchmarks.harness.path_options`)."""
 
     def __init__(self, block_bytes: int, max_blocks: int) -> None:
-        from p2p_kv.standalone import StandalonePeer
-
-        self.block_bytes = block_bytes
         self._parks, theirs = mp.get_context("spawn").Pipe()
-        self._producer = ProducerProcess(
+        producer = ProducerProcess(
             _p2p_producer, block_bytes, max_blocks, theirs, timeout_s=_TIMEOUT_S
         )
-        self.peer, self.crcs = self._producer.ready
-        self.consumers = {
-            path: StandalonePeer(
-                2 * max_blocks,
-                block_bytes,
-                engine_id=f"bench-cons-{path}-{os.getpid()}",
-                reads=path != "write",  # pd reads: the default
-                same_host=not path.startswith("nixl_read"),
-                read_staging_bytes=0 if path == "nixl_read_in_place" else 64 * MIB,
-                secret=BENCH_SECRET,
+        consumers = {
+            path: bench_peer(
+                2 * max_blocks, block_bytes, f"bench-cons-{path}-{os.getpid()}", path
             )
             for path in PATHS
         }
-        self._n = 0
+        super().__init__(producer, consumers, block_bytes)
+        self.crcs = producer.ready[1]
 
-    def _fetch(
-        self, path: str, keys: list[bytes], dst: list[int]
-    ) -> tuple[float, float]:
-        self._n += 1
+    def request(self, path: str, n: int) -> tuple[str, dict[str, Any]]:
+        if path != "pd":
+            return super().request(path, n)
         kv_id = f"bench-{self._n}"
-        if path == "pd":
-            self._parks.send((kv_id, len(keys)))  # keys are of slots 0..n-1
-            if self._parks.recv() != kv_id:
-                raise RuntimeError("p2p_kv producer did not park the blocks")
-        out = self.consumers[path].fetch(
-            self.peer, kv_id, keys, dst, probe=path != "pd"
-        )
-        if not out.ok or out.hits != len(keys):
-            raise RuntimeError(f"p2p_kv fetch failed: {out}")
-        return out.total_s, out.total_s - out.lookup_s
+        self._parks.send((kv_id, n))  # keys are of slots 0..n-1
+        if self._parks.recv() != kv_id:
+            raise RuntimeError("p2p_kv producer did not park the blocks")
+        return kv_id, {"probe": False}
 
     def _keep_alive(self, i: int) -> None:
         """Long numpy work between fetches: step now and then, as an engine
@@ -236,33 +200,29 @@ class P2PPair:
             for consumer in self.consumers.values():
                 consumer.step(wait=False)
 
+    def _rows(self, path: str) -> Any:
+        return np.asarray(self.consumers[path].region).reshape(-1, self.block_bytes)
+
+    def clear(self, path: str, dst: list[int]) -> None:
+        rows = self._rows(path)
+        for i, d in enumerate(dst):
+            rows[d] = 0
+            self._keep_alive(i)
+
+    def check(self, path: str, src: list[int], dst: list[int]) -> None:
+        rows = self._rows(path)
+        for i, (s, d) in enumerate(zip(src, dst, strict=True)):
+            if zlib.crc32(rows[d].data) != self.crcs[s]:
+                raise AssertionError(f"p2p_kv: slot {d} holds the wrong bytes")
+            self._keep_alive(i)
+
     def measure(
         self, path: str, num_blocks: int, repeats: int, verify: bool = True
     ) -> dict[str, Any]:
         consumer = self.consumers[path]
         src, dst = scattered_mapping(num_blocks)
-        keys = [_key(s) for s in src]
-        rows = np.asarray(consumer.region).reshape(-1, self.block_bytes)
-        if verify:
-            for i, d in enumerate(dst):
-                rows[d] = 0
-                self._keep_alive(i)
-        self._fetch(path, keys, dst)  # warm-up, then verify what it wrote
-        if verify:
-            for i, (s, d) in enumerate(zip(src, dst, strict=True)):
-                if zlib.crc32(rows[d].data) != self.crcs[s]:
-                    raise AssertionError(f"p2p_kv: slot {d} holds the wrong bytes")
-                self._keep_alive(i)
-        self._fetch(path, keys, dst)
-        total, submit = [], []
-        for _ in range(repeats):
-            t, s = self._fetch(path, keys, dst)
-            total.append(t)
-            submit.append(s)
+        total, submit = self.timed_fetches(path, src, dst, repeats, verify=verify)
         nbytes = num_blocks * self.block_bytes
-        report = consumer.manager.state_report()
-        if any(report.values()):
-            raise AssertionError(f"p2p_kv consumer state left over: {report}")
         used = sum(
             s.counters.loads_fetched
             if path in ("write", "pd")
@@ -276,12 +236,12 @@ class P2PPair:
                 f"({used} loads, {copies} same-host copies)"
             )
         out = {
-            "e2e": _median_summary(total, nbytes),
-            "submit": _median_summary(submit, nbytes),
+            "e2e": summary(total, nbytes),
+            "submit": summary(submit, nbytes),
             "verified": True,
         }
         if path not in ("write", "pd"):
-            out["data_plane"] = _median_summary(
+            out["data_plane"] = summary(
                 self._data_plane(consumer, src, dst, repeats), nbytes
             )
         return out
@@ -308,25 +268,6 @@ class P2PPair:
             if not done[tid]:
                 raise RuntimeError("p2p_kv: data-plane READ failed")
         return seconds[2:]
-
-    @contextlib.contextmanager
-    def idle(self) -> Iterator[None]:
-        """While the baselines run, keep stepping the consumer like an idle
-        engine does (it waits on its sockets, so this costs next to no CPU);
-        a silent consumer would lose its session to the liveness check."""
-        with keep_stepping(list(self.consumers.values())):
-            yield
-
-    def close(self) -> None:
-        for consumer in self.consumers.values():
-            consumer.close()
-        self._producer.close()
-
-    def __enter__(self) -> P2PPair:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 # ---------------------------------------------------------------------------
@@ -437,7 +378,7 @@ class VllmPair(WorkerPair):
         finally:
             self._call(0, "teardown")
             self._call(1, "teardown")
-        out = _median_summary(seconds, num_blocks * block_bytes)
+        out = summary(seconds, num_blocks * block_bytes)
         out["verified"] = True
         return out
 
@@ -572,9 +513,7 @@ def _cell(
         if not runs:
             row[name] = {"not_driven": vllm_reason}
             continue
-        ordered = sorted(runs, key=lambda x: x["gbps"])
-        row[name] = dict(ordered[(len(ordered) - 1) // 2])
-        row[name]["gbps_rounds"] = [round(x["gbps"], 3) for x in runs]
+        row[name] = median_round(runs)
     baselines = {name: base for name, (_, _, base) in P2P_CELLS.items()}
     baselines["vllm"] = "raw_nixl"  # it WRITEs, producer to consumer
     for name, base in baselines.items():
@@ -665,7 +604,7 @@ def _print_verdicts(result: dict[str, Any]) -> None:
     print(
         f"control-plane round trip {rt['p2p_kv_us']:.0f} us, "
         f"{rt['x_tcp']:.2f}x a bare TCP socket's ({rt['tcp_us']:.0f} us; "
-        f"target <= {round_trip.TARGET_X}x): {'met' if rt['ok'] else 'NOT met'}"
+        f"target <= {round_trip.TARGET_X}x): {met(rt['ok'])}"
     )
     # The path between hosts (NIXL) first; the same-host copy beside it.
     for name, label in (
@@ -683,20 +622,20 @@ def _print_verdicts(result: dict[str, Any]) -> None:
         if v["min_ratio_big"] is not None:
             print(
                 f"{label}: >=16 MiB min {v['min_ratio_big']:.2f}x raw NIXL "
-                f"(target >= {TARGET_RATIO}x): {'met' if v['throughput_ok'] else 'NOT met'}"
+                f"(target >= {TARGET_RATIO}x): {met(v['throughput_ok'])}"
             )
         if v["max_latency_x_small"] is not None:
             print(
                 f"{label}: <=1 MiB latency up to {v['max_latency_x_small']:.1f}x raw "
                 f"NIXL (target <= {TARGET_LATENCY_X}x): "
-                f"{'met' if v['latency_ok'] else 'NOT met'}"
+                f"{met(v['latency_ok'])}"
             )
         if v.get("max_latency_x_floor_one_block") is not None:
             print(
                 f"{label}: one-block fetches up to "
                 f"{v['max_latency_x_floor_one_block']:.2f}x raw READ + one bare TCP "
                 f"round trip (target <= {TARGET_FLOOR_X}x): "
-                f"{'met' if v['one_block_ok'] else 'NOT met'}"
+                f"{met(v['one_block_ok'])}"
             )
 
 

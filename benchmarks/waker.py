@@ -17,8 +17,8 @@ process (real TCP and NIXL):
   otherwise).
 
 Lookups of one key, a hit, one at a time, 50-60 ms apart (the producer
-falls back asleep between them). Run: ``python benchmarks/waker.py
-[--lookups N] [--json]``.
+falls back asleep between them). Run: ``p2p-kv bench waker
+[--lookups N] [--json]`` (or ``python -m benchmarks.waker``).
 """
 
 from __future__ import annotations
@@ -32,18 +32,14 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 MODES = ("stepping", "waker", "tick")
 
 
 def _p2p() -> Any:
-    try:
-        import p2p_kv.standalone as standalone
-    except ImportError:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-        import p2p_kv.standalone as standalone
+    import p2p_kv.standalone as standalone
+
     return standalone
 
 

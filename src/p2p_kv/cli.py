@@ -29,16 +29,19 @@ BENCHES = (
 
 
 def _bench(name: str, rest: list[str]) -> int:
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / f"{name}.py"
+    root = Path(__file__).resolve().parents[2]
+    path = root / "benchmarks" / f"{name}.py"
     if not path.exists():
         print(f"p2p-kv: {path} not found: run from a source checkout", file=sys.stderr)
         return 2
     sys.argv = [str(path), *rest]
-    # Imported under its own name from benchmarks/ (not run as a script):
-    # the benchmarks start worker processes, and a spawned child finds a
-    # worker function only through an importable module.
-    sys.path.insert(0, str(path.parent))
-    main = getattr(importlib.import_module(name), "main", None)
+    # Imported as benchmarks.NAME from the checkout's root (not run as a
+    # script): the benchmarks start worker processes, and a spawned child
+    # finds a worker function only through a module it can import by name,
+    # on the sys.path it inherits (benchmarks/__init__.py says more).
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    main = getattr(importlib.import_module(f"benchmarks.{name}"), "main", None)
     if main is None:
         print(f"p2p-kv: {path} has no main()", file=sys.stderr)
         return 2

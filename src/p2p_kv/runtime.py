@@ -92,21 +92,6 @@ def fresh_nonce() -> bytes:
     return os.urandom(16)
 
 
-def open_transports(
-    data: Callable[[], NixlDataTransport], host: str, port: int
-) -> tuple[NixlDataTransport, ControlTransport]:
-    """The data plane, then the control socket bound to ``host:port``; a
-    bind that fails closes the data plane (its NIXL agent and UCX's thread
-    were left to the collector, alive as long as the caller kept the
-    exception)."""
-    plane = data()
-    try:
-        return plane, ControlTransport(host, port)
-    except BaseException:
-        plane.close()
-        raise
-
-
 class TierRuntime:
     def __init__(
         self,

@@ -15,15 +15,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import msgspec
 import numpy as np
 
-from p2p_kv.data import NixlDataTransport, drain_timeout_for
-from p2p_kv.handshake import Identity
 from p2p_kv.manager import Answer, JobResult, LoadManager, Roles
 from p2p_kv.peer import PinResult, Timeouts
-from p2p_kv.runtime import TierRuntime, fresh_nonce, open_transports
 from p2p_kv.same_host import shared_region
+from p2p_kv.stack import build_runtime, stated_identity
 from p2p_kv.staging import DEFAULT_READ_STAGING_BYTES
 
 
@@ -88,33 +85,25 @@ class StandalonePeer:
             shared_region(num_blocks * block_bytes) if region is None else region
         )
         self.block_bytes = block_bytes
-        data, control = open_transports(
-            lambda: NixlDataTransport(
-                self.region,  # type: ignore[arg-type]
-                block_bytes,
-                name=engine_id,
-                same_host=same_host,
-                read_staging_bytes=read_staging_bytes,
-                drain_timeout_s=drain_timeout_for((timeouts or Timeouts()).abort_ack_s),
+        self.runtime = build_runtime(
+            self.region,  # type: ignore[arg-type]
+            block_bytes,
+            lambda data, _address: stated_identity(
+                data,
+                engine_id=engine_id,
+                hash_algo="sha256",
+                hash_seed=hash_seed,
+                canonical_hashes=canonical_hashes(hash_seed),
+                layout=layout,
+                secret=secret,
             ),
-            host,
-            port,
-        )
-        me = Identity(
-            engine_id=engine_id,
-            hash_algo="sha256",
-            hash_seed=hash_seed,
-            canonical_hashes=canonical_hashes(hash_seed),
-            layout=layout,
-            block_bytes=block_bytes,
-            num_blocks=data.num_blocks,
-            region=msgspec.msgpack.encode(data.local_region()),
-            secret=secret,
-        )
-        self.runtime = TierRuntime(
-            LoadManager(me, nonces=fresh_nonce, timeouts=timeouts, reads=reads),
-            control,
-            data,
+            name=engine_id,
+            host=host,
+            port=port,
+            timeouts=timeouts,
+            same_host=same_host,
+            read_staging_bytes=read_staging_bytes,
+            reads=reads,
             idle_wait_s=idle_wait_s,
         )
         self.pinner = TablePinner()

@@ -460,7 +460,7 @@ def test_a_peer_whose_bind_fails_closes_its_data_plane(
 ) -> None:
     """The NIXL agent (and UCX's thread) made before the bind was left to
     the collector, alive for as long as the caller kept the exception."""
-    import p2p_kv.standalone
+    import p2p_kv.stack
     from p2p_kv.data import NixlDataTransport
 
     made: list[NixlDataTransport] = []
@@ -470,7 +470,7 @@ def test_a_peer_whose_bind_fails_closes_its_data_plane(
             super().__init__(*a, **kw)
             made.append(self)
 
-    monkeypatch.setattr(p2p_kv.standalone, "NixlDataTransport", Recorded)
+    monkeypatch.setattr(p2p_kv.stack, "NixlDataTransport", Recorded)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()

@@ -21,12 +21,10 @@ from dataclasses import dataclass
 from queue import Queue
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-import msgspec
-
 from p2p_kv.adapter import versions
 from p2p_kv.config import ConfigError, TierConfig, check_hash_seed, check_nixl
 from p2p_kv.handshake import Identity
-from p2p_kv.manager import Answer, LoadManager, Roles
+from p2p_kv.manager import Answer, Roles
 from p2p_kv.metrics import DEFINITIONS, MetricsExporter
 from p2p_kv.peer import PinResult
 
@@ -66,6 +64,8 @@ except ImportError as exc:  # pragma: no cover - exercised by doctor
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
+
+    from p2p_kv.data import NixlDataTransport
 
 log = logging.getLogger("vllm.p2p_kv")
 
@@ -284,8 +284,7 @@ class P2PKVTier(SecondaryTierManager):
         if self.cfg.require_hash_seed:
             check_hash_seed()
         check_nixl()
-        from p2p_kv.data import NixlDataTransport, drain_timeout_for
-        from p2p_kv.runtime import TierRuntime, fresh_nonce, open_transports
+        from p2p_kv.stack import build_runtime
 
         region = (
             primary_kv_view.cast("B") if primary_kv_view.ndim != 1 else primary_kv_view
@@ -301,49 +300,40 @@ class P2PKVTier(SecondaryTierManager):
                     f"p2p_kv: port {self.cfg.port} + data-parallel rank {rank} "
                     f"is {port}, past 65535: set a port of at most {65535 - rank}"
                 )
+        spec = offloading_spec
+        algo = _hash_algo()
+        secret = self.cfg.secret
         try:
-            data, control = open_transports(
-                lambda: NixlDataTransport(
-                    region,
-                    block_bytes,
-                    name="p2p_kv",
-                    same_host=self.cfg.same_host_copy,
-                    read_staging_bytes=int(self.cfg.read_staging_mib * (1 << 20)),
-                    drain_timeout_s=drain_timeout_for(self.cfg.abort_ack_timeout_s),
-                ),
-                self.cfg.host,
-                port,
+            self.runtime = build_runtime(
+                region,
+                block_bytes,
+                lambda data, address: _identity(spec, data, address, secret, algo),
+                name="p2p_kv",
+                host=self.cfg.host,
+                port=port,
+                timeouts=self.cfg.timeouts(),
+                same_host=self.cfg.same_host_copy,
+                read_staging_bytes=int(self.cfg.read_staging_mib * (1 << 20)),
+                reads=self.cfg.read_path,
+                parked_ttl_s=self.cfg.parked_ttl_s,
+                max_peers=self.cfg.max_peers,
+                max_inbound=self.cfg.max_inbound_peers,
+                idle_wait_s=self.cfg.idle_wait_ms / 1000,
+                lazy_identity=True,
             )
         except BaseException as exc:
             # vLLM closes the primary region's mmap while it handles this
-            # exception, and views of it in the traceback's frames (ours,
-            # the data plane's arrays) made that close a BufferError: the
-            # first of a page of tracebacks hiding the cause.
+            # exception, and views of it in the traceback's frames (the
+            # builder's, the data plane's arrays) made that close a
+            # BufferError: the first of a page of tracebacks hiding the cause.
             if exc.__traceback__ is not None:
                 traceback.clear_frames(exc.__traceback__.tb_next)
             if region is not primary_kv_view:
                 with contextlib.suppress(BufferError):
                     region.release()
             raise
-        self.address = control.address
-        spec = offloading_spec
-        algo = _hash_algo()
-
-        def identity() -> Identity:
-            return _identity(spec, data, self.address, self.cfg.secret, algo)
-
-        manager = LoadManager(
-            identity,
-            nonces=fresh_nonce,
-            timeouts=self.cfg.timeouts(),
-            parked_ttl_s=self.cfg.parked_ttl_s,
-            reads=self.cfg.read_path,
-            max_peers=self.cfg.max_peers,
-            max_inbound=self.cfg.max_inbound_peers,
-        )
-        self.runtime = TierRuntime(
-            manager, control, data, idle_wait_s=self.cfg.idle_wait_ms / 1000
-        )
+        self.address = self.runtime.control.address
+        data = self.runtime.data
         plan = poll_plan(RELEASE, offloading_spec)
         if RELEASE.poll_flag is not None:
             setattr(self, RELEASE.poll_flag, plan.polled)
@@ -614,7 +604,11 @@ def _hash_algo() -> str:
 
 
 def _identity(
-    spec: OffloadingSpec, data: Any, address: str, secret: str | None, algo: str
+    spec: OffloadingSpec,
+    data: NixlDataTransport,
+    address: str,
+    secret: str | None,
+    algo: str,
 ) -> Identity:
     """What this engine states in its Hello, resolved at first contact
     (vLLM derives its hash seed after the tier is built)."""
@@ -645,6 +639,7 @@ def _identity(
     )
     seed = get_none_hash_seed()
     from p2p_kv.handshake import seed_digest
+    from p2p_kv.stack import stated_identity
 
     # Everything `p2p-kv doctor --from-log` needs to check this engine from
     # another host; the seed and the secret only as a digest and a yes/no.
@@ -659,14 +654,12 @@ def _identity(
         data.block_bytes,
         "set" if secret else "none",
     )
-    return Identity(
+    return stated_identity(
+        data,
         engine_id=f"{address}/{data.agent_name}",
         hash_algo=algo,
         hash_seed=seed,
         canonical_hashes=tuple(canon),
         layout=layout,
-        block_bytes=data.block_bytes,
-        num_blocks=data.num_blocks,
-        region=msgspec.msgpack.encode(data.local_region()),
         secret=secret.encode() if secret else None,
     )

@@ -444,41 +444,31 @@ def _handshake(
     timeout_s: float,
     details: dict[str, Any],
 ) -> CheckResult:
-    import msgspec
     import numpy as np
 
-    from p2p_kv.data import NixlDataTransport
-    from p2p_kv.handshake import Identity
-    from p2p_kv.manager import Answer, LoadManager, Roles, Source, format_peer
+    from p2p_kv.manager import Answer, Roles, Source, format_peer
     from p2p_kv.peer import Timeouts
-    from p2p_kv.runtime import TierRuntime, fresh_nonce, open_transports
+    from p2p_kv.stack import build_runtime, stated_identity
 
     name = "peer"
     target = format_peer(host, port)
-    region = np.zeros(spec.block_bytes, dtype=np.uint8)
-    data, control = open_transports(
-        lambda: NixlDataTransport(region, spec.block_bytes, name="p2p_kv-doctor"),
-        "127.0.0.1",
-        0,
-    )
-    me = Identity(
-        engine_id=f"p2p_kv-doctor@{socket.gethostname()}/{data.agent_name}",
-        hash_algo=spec.hash_algo,
-        hash_seed=spec.hash_seed,
-        canonical_hashes=canon,
-        layout=spec.layout,
-        block_bytes=spec.block_bytes,
-        num_blocks=data.num_blocks,
-        region=msgspec.msgpack.encode(data.local_region()),
-        secret=spec.secret.encode() if spec.secret else None,
-    )
-    timeouts = Timeouts(handshake_s=timeout_s, lookup_s=timeout_s)
-    rt = TierRuntime(
-        LoadManager(me, nonces=fresh_nonce, timeouts=timeouts),
-        control,
-        data,
+    rt = build_runtime(
+        np.zeros(spec.block_bytes, dtype=np.uint8),
+        spec.block_bytes,
+        lambda data, _address: stated_identity(
+            data,
+            engine_id=f"p2p_kv-doctor@{socket.gethostname()}/{data.agent_name}",
+            hash_algo=spec.hash_algo,
+            hash_seed=spec.hash_seed,
+            canonical_hashes=canon,
+            layout=spec.layout,
+            secret=spec.secret.encode() if spec.secret else None,
+        ),
+        name="p2p_kv-doctor",
+        timeouts=Timeouts(handshake_s=timeout_s, lookup_s=timeout_s),
         idle_wait_s=0.02,
     )
+    control = rt.control
     m = rt.manager
     req = "p2p_kv-doctor"
     kv_id = f"p2p_kv-doctor-{uuid.uuid4().hex}"
