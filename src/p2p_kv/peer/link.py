@@ -193,7 +193,7 @@ class Link:
         self, code: str, detail: str, req: str = "", gen: int = -1
     ) -> None:
         """The peer broke the protocol: counted, and told why (an ``Error``)."""
-        self.counters.bump(self.counters.protocol_errors, code)
+        self.counters.error(code)
         self.send(Error(code=code, detail=detail[:1000], req=req, gen=gen))
 
     # -- sealing (with a shared secret; see p2p_kv.handshake) ----------------
@@ -265,7 +265,7 @@ class Link:
             # answer every lookup after its deadline and never notice, as
             # each new Hello reset its silence timer. Nothing of the new
             # Hello is adopted: the peer's next session is dialled afresh.
-            self.counters.bump(self.counters.protocol_errors, "duplicate_hello")
+            self.counters.error("duplicate_hello")
             # Plain: the peer's new session has no keys to open a sealed one.
             self._keys = None
             self.say_goodbye("second Hello: start again")

@@ -30,17 +30,14 @@ from p2p_kv.peer.records import (
     Pinner,
     PinResult,
     Serve,
+    all_miss,
 )
 from p2p_kv.protocol import (
-    MAX_TTL_MS,
     Abort,
     AbortAck,
     Fetch,
     FetchOffer,
-    FetchWait,
     Lookup,
-    LookupResp,
-    Message,
     Release,
     Revoke,
     TransferDone,
@@ -63,11 +60,10 @@ class ProducerSide:
         pending, waiting = engine_keys or (KeyCount(), KeyCount())
         self._serves: dict[tuple[str, int], Serve] = {}
         self._serve_queue: list[Serve] = []  # LOOKUP_QUEUED, in arrival order
-        #: keys of queued lookups (Limits.max_pending_keys), passed on to
-        #: the engine's count
-        self._pending = KeyCount(pending)
-        #: keys of this peer's serves in FETCH_WAITING (see Serve.waiting)
-        self._waiting = KeyCount(waiting)
+        #: keys of queued lookups (Limits.max_pending_keys) and of this
+        #: peer's serves in FETCH_WAITING (see Serve.waiting), passed on to
+        #: the engine's counts while the session is the engine's
+        self.pending, self.waiting = KeyCount(pending), KeyCount(waiting)
         self._writing: dict[int, Serve] = {}  # by write id
         self._next_write = 0
 
@@ -132,41 +128,27 @@ class ProducerSide:
         return {
             "serves": len(self._serves),
             "writes": len(self._writing),
-            "pending_lookup_keys": self._pending.keys,
+            "pending_lookup_keys": self.pending.keys,
             "serve_queue": len(self._serve_queue),
         }
 
     # -- the peer's requests and the engine's answers ------------------------------
 
-    def pending_lookup_keys(self) -> int:
-        return self._pending.keys
-
-    def leave_engine(self) -> None:
-        """The manager forgets this session: what it holds leaves the
-        engine's counts (and whatever it drops later, only its own)."""
-        self._pending.detach()
-        self._waiting.detach()
-
-    def waiting_fetch_keys(self) -> int:
-        """Keys of this peer's Fetches that wait for stores to be parked."""
-        return self._waiting.keys
-
     def on_lookup(self, msg: Lookup, now: float) -> None:
         cost = max(1, len(msg.keys))
-        held = self._pending.keys
-        engine = self._pending.engine.keys if self._pending.engine else held
-        mine = held + cost > self.link.limits.max_pending_keys
-        if mine or engine + cost > self.link.limits.engine_pending_keys:
+        limits = self.link.limits
+        over = self.pending.over(
+            cost, limits.max_pending_keys, limits.engine_pending_keys
+        )
+        if over is not None:
+            scope, held, whose = over
             self.link.protocol_error(
-                "limit_pending_keys" if mine else "limit_engine_pending_keys",
-                f"{held if mine else engine} lookup keys already "
-                f"wait for our engine{'' if mine else ' from all peers'}",
+                f"limit_{scope}pending_keys",
+                f"{held} lookup keys already wait for our engine{whose}",
                 msg.req,
                 msg.gen,
             )
-            self.link.send(
-                LookupResp(msg.req, msg.gen, msg.seq, [False] * len(msg.keys))
-            )
+            self.link.send(all_miss(msg))
             return
         serve = self._serves.get((msg.req, msg.gen))
         if serve is None:
@@ -174,9 +156,7 @@ class ProducerSide:
                 self.link.protocol_error(
                     "limit_serves", "too many requests in flight", msg.req, msg.gen
                 )
-                self.link.send(
-                    LookupResp(msg.req, msg.gen, msg.seq, [False] * len(msg.keys))
-                )
+                self.link.send(all_miss(msg))
                 return
             serve = Serve(
                 msg.req,
@@ -189,21 +169,19 @@ class ProducerSide:
         elif not serve.can(Event.LOOKUP):
             # Revoking, or past its Fetch (one load per generation: a key
             # asked in the step of the load, sent after it).
-            self.link.send(
-                LookupResp(msg.req, msg.gen, msg.seq, [False] * len(msg.keys))
-            )
+            self.link.send(all_miss(msg))
             return
         else:
             serve.fire(Event.LOOKUP)
         serve.pending_lookups.append(msg)
-        self._pending.add(cost)
+        self.pending.add(cost)
         if serve not in self._serve_queue:
             self._serve_queue.append(serve)
 
     def _drop_pending(self, serve: Serve) -> list[Lookup]:
         """Take a serve's queued lookups off the pending-keys budget."""
         pending, serve.pending_lookups = serve.pending_lookups, []
-        self._pending.add(-sum(max(1, len(lk.keys)) for lk in pending))
+        self.pending.add(-sum(max(1, len(lk.keys)) for lk in pending))
         return pending
 
     def serve_lookups(self, pinner: Pinner, now: float) -> None:
@@ -231,7 +209,7 @@ class ProducerSide:
                 except Exception:
                     # The engine could not pin: an all-miss answer, and the
                     # window goes on for every other lookup.
-                    self.link.counters.bump(self.link.counters.failures, "pin_error")
+                    self.link.counters.failed("pin_error")
                     result = PinResult([], [])
                 hits = result.hits or [False] * len(lookup.keys)
                 for job_id, pkeys, pslots in result.pins:
@@ -240,40 +218,16 @@ class ProducerSide:
                     serve.pins.append(
                         Pin(job_id, dict(zip(pkeys, pslots, strict=True)))
                     )
-                self.link.send(self._answer(serve, lookup, hits))
+                hold_ms = round(self.link.timeouts.hold_s() * 1000) if self.reads else 0
+                self.link.send(serve.answer(lookup, hits, hold_ms))
             serve.fire(Event.SERVED)
             # Never less than an offer announces (whole milliseconds, one at
             # least): a pin lifetime under 1 ms was announced as 1 ms and
             # released before it, under a READ the consumer still trusted.
             self.link.arm(
-                serve, now + max(self.link.timeouts.pin_ttl_s, self._hold_s())
+                serve,
+                now + max(self.link.timeouts.pin_ttl_s, self.link.timeouts.hold_s()),
             )
-
-    def _answer(self, serve: Serve, lookup: Lookup, hits: list[bool]) -> LookupResp:
-        if not self.reads or not any(hits):
-            return LookupResp(serve.req, serve.gen, lookup.seq, hits)
-        table = serve.slot_table()
-        slots = [
-            table.get(key, -1) if hit else 0
-            for key, hit in zip(lookup.keys, hits, strict=True)
-        ]
-        if -1 in slots:
-            # A hit the engine did not pin for us: no READ offer at all.
-            return LookupResp(serve.req, serve.gen, lookup.seq, hits)
-        serve.offered = True
-        ttl_ms = round(self._hold_s() * 1000)
-        return LookupResp(serve.req, serve.gen, lookup.seq, hits, slots, ttl_ms)
-
-    def _hold_s(self, nbytes: int = 0) -> float:
-        """How long blocks offered for a READ of ``nbytes`` are held, as
-        announced: the pins' lifetime, plus the READ's own time (at the rate
-        the deadlines assume, over the reader's share of the window), so a
-        load too large for the bare lifetime can still be read inside it.
-        Whole milliseconds, as the wire carries them: announcing less than
-        we hold is always safe, more never happens."""
-        t = self.link.timeouts
-        hold = t.pin_ttl_s + nbytes / t.fetch_bytes_per_s / t.read_window
-        return max(1, min(int(hold * 1000), MAX_TTL_MS)) / 1000.0
 
     def on_release(self, msg: Release) -> None:
         serve = self._serves.get((msg.req, msg.gen))
@@ -306,26 +260,24 @@ class ProducerSide:
         if serve is None and not msg.parked:
             # A lookup came first, and its pins are gone: nothing of ours
             # will ever serve this.
-            self.link.counters.bump(self.link.counters.failures, "fetch_not_pinned")
+            self.link.counters.failed("fetch_not_pinned")
             self.link.send(TransferDone(msg.req, msg.gen, msg.job, False, "not pinned"))
             return
         if serve is None:
             if len(self._serves) >= self.link.limits.max_serves:
                 self.link.send(TransferDone(msg.req, msg.gen, msg.job, False, "busy"))
                 return
-            waiting = self._waiting.keys
-            engine = self._waiting.engine.keys if self._waiting.engine else waiting
-            cost = len(msg.keys)
-            mine = waiting + cost > self.link.limits.max_waiting_fetch_keys
-            if mine or engine + cost > self.link.limits.engine_waiting_fetch_keys:
+            cost, limits = len(msg.keys), self.link.limits
+            over = self.waiting.over(
+                cost, limits.max_waiting_fetch_keys, limits.engine_waiting_fetch_keys
+            )
+            if over is not None:
                 # Counted per serve alone, a peer could make us hold 4,096
                 # Fetches of 65,536 keys each: 28 GiB.
+                scope, held, whose = over
                 self.link.protocol_error(
-                    "limit_waiting_fetch_keys"
-                    if mine
-                    else "limit_engine_waiting_fetch_keys",
-                    f"{waiting if mine else engine} keys of fetches already wait "
-                    f"for our stores{'' if mine else ' from all peers'}",
+                    f"limit_{scope}waiting_fetch_keys",
+                    f"{held} keys of fetches already wait for our stores{whose}",
                     msg.req,
                     msg.gen,
                 )
@@ -342,8 +294,8 @@ class ProducerSide:
             serve.fetch = msg
             self.link.arm(serve, serve.deadline)
             self._serves[(msg.req, msg.gen)] = serve
-            serve.waiting = self._waiting
-            self._waiting.add(cost)
+            serve.waiting = self.waiting
+            self.waiting.add(cost)
             self.link.emit(WantsParked(serve))
             return
         if serve.state is State.REVOKING:
@@ -376,21 +328,15 @@ class ProducerSide:
     def attach_parked(
         self, serve: Serve, stores: list[ParkedStore], complete: bool, now: float
     ) -> None:
-        """The manager hands over parked stores for a waiting fetch."""
-        for store in stores:
-            store.fire(Event.FETCH)
-            serve.parked.append(store)
-        serve.complete = serve.complete or complete
-        fetch = serve.fetch
-        assert fetch is not None
-        table = serve.slot_table()
-        if all(k in table for k in fetch.keys):
+        """The owner hands over parked stores for a waiting fetch (and says
+        whether more may come)."""
+        if serve.bind(stores, complete):
             self._serve_fetch(serve, Event.STORES_READY, now)
         elif serve.complete:
+            assert serve.fetch is not None
+            job = serve.fetch.job
             self.link.send(
-                TransferDone(
-                    serve.req, serve.gen, fetch.job, False, "blocks not stored"
-                )
+                TransferDone(serve.req, serve.gen, job, False, "blocks not stored")
             )
             self._release_serve(serve, Event.TIMEOUT, ok=False, reason="missing")
 
@@ -399,19 +345,10 @@ class ProducerSide:
         peer (FetchWait), at most once a heartbeat interval, so that it
         waits on past its fetch deadline. Promised for no longer than we
         hold the Fetch ourselves (its deadline, ``parked_ttl_s``)."""
-        fetch = serve.fetch
-        if (
-            fetch is None
-            or serve.state is not State.FETCH_WAITING
-            or now < serve.told_wait + self.link.timeouts.heartbeat_interval_s
-            or not self.link.ready
-        ):
-            return
-        ttl_ms = min(MAX_TTL_MS, round((serve.deadline - now) * 1000))
-        if ttl_ms <= 0:
-            return
-        serve.told_wait = now
-        self.link.send(FetchWait(serve.req, serve.gen, fetch.job, ttl_ms))
+        if self.link.ready:
+            note = serve.wait_note(now, self.link.timeouts.heartbeat_interval_s)
+            if note is not None:
+                self.link.send(note)
 
     def _serve_fetch(self, serve: Serve, write_event: Event, now: float) -> None:
         """The serve's Fetch, its blocks all held: offered for the consumer
@@ -433,7 +370,7 @@ class ProducerSide:
             return
         serve.fire(Event.OFFER)
         serve.offered = True
-        hold_s = self._hold_s(len(src) * self.link.me.block_bytes)
+        hold_s = self.link.timeouts.hold_s(len(src) * self.link.me.block_bytes)
         self.link.arm(serve, now + hold_s)
         fetch = serve.fetch
         assert fetch is not None
@@ -483,7 +420,7 @@ class ProducerSide:
             return
         fetch = serve.fetch
         assert fetch is not None
-        self.link.send(self._write_reply(serve, ok))
+        self.link.send(serve.write_reply(ok))
         if ok:
             self.link.counters.bytes_served += (
                 len(fetch.keys) * self.link.me.block_bytes
@@ -493,20 +430,6 @@ class ProducerSide:
             Event.WRITES_DONE if ok else Event.WRITES_FAILED,
             ok=ok,
             reason="" if ok else "write_failed",
-        )
-
-    def _write_reply(self, serve: Serve, ok: bool) -> Message:
-        """What the peer hears once a posted write can no longer land."""
-        if serve.state in ABORTED_WRITES:
-            return AbortAck(serve.req, serve.gen)
-        assert serve.fetch is not None
-        why = (
-            "write deadline"
-            if serve.state is State.WRITE_CANCELLING
-            else "write failed"
-        )
-        return TransferDone(
-            serve.req, serve.gen, serve.fetch.job, ok, "" if ok else why
         )
 
     def on_write_unstoppable(
@@ -547,9 +470,7 @@ class ProducerSide:
         for lookup in self._drop_pending(serve):
             # Answered, not dropped: the consumer need not wait for its
             # lookup deadline to learn that nothing is held.
-            self.link.send(
-                LookupResp(serve.req, serve.gen, lookup.seq, [False] * len(lookup.keys))
-            )
+            self.link.send(all_miss(lookup))
         self._serves.pop((serve.req, serve.gen), None)
         if serve.write_id in self._writing:
             del self._writing[serve.write_id]
@@ -566,11 +487,7 @@ class ProducerSide:
         for serve in list(self._serves.values()):
             if serve.exposed and serve.can(Event.REVOKE):
                 for lookup in self._drop_pending(serve):
-                    self.link.send(
-                        LookupResp(
-                            serve.req, serve.gen, lookup.seq, [False] * len(lookup.keys)
-                        )
-                    )
+                    self.link.send(all_miss(lookup))
                 if serve in self._serve_queue:
                     self._serve_queue.remove(serve)
                 serve.fire(Event.REVOKE)
@@ -589,12 +506,12 @@ class ProducerSide:
         (a write the data plane never said it stopped)."""
         fetch = serve.fetch
         if serve.state in WRITES_IN_FLIGHT:
-            self.link.counters.bump(self.link.counters.failures, "write_timeout")
+            self.link.counters.failed("write_timeout")
             if not serve.write_posted:
                 # Never handed to the data plane, and now it never will be
                 # (its PostWrite goes stale): nothing can land, so the peer
                 # may hear so at once.
-                self.link.send(self._write_reply(serve, False))
+                self.link.send(serve.write_reply(False))
                 self._release_serve(
                     serve, Event.WRITES_FAILED, ok=False, reason="deadline"
                 )

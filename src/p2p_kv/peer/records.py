@@ -10,13 +10,30 @@ request is popping its record.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Protocol, TypeVar
 
-from p2p_kv.lifecycle import FENCED_LOADS, Effect, Event, Machine, State, Tracked
-from p2p_kv.peer.events import StoreResult
-from p2p_kv.protocol import Fetch, Lookup
+from p2p_kv.lifecycle import (
+    ABORTED_WRITES,
+    FENCED_LOADS,
+    Effect,
+    Event,
+    Machine,
+    State,
+    Tracked,
+)
+from p2p_kv.peer.events import LoadResult, StoreResult
+from p2p_kv.protocol import (
+    MAX_TTL_MS,
+    AbortAck,
+    Fetch,
+    FetchWait,
+    Lookup,
+    LookupResp,
+    Message,
+    TransferDone,
+)
 
 
 @dataclass(frozen=True)
@@ -54,6 +71,16 @@ class Timeouts:
     def fetch_deadline(self, now: float, nbytes: int) -> float:
         return now + self.fetch_floor_s + nbytes / self.fetch_bytes_per_s
 
+    def hold_s(self, nbytes: int = 0) -> float:
+        """How long blocks offered for a READ of ``nbytes`` are held, as
+        announced: the pins' lifetime, plus the READ's own time (at the rate
+        the deadlines assume, over the reader's share of the window), so a
+        load too large for the bare lifetime can still be read inside it.
+        Whole milliseconds, as the wire carries them: announcing less than
+        we hold is always safe, more never happens."""
+        hold = self.pin_ttl_s + nbytes / self.fetch_bytes_per_s / self.read_window
+        return max(1, min(int(hold * 1000), MAX_TTL_MS)) / 1000.0
+
 
 @dataclass(frozen=True)
 class Limits:
@@ -85,6 +112,13 @@ class Offer:
     req: str
     valid_until: float
     slots: dict[bytes, int] = field(default_factory=dict)
+
+    def covers(self, keys: Iterable[bytes], done_by: float) -> bool:
+        """Every key offered, and a READ ending by ``done_by`` (at the rate
+        the deadlines assume) still inside the trust window: a READ chosen
+        at the window's end fails, where a Fetch, the pins still held,
+        would load."""
+        return done_by < self.valid_until and all(map(self.slots.__contains__, keys))
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,6 +227,26 @@ class Load(Tracked):
         #: cancelled READ or the session's end is one failure, not two.
         self.failed_as = ""
 
+    def fail_as(self, counters: SessionCounters, reason: str) -> str:
+        """Count this load's failure once, under the first reason it failed
+        for (a load that timed out and then ended through the peer's
+        AbortAck is one failure), and return that reason."""
+        if not self.failed_as:
+            self.failed_as = reason
+            counters.failed(reason)
+        return self.failed_as
+
+    def result(self, ok: bool, reason: str, now: float) -> LoadResult:
+        return LoadResult(
+            job_id=self.job,
+            gen=self.gen,
+            success=ok,
+            reason=reason,
+            nbytes=self.nbytes if ok else 0,
+            elapsed_s=max(0.0, now - self.started),
+            request_finished=self.request_finished,
+        )
+
     @property
     def is_read(self) -> bool:
         return self.read_until > 0.0
@@ -201,6 +255,12 @@ class Load(Tracked):
     def fenced(self) -> bool:
         """True while a transfer into this job's slots may still land."""
         return self.state in FENCED_LOADS
+
+
+def all_miss(lookup: Lookup) -> LookupResp:
+    """A lookup's answer when nothing is held for it: every key a miss, at
+    once (the consumer need not wait for its lookup deadline)."""
+    return LookupResp(lookup.req, lookup.gen, lookup.seq, [False] * len(lookup.keys))
 
 
 @dataclass(slots=True)
@@ -249,6 +309,18 @@ class KeyCount:
         self.keys += n
         if self.engine is not None:
             self.engine.keys += n
+
+    def over(self, cost: int, mine: int, engine: int) -> tuple[str, int, str] | None:
+        """None if ``cost`` more keys fit this count's bound (``mine``) and
+        the engine's (``engine``); else which bound refused them (a metric
+        name's scope: ``""`` or ``"engine_"``), the keys it holds, and whose
+        they are (for the peer's Error)."""
+        if self.keys + cost > mine:
+            return "", self.keys, ""
+        held = self.engine.keys if self.engine is not None else self.keys
+        if held + cost > engine:
+            return "engine_", held, " from all peers"
+        return None
 
     def detach(self) -> None:
         """Take these keys out of the engine's count, for good."""
@@ -334,6 +406,60 @@ class Serve(Tracked):
         deadline, and over UCX's TCP transport the READ needs our progress."""
         return self.offered and self.held_blocks > 0
 
+    def answer(self, lookup: Lookup, hits: list[bool], hold_ms: int) -> LookupResp:
+        """The answer to ``lookup``: with our slots of its hits, offered for
+        READ for ``hold_ms`` (0: we offer no READs), when every hit is pinned
+        here; else the hits alone."""
+        if not hold_ms or not any(hits):
+            return LookupResp(self.req, self.gen, lookup.seq, hits)
+        table = self.slot_table()
+        slots = [
+            table.get(key, -1) if hit else 0
+            for key, hit in zip(lookup.keys, hits, strict=True)
+        ]
+        if -1 in slots:
+            # A hit the engine did not pin for us: no READ offer at all.
+            return LookupResp(self.req, self.gen, lookup.seq, hits)
+        self.offered = True
+        return LookupResp(self.req, self.gen, lookup.seq, hits, slots, hold_ms)
+
+    def write_reply(self, ok: bool) -> Message:
+        """What the peer hears once a posted write can no longer land."""
+        if self.state in ABORTED_WRITES:
+            return AbortAck(self.req, self.gen)
+        assert self.fetch is not None
+        cancelled = self.state is State.WRITE_CANCELLING
+        why = "" if ok else "write deadline" if cancelled else "write failed"
+        return TransferDone(self.req, self.gen, self.fetch.job, ok, why)
+
+    def bind(self, stores: list[ParkedStore], complete: bool) -> bool:
+        """Take parked stores for this serve's Fetch (``complete``: no more
+        will come); True once it holds every block the Fetch names."""
+        for store in stores:
+            store.fire(Event.FETCH)
+            self.parked.append(store)
+        self.complete = self.complete or complete
+        assert self.fetch is not None
+        table = self.slot_table()
+        return all(k in table for k in self.fetch.keys)
+
+    def wait_note(self, now: float, every_s: float) -> FetchWait | None:
+        """A FetchWait for the peer while this serve's Fetch waits for a
+        prefill running here, at most once every ``every_s``: promised for
+        no longer than we hold the Fetch ourselves (its deadline)."""
+        fetch = self.fetch
+        if (
+            fetch is None
+            or self.state is not State.FETCH_WAITING
+            or now < self.told_wait + every_s
+        ):
+            return None
+        ttl_ms = min(MAX_TTL_MS, round((self.deadline - now) * 1000))
+        if ttl_ms <= 0:
+            return None
+        self.told_wait = now
+        return FetchWait(self.req, self.gen, fetch.job, ttl_ms)
+
     def let_go(self, event: Event | None, ok: bool, reason: str) -> list[StoreResult]:
         """Everything held goes back to the engine: the pins' jobs (which
         only held blocks, so they succeed) and the bound parked stores
@@ -399,3 +525,11 @@ class SessionCounters:
 
     def bump(self, table: dict[str, int], key: str) -> None:
         tally(table, key, "other")
+
+    def failed(self, reason: str) -> None:
+        """Count a request's failure (a load's, a lookup's, a pin's)."""
+        tally(self.failures, reason, "other")
+
+    def error(self, code: str) -> None:
+        """Count a protocol error (the peer's, or one it told us of)."""
+        tally(self.protocol_errors, code, "other")

@@ -257,9 +257,7 @@ class Session:
                 self._lose(Loss("peer_down", f"peer said goodbye: {msg.reason}"))
                 return
             case Error():
-                link.counters.bump(
-                    link.counters.protocol_errors, PEER_REASON + msg.code
-                )
+                link.counters.error(PEER_REASON + msg.code)
                 return
             case Heartbeat():
                 return
@@ -274,7 +272,7 @@ class Session:
                 case Lookup():
                     producer.on_lookup(msg, now)
                 case LookupResp():
-                    consumer.on_lookup_resp(msg, now)
+                    consumer.lookups.on_lookup_resp(msg, now)
                 case Fetch():
                     producer.on_fetch(msg, now)
                 case FetchOffer():
@@ -304,7 +302,7 @@ class Session:
 
     def send_lookup(self, req: str, gen: int, keys: list[bytes], now: float) -> None:
         """Ask the peer about ``keys``; the answer comes as ProbeAnswered."""
-        self.consumer.send_lookup(req, gen, keys, now)
+        self.consumer.lookups.send(req, gen, keys, now)
 
     def send_fetch(
         self,
@@ -367,13 +365,18 @@ class Session:
         self.producer.release_unwritten()
 
     def pending_lookup_keys(self) -> int:
-        return self.producer.pending_lookup_keys()
+        """Keys of this peer's lookups queued for our engine."""
+        return self.producer.pending.keys
 
     def waiting_fetch_keys(self) -> int:
-        return self.producer.waiting_fetch_keys()
+        """Keys of this peer's Fetches that wait for stores to be parked."""
+        return self.producer.waiting.keys
 
     def leave_engine(self) -> None:
-        self.producer.leave_engine()
+        """The manager forgets this session: what it holds leaves the
+        engine's counts (and whatever it drops later, only its own)."""
+        self.producer.pending.detach()
+        self.producer.waiting.detach()
 
     @property
     def pinned_blocks(self) -> int:
@@ -385,7 +388,7 @@ class Session:
         """Earliest time :meth:`tick` has something to do."""
         first = self.link.next_deadline()
         if self.link.ready:
-            first = min(first, self.consumer.next_offer_deadline())
+            first = min(first, self.consumer.lookups.next_offer_deadline())
         return first
 
     def latest_deadline(self) -> float:
@@ -409,7 +412,7 @@ class Session:
         # the 5 s handshake.
         if not self._fire_timers(now) or link.handshaking:
             return
-        self.consumer.expire_offers(now)
+        self.consumer.lookups.expire_offers(now)
         link.keep_alive(now)
 
     def _fire_timers(self, now: float) -> bool:
