@@ -19,12 +19,12 @@ import msgspec
 import numpy as np
 
 from p2p_kv.data import NixlDataTransport, drain_timeout_for
+from p2p_kv.data.shm_copy import shared_region
+from p2p_kv.data.staged import DEFAULT_READ_STAGING_BYTES
 from p2p_kv.handshake import Identity
 from p2p_kv.manager import Answer, JobResult, LoadManager, Roles
 from p2p_kv.runtime import TierRuntime, fresh_nonce, open_transports
-from p2p_kv.same_host import shared_region
 from p2p_kv.session import PinResult, Timeouts
-from p2p_kv.staging import DEFAULT_READ_STAGING_BYTES
 
 
 def canonical_hashes(seed: str, block_tokens: int = 16) -> tuple[bytes, ...]:

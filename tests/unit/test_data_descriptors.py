@@ -284,8 +284,9 @@ def test_a_load_whose_ends_line_up_but_middle_does_not_is_copied(
     """From another GPU, 64 runs and more are our copy, one run NIXL's:
     one run was judged by the first and last index alone, so 64 blocks
     with their middle swapped in pairs went to NIXL, into the slots."""
-    from p2p_kv.data import IPC_MIN_RUNS, _may_copy
-    from p2p_kv.same_host_cuda import CudaIpcMapping
+    from p2p_kv.data.cuda_ipc import CudaIpcMapping
+    from p2p_kv.data.local import IPC_MIN_RUNS
+    from p2p_kv.data.local import may_copy as _may_copy
 
     other_gpu = CudaIpcMapping.__new__(CudaIpcMapping)
     other_gpu.same_gpu = False
