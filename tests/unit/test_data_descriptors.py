@@ -259,22 +259,32 @@ def test_error_handling_mode_checks() -> None:
 
 
 def test_module_imports_without_nixl(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The pure helpers must not pull NIXL in (it is imported lazily)."""
+    """The package and every module in it import without NIXL (it is
+    imported lazily, by a transport)."""
     import importlib
+    import pkgutil
 
     import p2p_kv
     import p2p_kv.data
 
-    # The import below rebinds the package's attribute as well as the
-    # module table's entry: later tests' `from p2p_kv import data` must get
-    # back the module everything else uses (they patched a copy, once).
+    # The imports below rebind the package's attribute as well as the
+    # module table's entries: later tests' `from p2p_kv import data` must
+    # get back the modules everything else uses (they patched copies, once).
     monkeypatch.setattr(p2p_kv, "data", p2p_kv.data)
     for name in [m for m in sys.modules if m == "nixl" or m.startswith("nixl.")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "nixl", None)  # makes `import nixl` fail
-    monkeypatch.delitem(sys.modules, "p2p_kv.data")
+    ours = [
+        m for m in sys.modules if m == "p2p_kv.data" or m.startswith("p2p_kv.data.")
+    ]
+    for name in ours:
+        monkeypatch.delitem(sys.modules, name)
     fresh = importlib.import_module("p2p_kv.data")
     assert fresh.build_descs(0, 4096, 0, [1], [2]) == [(4096, 8192, 0)]
+    names = [m.name for m in pkgutil.iter_modules(fresh.__path__)]
+    assert {"nixl", "regions", "staged", "transfer"} <= set(names)
+    for name in names:
+        importlib.import_module(f"p2p_kv.data.{name}")
 
 
 @pytest.mark.parametrize("as_array", [False, True])
