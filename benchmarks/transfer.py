@@ -10,10 +10,10 @@ both load paths:
   result. The Release to the producer leaves in the engine step that
   returns the result, before it: one send is inside *submit->result*. The
   producer is on this host, so the READ is a copy out of its shared region
-  (``p2p_kv.same_host``), not a NIXL transfer: the same-host shortcut;
+  (``p2p_kv.data.shm_copy``), not a NIXL transfer: the same-host shortcut;
 * ``nixl_read``: the same with ``same_host_copy`` off: the READ goes
   through NIXL (UCX, CMA here), as it does between hosts, into read
-  staging, then a copy into the slots (``p2p_kv.staging``);
+  staging, then a copy into the slots (``p2p_kv.data.staged``);
 * ``nixl_read_in_place``: the same with ``read_staging_mib: 0``: the READ
   lands in the slots (the cost of staging is the gap between the two);
 * ``write`` (reads off): lookup, Fetch, the producer WRITEs with NIXL,

@@ -5,7 +5,7 @@ vLLM keeps an engine's primary tier in ``/dev/shm/vllm_offload_<engine
 id>.mmap``. Its workers create and map it by that name; the scheduler, which
 vLLM builds after every worker has mapped the region, maps it last. From
 then on nobody needs the name: peers on this host open the region through
-the owner's fd in ``/proc`` (:mod:`p2p_kv.same_host`), and the memory lives
+the owner's fd in ``/proc`` (:mod:`p2p_kv.data.shm_copy`), and the memory lives
 as long as some process maps or holds it. So :func:`release_name` unlinks
 the name once the scheduler has mapped the file, and the memory goes when
 the engine's last process exits, however it exits (vLLM's own shutdown

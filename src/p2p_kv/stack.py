@@ -21,11 +21,11 @@ import msgspec
 
 from p2p_kv.control import ControlTransport
 from p2p_kv.data import NixlDataTransport, Region, drain_timeout_for
+from p2p_kv.data.staged import DEFAULT_READ_STAGING_BYTES
 from p2p_kv.handshake import Identity
 from p2p_kv.manager import LoadManager
 from p2p_kv.peer import Timeouts
 from p2p_kv.runtime import TierRuntime, fresh_nonce
-from p2p_kv.staging import DEFAULT_READ_STAGING_BYTES
 
 #: What an engine states in its Hello, from its data plane and its control
 #: address (``host:port``). Called once: while the stack is built, or with

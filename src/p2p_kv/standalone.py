@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from p2p_kv.data.shm_copy import shared_region
+from p2p_kv.data.staged import DEFAULT_READ_STAGING_BYTES
 from p2p_kv.manager import Answer, JobResult, LoadManager, Roles
 from p2p_kv.peer import PinResult, Timeouts
-from p2p_kv.same_host import shared_region
 from p2p_kv.stack import build_runtime, stated_identity
-from p2p_kv.staging import DEFAULT_READ_STAGING_BYTES
 
 
 def canonical_hashes(seed: str, block_tokens: int = 16) -> tuple[bytes, ...]:

@@ -38,9 +38,8 @@ import psutil
 import pytest
 
 from p2p_kv.data import NixlDataTransport, RegionInfo
+from p2p_kv.data.offer import CudaIpcRegion, ShmRegion
 from p2p_kv.procfs import boot_id
-from p2p_kv.same_host import ShmRegion
-from p2p_kv.same_host_cuda import CudaIpcRegion
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -414,11 +413,11 @@ def test_what_nixl_loaded_is_dropped_on_every_failure(
 ) -> None:
     """Past the check (as if it missed something), NIXL loads metadata that
     the Region then fails: nothing of it stays loaded, whatever failed."""
-    from p2p_kv import data
+    from p2p_kv.data import peers
 
     us, peer, _ = parties
     good = peer.local_region()
-    monkeypatch.setattr(data, "check_peer_metadata", lambda *_: None)
+    monkeypatch.setattr(peers, "check_peer_metadata", lambda *_: None)
     fields = _fields(good.agent_metadata)
     name = good.agent_name.encode()
     error: type[Exception] = ValueError
@@ -437,7 +436,7 @@ def test_what_nixl_loaded_is_dropped_on_every_failure(
         def broken(*_: object) -> None:
             raise RuntimeError("mapping broke")
 
-        monkeypatch.setattr(us, "_maybe_map", broken)
+        monkeypatch.setattr(us._local, "maybe_map", broken)
         error = RuntimeError
     fields[0] = (b"Agent", name)
     info = msgspec.structs.replace(good, agent_metadata=_blob(fields))
@@ -517,7 +516,12 @@ def test_memory_types_are_nixls(parties: Parties) -> None:
     make one)."""
     from nixl._bindings import DRAM_SEG, VRAM_SEG
 
-    from p2p_kv.data import _NIXL_MEM_TYPES, MEM_DRAM, MEM_VRAM, check_peer_metadata
+    from p2p_kv.data.regions import (
+        _NIXL_MEM_TYPES,
+        MEM_DRAM,
+        MEM_VRAM,
+        check_peer_metadata,
+    )
 
     assert {MEM_DRAM: int(DRAM_SEG), MEM_VRAM: int(VRAM_SEG)} == _NIXL_MEM_TYPES
     host = parties[1].local_region()

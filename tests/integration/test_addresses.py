@@ -110,8 +110,8 @@ def test_a_peer_whose_connection_is_named_late_proves_itself_then(
     the data plane decides what it opens: a shared file, but no GPU memory
     into our host region."""
     from p2p_kv import data as data_mod
+    from p2p_kv.data.offer import CudaIpcRegion
     from p2p_kv.procfs import boot_id
-    from p2p_kv.same_host_cuda import CudaIpcRegion
 
     real = data_mod.NixlDataTransport.local_region
 

@@ -144,17 +144,17 @@ def pair(
     kind, path = request.param
     import torch
 
-    from p2p_kv import data, same_host_cuda
+    from p2p_kv.data import cuda_ipc, local
     from p2p_kv.standalone import StandalonePeer
 
     if path == "read_ipc":
-        monkeypatch.setattr(data, "IPC_MIN_RUNS", 1)
+        monkeypatch.setattr(local, "IPC_MIN_RUNS", 1)
         # Split the batches over streams: 8 runs over 2, 15 over 4 (3+4+4+4).
-        monkeypatch.setattr(same_host_cuda, "BATCH_MIN_RUNS", 3)
+        monkeypatch.setattr(cuda_ipc, "BATCH_MIN_RUNS", 3)
     elif path == "read_per_run":
-        monkeypatch.setattr(same_host_cuda, "_memcpy_batch", lambda lib: None)
+        monkeypatch.setattr(cuda_ipc, "_memcpy_batch", lambda lib: None)
     elif path == "read_torch":
-        monkeypatch.setattr(same_host_cuda, "_cudart", lambda: None)
+        monkeypatch.setattr(cuda_ipc, "_cudart", lambda: None)
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
@@ -246,7 +246,7 @@ def test_fetch_into_gpu_memory(pair: tuple[Any, str, str, Any, str]) -> None:
         copies = 2
     assert consumer.runtime.data.local_reads == copies
     if copies:
-        assert consumer.runtime.data._copier.mode == COPY_MODES[path]
+        assert consumer.runtime.data._local.copier.mode == COPY_MODES[path]
     # Only the write path lets the producer write into our slots.
     written = sum(s.counters.loads_written for s in consumer.manager.sessions())
     assert written == (len(mappings) if path == "write" else 0)
@@ -268,7 +268,7 @@ def _exporter(conn: Any, stop: Any) -> None:
 
     import torch
 
-    from p2p_kv.same_host_cuda import export_cuda_region
+    from p2p_kv.data.cuda_ipc import export_cuda_region
 
     tensor = torch.full((2 * 1024 * KIB,), 0x11, dtype=torch.uint8, device="cuda")
     offer = export_cuda_region(tensor.data_ptr(), tensor.numel(), 0)
@@ -291,9 +291,10 @@ def test_a_cuda_ipc_offer_past_its_allocation_is_refused() -> None:
 
     import torch
 
-    from p2p_kv import same_host_cuda
+    from p2p_kv.data import cuda_ipc
+    from p2p_kv.data.cuda_ipc import CudaCopier, CudaIpcMapping
+    from p2p_kv.data.offer import CudaIpcRegion
     from p2p_kv.procfs import boot_id, socket_inode
-    from p2p_kv.same_host_cuda import CudaCopier, CudaIpcMapping, CudaIpcRegion
 
     _devices()  # skips, saying why, without CUDA
     ctx = mp.get_context("spawn")
@@ -319,7 +320,7 @@ def test_a_cuda_ipc_offer_past_its_allocation_is_refused() -> None:
         copier.register(good)
         # The handle opens the peer's whole allocation (torch's caching
         # allocator hands out a segment larger than the tensor).
-        _, size = same_host_cuda._address_range(good._base)
+        _, size = cuda_ipc._address_range(good._base)
         copier.unregister(good)
         good.close()
         for off, length in ((size, mib2), (size - 4096, mib2)):  # past, over
@@ -347,10 +348,10 @@ def test_a_copy_into_gpu_slots_waits_for_work_queued_before_it(
 
     import torch
 
+    from p2p_kv.data.cuda_ipc import CudaCopier
+    from p2p_kv.data.shm_copy import PeerMapping, find_backing, shared_region
     from p2p_kv.plan import plan_write
     from p2p_kv.procfs import socket_inode
-    from p2p_kv.same_host import PeerMapping, find_backing, shared_region
-    from p2p_kv.same_host_cuda import CudaCopier
 
     _devices()  # skips, saying why, without CUDA
     bs, n = 64 * KIB, 64

@@ -164,10 +164,10 @@ def _worker(
 
     def set_prep_max(n: int) -> int:
         """Regions above ``n`` blocks build descriptors per transfer."""
-        import p2p_kv.data as data
+        from p2p_kv.data import peers
 
-        old = data.PREP_MAX_BLOCKS
-        data.PREP_MAX_BLOCKS = n  # type: ignore[misc]
+        old = peers.PREP_MAX_BLOCKS
+        peers.PREP_MAX_BLOCKS = n  # type: ignore[misc]
         return old
 
     handlers: dict[str, Callable[..., Any]] = {
@@ -633,7 +633,7 @@ def test_same_host_copy_only_from_the_process_we_talk_to() -> None:
 
 
 # ---------------------------------------------------------------------------
-# READs given up on while they run: staging (p2p_kv.staging)
+# READs given up on while they run: staging (p2p_kv.data.staged)
 # ---------------------------------------------------------------------------
 
 
@@ -737,7 +737,7 @@ def test_a_read_given_up_on_while_it_runs_lands_only_in_staging(
             assert landed == [], f"a failed READ wrote slots {landed} afterwards"
             # It ended: its staging is free, the removed peer's agent gone.
             assert cons.staging_blocks() == (8, 8, 0)
-            assert cons._retiring == {}
+            assert cons._peers.retiring == {}
         else:
             assert landed == [4, 5, 6, 7]
 
@@ -749,8 +749,7 @@ def test_closing_after_a_dead_peers_reads_frees_the_staging(
     cannot land once its agent is dropped, which close does: their
     staging was still kept for the life of the process, as for READs that
     may still run."""
-    import p2p_kv.data
-    from p2p_kv.data import NixlDataTransport
+    from p2p_kv.data import NixlDataTransport, staged
 
     monkeypatch.setenv("UCX_TLS", TCP_ONLY)
     bs, n = 64 * KIB, 16
@@ -760,7 +759,7 @@ def test_closing_after_a_dead_peers_reads_frees_the_staging(
     cons = NixlDataTransport(
         dst, bs, name="dead-cons", same_host=False, read_staging_bytes=8 * bs
     )
-    kept = len(p2p_kv.data._KEPT_STAGING)
+    kept = len(staged._KEPT_STAGING)
     try:
         cons.add_peer(prod.local_region())
         cons.post_read(prod.agent_name, list(range(10)), list(range(10)))
@@ -768,14 +767,18 @@ def test_closing_after_a_dead_peers_reads_frees_the_staging(
         cons.poll_completions()
         prod.close()
         end = time.monotonic() + STEP_TIMEOUT_S
-        while not cons._zombies or not all(z.gone for z in cons._zombies):
-            assert time.monotonic() < end, [(z.gone, z.lost) for z in cons._zombies]
+        while not cons._staging.zombies or not all(
+            z.gone for z in cons._staging.zombies
+        ):
+            assert time.monotonic() < end, [
+                (z.gone, z.lost) for z in cons._staging.zombies
+            ]
             cons.poll_completions()
             time.sleep(0.01)
     finally:
         cons.close()
         prod.close()
-    assert len(p2p_kv.data._KEPT_STAGING) == kept
+    assert len(staged._KEPT_STAGING) == kept
 
 
 def test_staging_larger_than_the_region_is_the_region(
@@ -797,14 +800,14 @@ def test_staging_that_cannot_be_made_fails_reads_and_says_so_once(
 ) -> None:
     """Memory short at the first staged READ: each READ fails (to
     recompute) and tries again, the log says why once, not per READ."""
-    import p2p_kv.data
+    from p2p_kv.data import staged
 
     def short(*_: object, **__: object) -> None:
         raise MemoryError("no room for staging")
 
     bs, n = 4 * KIB, 16
     with _tcp_pair(monkeypatch, bs, n, 4 * bs, "short") as (prod, cons, src, got):
-        monkeypatch.setattr(p2p_kv.data, "StagingMemory", short)
+        monkeypatch.setattr(staged, "StagingMemory", short)
         with caplog.at_level("WARNING", logger="p2p_kv.data"):
             tids = [cons.post_read(prod.agent_name, [i], [i]) for i in range(3)]
         assert cons.poll_completions() == [(t, False) for t in tids]
@@ -827,9 +830,9 @@ def test_a_removed_peer_that_comes_back_while_its_read_runs_is_taken_back(
         tid = cons.post_read(prod.agent_name, [0, 1], [2, 3])
         cons.remove_peer(prod.agent_name)
         assert cons.poll_completions() == [(tid, False)]
-        assert list(cons._retiring) == [prod.agent_name]
+        assert list(cons._peers.retiring) == [prod.agent_name]
         cons.add_peer(prod.local_region())
-        assert cons.peers() == [prod.agent_name] and cons._retiring == {}
+        assert cons.peers() == [prod.agent_name] and cons._peers.retiring == {}
         tid = cons.post_read(prod.agent_name, [5], [9])
         assert _completions(prod, cons) == [(tid, True)]
         assert np.array_equal(got[9], src[5])
@@ -1076,8 +1079,7 @@ def test_a_region_passed_off_under_another_peers_name_is_refused(
     reads it, so the known agent keeps its state and its session; should
     NIXL ever load it (a format the check does not know), the known agent
     is fenced and dropped, never left half-invalidated."""
-    from p2p_kv import data
-    from p2p_kv.data import NixlDataTransport
+    from p2p_kv.data import NixlDataTransport, peers
 
     bs, n = 4 * KIB, 16
     bufs = [
@@ -1106,7 +1108,7 @@ def test_a_region_passed_off_under_another_peers_name_is_refused(
         # Loaded anyway: a's NIXL state may now be the sender's, so a is
         # dropped (fenced), and its session must end too (its READs found
         # no peer for as long as it lived): a new one loads a's agent again.
-        monkeypatch.setattr(data, "check_peer_metadata", lambda *_: None)
+        monkeypatch.setattr(peers, "check_peer_metadata", lambda *_: None)
         with pytest.raises(ValueError, match="names agent"):
             c.add_peer(msgspec.structs.replace(ia, agent_name="pass-x"))
         assert c.peers() == [ib.agent_name]
@@ -1126,8 +1128,8 @@ def test_a_copy_whose_check_raises_is_reported_failed_and_nothing_is_lost() -> N
     """A CUDA error is sticky: the check of a GPU copy in flight raises
     (simulated here: no GPU in CI). The completions taken before it in the
     same call used to be lost with the exception."""
-    from p2p_kv.data import NixlDataTransport, _Xfer
-    from p2p_kv.same_host_cuda import CopyInFlight
+    from p2p_kv.data import NixlDataTransport
+    from p2p_kv.data.cuda_ipc import CopyInFlight
 
     class BrokenEvent:
         def query(self) -> bool:
@@ -1138,8 +1140,8 @@ def test_a_copy_whose_check_raises_is_reported_failed_and_nothing_is_lost() -> N
 
     bs = 4 * KIB
     with NixlDataTransport(np.zeros(4 * bs, np.uint8), bs, name="broken") as t:
-        t._done.append((100, True))
-        t._inflight[101] = _Xfer(CopyInFlight(BrokenEvent()), "somebody")
+        t._ledger.report(100, True)
+        t._ledger.track(101, CopyInFlight(BrokenEvent()), "somebody")
         assert sorted(t.poll_completions()) == [(100, True), (101, False)]
         assert t.in_flight() == 0
 

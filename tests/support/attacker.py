@@ -129,7 +129,7 @@ def bad_region(cfg: dict[str, Any]) -> dict[str, Any]:
     import msgspec
 
     from p2p_kv.data import NixlDataTransport
-    from p2p_kv.same_host import shared_region
+    from p2p_kv.data.shm_copy import shared_region
 
     block = cfg.get("block_bytes", 4096)
     name = "mallory-AAAAAAAA"

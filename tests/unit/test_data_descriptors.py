@@ -259,22 +259,32 @@ def test_error_handling_mode_checks() -> None:
 
 
 def test_module_imports_without_nixl(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The pure helpers must not pull NIXL in (it is imported lazily)."""
+    """The package and every module in it import without NIXL (it is
+    imported lazily, by a transport)."""
     import importlib
+    import pkgutil
 
     import p2p_kv
     import p2p_kv.data
 
-    # The import below rebinds the package's attribute as well as the
-    # module table's entry: later tests' `from p2p_kv import data` must get
-    # back the module everything else uses (they patched a copy, once).
+    # The imports below rebind the package's attribute as well as the
+    # module table's entries: later tests' `from p2p_kv import data` must
+    # get back the modules everything else uses (they patched copies, once).
     monkeypatch.setattr(p2p_kv, "data", p2p_kv.data)
     for name in [m for m in sys.modules if m == "nixl" or m.startswith("nixl.")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "nixl", None)  # makes `import nixl` fail
-    monkeypatch.delitem(sys.modules, "p2p_kv.data")
+    ours = [
+        m for m in sys.modules if m == "p2p_kv.data" or m.startswith("p2p_kv.data.")
+    ]
+    for name in ours:
+        monkeypatch.delitem(sys.modules, name)
     fresh = importlib.import_module("p2p_kv.data")
     assert fresh.build_descs(0, 4096, 0, [1], [2]) == [(4096, 8192, 0)]
+    names = [m.name for m in pkgutil.iter_modules(fresh.__path__)]
+    assert {"nixl", "regions", "staged", "transfer"} <= set(names)
+    for name in names:
+        importlib.import_module(f"p2p_kv.data.{name}")
 
 
 @pytest.mark.parametrize("as_array", [False, True])
@@ -284,8 +294,9 @@ def test_a_load_whose_ends_line_up_but_middle_does_not_is_copied(
     """From another GPU, 64 runs and more are our copy, one run NIXL's:
     one run was judged by the first and last index alone, so 64 blocks
     with their middle swapped in pairs went to NIXL, into the slots."""
-    from p2p_kv.data import IPC_MIN_RUNS, _may_copy
-    from p2p_kv.same_host_cuda import CudaIpcMapping
+    from p2p_kv.data.cuda_ipc import CudaIpcMapping
+    from p2p_kv.data.local import IPC_MIN_RUNS
+    from p2p_kv.data.local import may_copy as _may_copy
 
     other_gpu = CudaIpcMapping.__new__(CudaIpcMapping)
     other_gpu.same_gpu = False

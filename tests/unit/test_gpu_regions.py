@@ -22,11 +22,12 @@ import msgspec
 import numpy as np
 import pytest
 
-from p2p_kv import data
-from p2p_kv.data import MEM_DRAM, MEM_VRAM, NixlDataTransport, RegionInfo
+from p2p_kv.data import MEM_DRAM, MEM_VRAM, NixlDataTransport, RegionInfo, local, staged
+from p2p_kv.data import agent as agent_mod
+from p2p_kv.data.cuda_ipc import export_cuda_region
+from p2p_kv.data.offer import CudaIpcRegion
 from p2p_kv.plan import WritePlan
 from p2p_kv.procfs import boot_id
-from p2p_kv.same_host_cuda import CudaIpcRegion
 
 BS = 4096
 
@@ -242,9 +243,9 @@ def agents(
         return made[-1]
 
     monkeypatch.setattr(
-        data, "_load_nixl", lambda: (agent, lambda **kw: kw, _dlist), raising=True
+        agent_mod, "load_nixl", lambda: (agent, lambda **kw: kw, _dlist), raising=True
     )
-    monkeypatch.setattr(data, "StagingMemory", FakeStaging)
+    monkeypatch.setattr(staged, "StagingMemory", FakeStaging)
     return made
 
 
@@ -334,7 +335,7 @@ def test_vram_read_names_each_sides_gpu(agents: list[FakeAgent], staged: bool) -
         "mem:VRAM", [(remote_base + r * BS, BS, 0) for r in (30, 31, 5)]
     )
     if staged:
-        assert t._stage_mem.copies == [([0, 1, 2], [7, 8, 9])]
+        assert t._staging.mem.copies == [([0, 1, 2], [7, 8, 9])]
         assert t.staging_blocks() == (16, 16, 0)
 
 
@@ -370,7 +371,7 @@ def test_a_staged_read_keeps_two_pieces_in_flight(agents: list[FakeAgent]) -> No
     assert len(agent.handles) == 3  # its staging went to the third piece
     agent.landed.extend(agent.handles)
     assert t.poll_completions() == [(tid, True)]
-    copies = t._stage_mem.copies
+    copies = t._staging.mem.copies
     assert sorted(s for _, out in copies for s in out) == PIECES_SLOTS
     assert [out for _, out in copies] == [[5, 7], [1, 3], [9, 11]]
     assert t.staging_blocks() == (8, 8, 0)
@@ -386,7 +387,7 @@ def test_a_failed_piece_buries_the_piece_still_running(agents: list[FakeAgent]) 
     agent.landed.append(agent.handles[1])
     assert t.poll_completions() == []
     assert t.staging_blocks() == (8, 8, 0)
-    assert t._stage_mem.copies == []
+    assert t._staging.mem.copies == []
 
 
 def test_a_peer_that_stalls_mid_read_leaves_the_others_their_staging(
@@ -396,7 +397,7 @@ def test_a_peer_that_stalls_mid_read_leaves_the_others_their_staging(
     (UCX does not end them) until it resumes or dies. One such READ took
     the whole staging, and every other peer's READs waited out their
     deadlines for as long as the stall lasted: a peer's READs now hold at
-    most its share (``data.PEER_STAGING_SHARE``) of what the others leave."""
+    most its share (``staged.PEER_STAGING_SHARE``) of what the others leave."""
     t = NixlDataTransport(
         FakeCudaTensor(0x7F00_0000_0000, 32 * BS, index=1),
         BS,
@@ -416,7 +417,7 @@ def test_a_peer_that_stalls_mid_read_leaves_the_others_their_staging(
     assert len(agent.handles) - before == 2
     agent.landed.extend(agent.handles[before:])
     assert t.poll_completions() == [(tid, True)]
-    assert sorted(s for _, out in t._stage_mem.copies[-2:] for s in out) == [20, 22]
+    assert sorted(s for _, out in t._staging.mem.copies[-2:] for s in out) == [20, 22]
 
 
 def test_two_staged_reads_from_one_peer_share_its_staging(
@@ -441,7 +442,7 @@ def test_two_staged_reads_from_one_peer_share_its_staging(
         agent.landed[:] = agent.handles
         done += t.poll_completions()
     assert sorted(done) == [(first, True), (second, True)]
-    landed = sorted(s for _, out in t._stage_mem.copies for s in out)
+    landed = sorted(s for _, out in t._staging.mem.copies for s in out)
     assert landed == sorted([*range(0, 12, 2), 20, 22, 24, 26])
     assert t.staging_blocks() == (16, 16, 0)
 
@@ -476,8 +477,8 @@ def test_an_idle_runtime_frees_the_staging_of_a_read_given_up_on(
         rt.poll(wait=False)
         assert t.staging_blocks() == (8, 8, 0)
         assert not t.settling()
-        assert t._retiring == {}  # and the removed peer's agent is dropped
-        assert t._stage_mem.copies == []  # nothing of it reached the slots
+        assert t._peers.retiring == {}  # and the removed peer's agent is dropped
+        assert t._staging.mem.copies == []  # nothing of it reached the slots
     finally:
         rt.close()
 
@@ -492,13 +493,13 @@ def test_a_transport_closed_under_a_read_given_up_on_keeps_only_its_staging(
     t, _, _ = _six_block_staged_read(agents)
     t.remove_peer("peer-1")  # the READ is given up on while it runs
     assert t.settling()
-    stage = t._stage_mem
-    kept = len(data._KEPT_STAGING)
+    stage = t._staging.mem
+    kept = len(staged._KEPT_STAGING)
     t.close()
     try:
-        assert data._KEPT_STAGING[kept:] == [stage.buffer]
+        assert staged._KEPT_STAGING[kept:] == [stage.buffer]
     finally:
-        del data._KEPT_STAGING[kept:]
+        del staged._KEPT_STAGING[kept:]
 
 
 def test_host_to_gpu_descriptors_mix_memory_types(
@@ -569,7 +570,7 @@ def test_a_gpu_region_offers_cuda_ipc_where_cuda_can_export_it(
     # No CUDA runtime in this process (or, on a GPU machine, no CUDA memory
     # at this address): nothing to export, NIXL reads the region.
     with pytest.raises(OSError, match=r"no CUDA runtime|cuMemGetAddressRange"):
-        data.export_cuda_region(0x7F00_0000_0000, 16 * BS, 0)
+        export_cuda_region(0x7F00_0000_0000, 16 * BS, 0)
     assert NixlDataTransport(region, BS).local_region().cuda_ipc is None
     asked: list[tuple[int, int, int]] = []
 
@@ -577,7 +578,7 @@ def test_a_gpu_region_offers_cuda_ipc_where_cuda_can_export_it(
         asked.append((addr, nbytes, device))
         return _ipc_offer(nbytes)
 
-    monkeypatch.setattr(data, "export_cuda_region", export)
+    monkeypatch.setattr(local, "export_cuda_region", export)
     info = NixlDataTransport(region, BS).local_region()
     assert asked == [(0x7F00_0000_0000, 16 * BS, 0)]
     wire = msgspec.msgpack.encode(info)
@@ -604,7 +605,7 @@ def test_only_a_gpu_consumer_opens_a_gpu_peers_ipc_offer(
             tried.append((offer, conn))
             raise OSError("no CUDA here")
 
-    monkeypatch.setattr(data, "CudaIpcMapping", Refusing)
+    monkeypatch.setattr(local, "CudaIpcMapping", Refusing)
     region: Any = (
         FakeCudaTensor(0x7F00_0000_0000, 16 * BS, index=0)
         if ours == "vram"
@@ -625,7 +626,9 @@ class OpenedGpuRegion:
     """A GPU peer's region as opened through CUDA IPC (not a host file)."""
 
     def __init__(self, same_gpu: bool) -> None:
-        self.same_gpu = same_gpu
+        #: as ``CudaIpcMapping.copy_always``: every load is copied from a
+        #: region on our own GPU
+        self.copy_always = same_gpu
 
 
 @pytest.mark.parametrize("same_gpu", [False, True], ids=["other_gpu", "same_gpu"])
@@ -634,10 +637,10 @@ def test_a_gpu_peers_loads_are_copied_when_they_scatter_or_share_our_gpu(
 ) -> None:
     """Opened through CUDA IPC, a region on another GPU is copied from only
     by loads of many runs; small or single-run loads stay on NIXL, which
-    posts them faster (``data.IPC_MIN_RUNS``). A region on our own GPU is
+    posts them faster (``local.IPC_MIN_RUNS``). A region on our own GPU is
     copied from by every load: NIXL's READs between two processes on one
     GPU crawl (0.7 GB/s on an H200)."""
-    monkeypatch.setattr(data, "IPC_MIN_RUNS", 4)
+    monkeypatch.setattr(local, "IPC_MIN_RUNS", 4)
     t = NixlDataTransport(FakeCudaTensor(0x7F00_0000_0000, 64 * BS, index=0), BS)
     t.add_peer(_peer(MEM_VRAM, 1, 0x7E00_0000_0000, 64))
     copied: list[list[tuple[int, int, int]]] = []
@@ -646,8 +649,8 @@ def test_a_gpu_peers_loads_are_copied_when_they_scatter_or_share_our_gpu(
         def copy(self, src: object, plan: WritePlan) -> None:
             copied.append(plan.runs())
 
-    t._peers["peer-1"].mapping = OpenedGpuRegion(same_gpu)  # type: ignore[assignment]
-    t._copier = Copier()  # type: ignore[assignment]
+    t._peers.known["peer-1"].mapping = OpenedGpuRegion(same_gpu)  # type: ignore[assignment]
+    t._local.copier = Copier()  # type: ignore[assignment]
     t.post_read("peer-1", [0, 1, 2], [5, 7, 9])  # 3 blocks: too few
     t.post_read("peer-1", list(range(8)), list(range(10, 18)))  # one run
     t.post_read("peer-1", list(range(8)), [10, 11, 12, 13, 20, 21, 22, 23])  # 2 runs

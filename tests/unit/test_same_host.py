@@ -13,16 +13,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2p_kv.plan import plan_write
-from p2p_kv.procfs import boot_id, socket_inode
-from p2p_kv.same_host import (
+from p2p_kv.data.offer import ShmRegion
+from p2p_kv.data.shm_copy import (
     PARALLEL_MIN_BYTES,
     HostCopier,
     PeerMapping,
-    ShmRegion,
     find_backing,
     split_segments,
 )
+from p2p_kv.plan import plan_write
+from p2p_kv.procfs import boot_id, socket_inode
 from p2p_kv.standalone import shared_region
 
 BB = 4096
@@ -332,7 +332,7 @@ def test_a_peer_cannot_have_us_read_a_file_it_may_not_read(
     root, which reads anything anyway)."""
     import time
 
-    from p2p_kv import same_host
+    from p2p_kv.data import shm_copy
 
     path = Path("/dev/shm") / f"p2p_kv-test-secret-{os.getpid()}"
     path.write_bytes(b"S" * BB)
@@ -366,12 +366,12 @@ def test_a_peer_cannot_have_us_read_a_file_it_may_not_read(
             # The handle passed on to a setuid-root program (su at its
             # prompt): root in effect, for a user who may not read the file.
             other = st.st_uid + 1
-            monkeypatch.setattr(same_host, "process_uids", lambda _pid: (other, 0))
+            monkeypatch.setattr(shm_copy, "process_uids", lambda _pid: (other, 0))
         elif os.geteuid() != 0:
             # Not root here: the peer keeps our uid, so stand in for the
             # uid it would have dropped to.
             other = os.getuid() + 1
-            monkeypatch.setattr(same_host, "process_uids", lambda _pid: (other, other))
+            monkeypatch.setattr(shm_copy, "process_uids", lambda _pid: (other, other))
         info = ShmRegion(boot_id(), pid, fd, st.st_dev, st.st_ino, 0, BB)
         with pytest.raises(ValueError, match="not a file of its own"):
             PeerMapping(info, inode)

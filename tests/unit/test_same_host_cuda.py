@@ -10,9 +10,10 @@ import os
 
 import pytest
 
-from p2p_kv import same_host_cuda
+from p2p_kv.data import cuda_ipc
+from p2p_kv.data.cuda_ipc import BATCH_MIN_RUNS, BATCH_STREAMS, batch_slices
+from p2p_kv.data.offer import CudaIpcRegion
 from p2p_kv.procfs import boot_id
-from p2p_kv.same_host_cuda import BATCH_MIN_RUNS, BATCH_STREAMS, batch_slices
 
 
 @pytest.mark.parametrize(
@@ -37,14 +38,14 @@ def test_batched_copies_are_typed_for_the_runtime_found(
     lib = types.SimpleNamespace(
         cudaRuntimeGetVersion=get_version, cudaMemcpyBatchAsync=batch
     )
-    fn = same_host_cuda._memcpy_batch(lib)  # type: ignore[arg-type]
+    fn = cuda_ipc._memcpy_batch(lib)  # type: ignore[arg-type]
     if arity == 0:
         assert fn is None
     else:
         assert len(fn.argtypes) == arity
         assert fn.argtypes[3] is ctypes.c_size_t  # count
-    assert same_host_cuda._memcpy_batch(None) is None
-    assert same_host_cuda._memcpy_async(None) is None
+    assert cuda_ipc._memcpy_batch(None) is None
+    assert cuda_ipc._memcpy_async(None) is None
 
 
 @pytest.mark.parametrize(
@@ -70,23 +71,23 @@ def test_a_gpu_peers_ipc_offer_is_proved_like_a_shared_file(
         "length": 4096,
     }
     with pytest.raises(ValueError, match=why):
-        same_host_cuda.CudaIpcMapping(
-            same_host_cuda.CudaIpcRegion(**{**fields, **change}),  # type: ignore[arg-type]
+        cuda_ipc.CudaIpcMapping(
+            CudaIpcRegion(**{**fields, **change}),  # type: ignore[arg-type]
             conn,
         )
-    offer = same_host_cuda.CudaIpcRegion(**fields)  # type: ignore[arg-type]
-    if same_host_cuda._cudart() is None:
+    offer = CudaIpcRegion(**fields)  # type: ignore[arg-type]
+    if cuda_ipc._cudart() is None:
         with pytest.raises(OSError, match="no CUDA runtime"):
-            same_host_cuda.CudaIpcMapping(offer, conn)
+            cuda_ipc.CudaIpcMapping(offer, conn)
     else:  # proved; the handle is opened by the copier, on its device
-        assert same_host_cuda.CudaIpcMapping(offer, conn).addr == 0
+        assert cuda_ipc.CudaIpcMapping(offer, conn).addr == 0
 
 
 def test_an_ipc_handle_travels_whole_nuls_included() -> None:
     """A handle is opaque bytes: read as a C string it would stop at its
     first NUL (real handles have them), and the peer could not open it."""
     raw = bytes([0x10, 0x00, 0x7C, 0x2F]) + bytes(range(60))
-    handle = same_host_cuda._IpcHandle.from_buffer_copy(raw)
+    handle = cuda_ipc._IpcHandle.from_buffer_copy(raw)
     assert bytes(handle) == raw
     assert len(bytes(handle)) == 64
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from p2p_kv.staging import StagingMemory, StagingPool
+from p2p_kv.data.staged import StagingMemory, StagingPool
 
 
 def test_blocks_go_lowest_first_and_only_what_is_free() -> None:

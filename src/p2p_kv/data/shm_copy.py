@@ -13,7 +13,9 @@ region, and the consumer opens it read-only and copies the blocks itself:
 CUDA-registered pages into GPU memory.
 
 A producer whose region is in GPU memory offers a CUDA IPC handle instead
-(:mod:`p2p_kv.same_host_cuda`, with the copier into GPU memory).
+(:mod:`p2p_kv.data.cuda_ipc`, with the copier into GPU memory). What a
+peer offers, and the proof that it is its to offer, are
+:mod:`p2p_kv.data.offer`'s.
 
 Nothing about the protocol changes: these are the READ path's READs (the
 producer pins, the consumer copies inside the pin window, then Releases),
@@ -22,13 +24,8 @@ write path, GPU memory into host memory, and any peer whose region cannot
 be opened (another pid or network namespace, a closed file, a changed
 inode, an allocation CUDA cannot export).
 
-Access control is the kernel's: opening ``/proc/<pid>/fd/<n>`` needs the
-same ptrace-read permission over the producer that CMA already needs. The
-map is read-only, so a consumer cannot write into the producer's memory.
-And a peer cannot make us its deputy: the pid it names must hold the far
-end of our TCP connection to it, so it can only point us at its own files
-(else a peer could have us copy another process's memory into our cache
-and then look those blocks up). Host copies read the file with ``preadv``
+The map is read-only, so a consumer cannot write into the producer's
+memory. Host copies read the file with ``preadv``
 rather than through a map, so a peer that shrinks its file fails our
 load instead of killing us with SIGBUS.
 """
@@ -45,49 +42,31 @@ from bisect import bisect_left
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from itertools import accumulate
 from operator import itemgetter
-from typing import TYPE_CHECKING
+from typing import Final
 
-import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from p2p_kv.data.offer import ShmRegion, Source, check_peer
 from p2p_kv.plan import WritePlan
 from p2p_kv.procfs import (
     boot_id,
-    holds_connection,
     mapping_of,
     process_dir,
     process_uids,
     shm_devices,
 )
 
-if TYPE_CHECKING:
-    from p2p_kv.same_host_cuda import CudaIpcMapping, CudaIpcRegion
-
 __all__ = [
     "HostCopier",
     "PeerMapping",
-    "ShmRegion",
-    "check_peer",
     "find_backing",
     "host_buffer",
+    "shared_region",
+    "split_segments",
 ]
 
 log = logging.getLogger("vllm.p2p_kv.same_host")
-
-
-class ShmRegion(msgspec.Struct, frozen=True):
-    """Where a region lives in its owner's open files: enough for a process
-    on the same boot of the same host to map it, and to check it mapped
-    the right file (``dev``/``ino``) before trusting a byte."""
-
-    boot_id: str
-    pid: int
-    fd: int
-    dev: int
-    ino: int
-    offset: int  # file offset of the region's first byte
-    length: int
 
 
 def find_backing(addr: int, nbytes: int) -> ShmRegion | None:
@@ -127,23 +106,6 @@ def host_buffer(addr: int, nbytes: int) -> memoryview:
     return memoryview((ctypes.c_uint8 * nbytes).from_address(addr)).cast("B")
 
 
-def check_peer(
-    info: ShmRegion | CudaIpcRegion, conn_inode: str, proc: int | None
-) -> None:
-    """Refuse a region offer unless its pid (``proc``, its
-    :func:`~p2p_kv.procfs.process_dir`) is the peer at the far end of our
-    connection ``conn_inode``, on this boot of this host."""
-    if info.boot_id != boot_id():
-        raise ValueError("peer is on another host (boot id differs)")
-    if info.length <= 0 or info.offset < 0:
-        raise ValueError(f"bad region span {info.offset}+{info.length}")
-    if not holds_connection(proc, conn_inode):
-        raise ValueError(
-            f"pid {info.pid} does not hold the far end of our connection: "
-            "not the peer we talk to (or in another network namespace)"
-        )
-
-
 class PeerMapping:
     """A peer's region, opened read-only through its owner's fd.
 
@@ -151,7 +113,13 @@ class PeerMapping:
     should the peer shrink its file, a read comes up short and the load
     fails, where a load from a mapping would kill us with SIGBUS. A GPU
     consumer maps it (:meth:`map`) for CUDA to pin and DMA from; pinned
-    pages stay valid even if the file shrinks."""
+    pages stay valid even if the file shrinks. A :class:`Source`."""
+
+    on_gpu: Final = False
+    #: Our copy beats NIXL for every load from host memory: NIXL's
+    #: host-to-GPU path is a software copy, and CMA is slower than
+    #: ``preadv``.
+    copy_always: Final = True
 
     def __init__(self, info: ShmRegion, conn_inode: str) -> None:
         """Open the region of the peer at the far end of our TCP
@@ -304,15 +272,15 @@ class HostCopier:
         self._threads = threads
         self._pool: ThreadPoolExecutor | None = None
 
-    def register(self, src: PeerMapping | CudaIpcMapping) -> None:
+    def register(self, src: Source) -> None:
         """Nothing to do for host memory; GPU memory is NIXL's to read."""
         if not isinstance(src, PeerMapping):
             raise OSError("a host region does not copy from a peer's GPU memory")
 
-    def unregister(self, src: PeerMapping | CudaIpcMapping) -> None:
+    def unregister(self, src: Source) -> None:
         """Nothing to do for host memory."""
 
-    def copy(self, src: PeerMapping | CudaIpcMapping, plan: WritePlan) -> None:
+    def copy(self, src: Source, plan: WritePlan) -> None:
         """The plan's runs (ours from ``src_starts``, theirs from
         ``dst_starts``); returns when done, or raises (the load fails) once
         no part of it still runs."""

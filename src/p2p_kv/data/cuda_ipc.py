@@ -1,6 +1,6 @@
 """Same-host READs into GPU memory, and from a peer's GPU memory.
 
-The CUDA half of :mod:`p2p_kv.same_host`. Into GPU memory, a peer's host
+The CUDA half of :mod:`p2p_kv.data.shm_copy`. Into GPU memory, a peer's host
 region (its shared file, mapped read-only) is registered with CUDA once and
 each load is a DMA at the pinned host-to-device rate, where UCX's software
 path reaches about 1% of it. A producer whose region is in GPU memory
@@ -13,7 +13,8 @@ The copies call the CUDA runtime torch already loaded (found in
 ``/proc/self/maps``; never a second one) through ctypes: torch has no
 batched copy, and an allocation opened through CUDA IPC is an address, not
 a tensor. A CUDA IPC offer is proved exactly like a shared file
-(:func:`~p2p_kv.same_host.check_peer`).
+(:func:`~p2p_kv.data.offer.check_peer`), and the copier reads any
+:class:`~p2p_kv.data.offer.Source`.
 """
 
 from __future__ import annotations
@@ -22,14 +23,14 @@ import contextlib
 import ctypes
 import os
 import warnings
-from typing import Any
+from typing import Any, Final
 
-import msgspec
 import numpy as np
+import numpy.typing as npt
 
+from p2p_kv.data.offer import CudaIpcRegion, Source, check_peer
 from p2p_kv.plan import WritePlan
 from p2p_kv.procfs import boot_id, loaded_library, process_dir
-from p2p_kv.same_host import PeerMapping, check_peer
 
 __all__ = [
     "BATCH_MIN_RUNS",
@@ -37,23 +38,10 @@ __all__ = [
     "CopyInFlight",
     "CudaCopier",
     "CudaIpcMapping",
-    "CudaIpcRegion",
     "batch_arity",
     "batch_slices",
     "export_cuda_region",
 ]
-
-
-class CudaIpcRegion(msgspec.Struct, frozen=True):
-    """A GPU region exported with CUDA IPC: a same-host peer opens the
-    allocation behind ``handle`` and reads ``[offset, offset + length)`` of
-    it with the copy engines, GPU to GPU over NVLink where there is one."""
-
-    boot_id: str
-    pid: int
-    handle: bytes  # cudaIpcMemHandle_t
-    offset: int  # the region's start in the allocation
-    length: int
 
 
 #: cudaHostRegisterReadOnly: the peer's pages are mapped read-only here.
@@ -61,12 +49,16 @@ _CUDA_HOST_REGISTER_READ_ONLY = 0x08
 
 
 class CopyInFlight:
-    """An asynchronous copy into GPU memory: done when its event is."""
+    """An asynchronous copy into GPU memory: done when its event is. A
+    :class:`~p2p_kv.data.transfer.Transfer`."""
+
+    #: A copy given up on still writes the caller's slots: it is waited for.
+    detaches: Final = False
 
     def __init__(self, event: Any) -> None:
         self._event: Any = event
 
-    def state(self) -> str:
+    def state(self, post: bool = True) -> str:
         return "DONE" if self._event is None or self._event.query() else "PROC"
 
     def release(self) -> None:
@@ -268,7 +260,12 @@ class CudaIpcMapping:
     gains it nothing: holding the handle it can read that memory itself,
     and any peer can serve us wrong bytes for its keys anyway (what the
     hash-seed check and the shared secret are for). Opening waits for
-    :meth:`map`, called by the copier on its device."""
+    :meth:`map`, called by the copier on its device. A
+    :class:`~p2p_kv.data.offer.Source`."""
+
+    on_gpu: Final = True
+    #: Never host memory.
+    view: Final[npt.NDArray[np.uint8]] = np.empty(0, dtype=np.uint8)
 
     def __init__(self, info: CudaIpcRegion, conn_inode: str) -> None:
         with process_dir(info.pid) as proc:
@@ -286,6 +283,12 @@ class CudaIpcMapping:
         self._lib = _cudart()
         if self._lib is None:
             raise OSError("no CUDA runtime loaded here to open the peer's memory")
+
+    @property
+    def copy_always(self) -> bool:
+        """On our own GPU, yes (:attr:`same_gpu`); from another, only many
+        runs beat NIXL's cuda_ipc."""
+        return self.same_gpu
 
     def map(self) -> None:
         """Open the handle on the current device (peer access as needed)."""
@@ -380,9 +383,9 @@ class CudaCopier:
         """How runs are queued: ``batch``, ``per_run`` or ``torch``."""
         return "batch" if self._batch else "per_run" if self._memcpy else "torch"
 
-    def register(self, src: PeerMapping | CudaIpcMapping) -> None:
+    def register(self, src: Source) -> None:
         torch = self._torch
-        if isinstance(src, CudaIpcMapping):
+        if src.on_gpu:
             if self.mode == "torch":
                 raise OSError("torch's copies cannot read a peer's GPU memory")
             with torch.cuda.device(self._device):
@@ -401,14 +404,14 @@ class CudaCopier:
             raise OSError(f"cudaHostRegister of the peer's region failed: {rc}")
         self._src[id(src)] = pages
 
-    def unregister(self, src: PeerMapping | CudaIpcMapping) -> None:
+    def unregister(self, src: Source) -> None:
         if self._src.pop(id(src), None) is not None:
             self._torch.cuda.cudart().cudaHostUnregister(src.addr)
 
     def close(self) -> None:
         """Copies end by their events, which the transport has waited for."""
 
-    def copy(self, src: PeerMapping | CudaIpcMapping, plan: WritePlan) -> CopyInFlight:
+    def copy(self, src: Source, plan: WritePlan) -> CopyInFlight:
         """Queue the plan's runs and return at once. The CUDA calls name
         their streams, so only torch's own copies switch the current
         stream (a switch cost tens of microseconds ahead of the first

@@ -1,0 +1,593 @@
+"""Read staging: where a NIXL READ lands before its bytes reach the slots.
+
+Why it exists: a READ we give up on (cancelled, its peer dropped) is not
+stopped by NIXL. Over UCX's TCP transport the peer's progress serves it and
+ours writes the reply, so a peer that stalls past the READ's deadline and
+then resumes writes into the buffer the READ named, seconds later; NIXL
+has no forced close of the connection, and invalidating the peer's agent
+closes it gracefully (after the READ). Had the READ named the engine's
+slots, those would by then hold another request's KV.
+
+So a READ from a peer we do not copy from ourselves lands in staging blocks
+of ours (made and registered once, at the first such READ). Its bytes are
+copied into the engine's slots only after UCX reports it done. One given
+up on hands the engine's slots back at once (reported failed, no drain to
+wait out) and keeps its staging blocks, quarantined, until UCX ends it: a
+peer that resumes lands its bytes there, a dead one errors it. One
+peer's READs, running or given up on, hold at most half of the staging
+the other peers leave (a peer stalled mid-READ keeps its share for the
+stall, and only its share; k stalled peers leave about 1/2**k to the
+rest, one block at least each), so a load larger than that moves in
+pieces of half its share, two in flight: one lands and is copied out
+while the next runs.
+
+:class:`StagingPool` is the allocator (pure); :class:`StagingMemory` owns
+the bytes and the copy out of them; :class:`Staging` runs the READs
+(:class:`StagedRead`, a :class:`~p2p_kv.data.transfer.Transfer`) and
+keeps the ones given up on (zombies) until UCX ends them. The transport
+(``p2p_kv.data.nixl``) decides which READs are staged.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import heapq
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Final
+
+import numpy as np
+import numpy.typing as npt
+
+from p2p_kv.data.agent import Lists, disconnected
+from p2p_kv.data.regions import MEM_VRAM, Peer, RegionSpan
+from p2p_kv.data.shm_copy import shared_region
+from p2p_kv.data.transfer import release_quietly
+from p2p_kv.plan import coalesce, plan_write
+from p2p_kv.ratelog import PeerLog
+
+__all__ = [
+    "DEFAULT_READ_STAGING_BYTES",
+    "PEER_STAGING_SHARE",
+    "PIECES_IN_FLIGHT",
+    "StagedRead",
+    "Staging",
+    "StagingMemory",
+    "StagingPool",
+]
+
+logger = logging.getLogger("vllm.p2p_kv.data")
+
+#: 64 MiB: 32 blocks of 2 MiB, 1024 of 64 KiB. Host memory for host
+#: regions, GPU memory for GPU ones; larger loads move in pieces.
+DEFAULT_READ_STAGING_BYTES: Final = 64 << 20
+
+Blocks = npt.NDArray[np.int64]
+
+
+class StagingPool:
+    """Which staging blocks are free. Blocks are handed out lowest first,
+    so a piece's blocks are mostly one run (one descriptor). A heap: a
+    one-block take and give cost about 2 us (a numpy scan of 1,024 flags
+    cost 10)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"a staging pool needs blocks, got {num_blocks}")
+        self._size = num_blocks
+        self._heap = list(range(num_blocks))  # sorted: already a heap
+        self._taken = bytearray(num_blocks)
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def free(self) -> int:
+        return len(self._heap)
+
+    def take(self, want: int) -> Blocks:
+        """Up to ``want`` free blocks, ascending (none when all are taken)."""
+        heap, taken = self._heap, self._taken
+        got = [heapq.heappop(heap) for _ in range(min(max(want, 0), len(heap)))]
+        for b in got:
+            taken[b] = 1
+        return np.array(got, dtype=np.int64)
+
+    def give(self, blocks: Blocks) -> None:
+        """Return blocks; one not taken is a bug in the caller."""
+        items = blocks.tolist()
+        taken = self._taken
+        if not all(taken[b] for b in items) or len(set(items)) != len(items):
+            raise ValueError(f"staging blocks {items} were not taken")
+        for b in items:
+            taken[b] = 0
+            heapq.heappush(self._heap, b)
+
+
+def _runs(stage: Blocks, slots: Blocks) -> list[tuple[int, int, int]]:
+    """``(stage start, slot start, count)`` runs, in the given order: one
+    pass, no sort (coalescing a one-block pair cost 6 us)."""
+    if stage.size > 64:
+        return coalesce(stage, slots)
+    runs: list[tuple[int, int, int]] = []
+    for a, b in zip(stage.tolist(), slots.tolist(), strict=True):
+        if runs:
+            s0, d0, n = runs[-1]
+            if a == s0 + n and b == d0 + n:
+                runs[-1] = (s0, d0, n + 1)
+                continue
+        runs.append((a, b, 1))
+    return runs
+
+
+class StagingMemory:
+    """The staging bytes, in the region's kind of memory, and the copy from
+    them into the region's blocks (rows of ``block_bytes``)."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_bytes: int,
+        region_addr: int,
+        region_bytes: int,
+        cuda_region: Any = None,
+    ) -> None:
+        self.num_blocks = num_blocks
+        self.block_bytes = block_bytes
+        rows = region_bytes // block_bytes
+        if cuda_region is None:
+            # A memfd, like the regions: UCX's CMA READ of 32 MiB took
+            # 12-15 ms into it here, 28-35 ms into numpy's anonymous pages.
+            self._buf: Any = shared_region(num_blocks * block_bytes).reshape(
+                num_blocks, block_bytes
+            )
+            self.addr = int(self._buf.ctypes.data)
+            self.device_id = 0
+            raw: Any = (ctypes.c_uint8 * region_bytes).from_address(region_addr)
+            self._region: Any = np.frombuffer(raw, dtype=np.uint8).reshape(
+                rows, block_bytes
+            )
+        else:
+            import torch
+
+            device = cuda_region.device
+            self._buf = torch.zeros(
+                (num_blocks, block_bytes), dtype=torch.uint8, device=device
+            )
+            self.addr = int(self._buf.data_ptr())
+            self.device_id = int(device.index or 0)
+            self._region = (
+                cuda_region.reshape(-1).view(torch.uint8).view(rows, block_bytes)
+            )
+        self.nbytes = num_blocks * block_bytes
+
+    @property
+    def buffer(self) -> Any:
+        """The staging bytes alone: what must outlive a transport closed
+        while a READ given up on may still write them. Not this object,
+        whose view of the region would keep the engine's whole KV cache
+        (GPU memory) alive with it."""
+        return self._buf
+
+    def copy_out(self, stage: Blocks, slots: Blocks) -> None:
+        """Staging block ``stage[i]`` into region block ``slots[i]``; done
+        (on the GPU: finished) when this returns."""
+        if isinstance(self._buf, np.ndarray):
+            # One memcpy a run: fancy indexing copied through a temporary
+            # (32 MiB in 10 ms here, against about 5 by runs).
+            for src, dst, n in _runs(stage, slots):
+                self._region[dst : dst + n] = self._buf[src : src + n]
+            return
+        import torch
+
+        device = self._buf.device
+        self._region[torch.as_tensor(slots, device=device)] = self._buf[
+            torch.as_tensor(stage, device=device)
+        ]
+        torch.cuda.current_stream(device).synchronize()
+
+
+#: Staging bytes of transports closed while READs into them still ran
+#: (see :meth:`Staging.close_reads`).
+_KEPT_STAGING: list[Any] = []
+
+#: Pieces of one staged READ in flight at once: one is posted (and the one
+#: before copied out) while another runs, instead of each waiting for the
+#: last.
+PIECES_IN_FLIGHT = 2
+
+#: One peer's staged READs, running or given up on, hold at most this share
+#: of the staging the other peers leave (pieces are this share over
+#: :data:`PIECES_IN_FLIGHT`). A peer that stalls mid-READ, alive and
+#: connected, keeps its READs' staging until it resumes or dies (UCX does
+#: not end them); with no share, one such READ held all of it, and every
+#: other peer's READs waited out their deadlines for as long as the stall
+#: lasted. A share of the whole pool would let two stalled peers take it
+#: all; of what is left, k stalled peers leave about 1/2**k of it to the
+#: rest (one block at least each: 32 blocks last 6 stalled peers).
+PEER_STAGING_SHARE = 0.5
+
+
+@dataclass(eq=False)
+class _Piece:
+    """One piece of a staged READ: the peer's blocks for ``local[lo:lo +
+    stage.size]``, landing in staging blocks ``stage``."""
+
+    handle: Any
+    stage: Blocks
+    lo: int
+    state: str
+
+
+@dataclass(eq=False)
+class StagedRead:
+    """A READ landing in staging in pieces, up to :data:`PIECES_IN_FLIGHT`
+    at once; ``posted`` blocks of ``local`` have gone to pieces so far.
+
+    A :class:`~p2p_kv.data.transfer.Transfer` that detaches: given up on,
+    its pieces still running keep their staging (as zombies), not the
+    caller's slots."""
+
+    staging: Staging
+    peer: Peer
+    local: Blocks
+    remote: Blocks
+    posted: int = 0
+    pieces: list[_Piece] = field(default_factory=list)
+
+    detaches: ClassVar[bool] = True
+
+    def state(self, post: bool = True) -> str:
+        return self.staging.advance(self, post)
+
+    def release(self) -> None:
+        self.staging.bury(self)
+
+
+@dataclass(eq=False)
+class _Zombie:
+    """A staged READ given up on while UCX still runs it: its staging blocks
+    stay taken until UCX ends it (``lost``: until close, when its state can
+    no longer be read)."""
+
+    handle: Any
+    stage: Blocks
+    peer: str
+    lost: bool = False
+    #: UCX failed it with the peer's endpoint (remote disconnect): its
+    #: staging returns once the peer's agent is dropped, after which
+    #: nothing of that peer's can land (see :meth:`Staging.dropped`).
+    gone: bool = False
+
+    @property
+    def running(self) -> bool:
+        """Whether UCX may still end it (and its state can be read)."""
+        return not (self.lost or self.gone)
+
+
+class Staging:
+    """One transport's staging: its memory, the READs running through it
+    and the zombies.
+
+    The memory is made at the first READ that needs it: an engine whose
+    peers are all copied from on this host never holds it. (Made at start,
+    its 64 MiB coincided with 16 s stalls of an idle `vllm serve` pair in
+    about half of test_serve_metrics' runs: not explained, gone when made
+    lazily.)
+
+    Not thread-safe: the transport's lock covers it. ``fault`` is told of
+    a peer whose data plane broke under its session (see the transport's
+    ``take_faulted``); ``prepare`` gives a peer's prepared per-block list
+    (None: build descriptors per transfer)."""
+
+    def __init__(
+        self,
+        *,
+        lists: Lists,
+        span: RegionSpan,
+        region: Any,
+        nbytes: int,
+        plog: PeerLog,
+        fault: Callable[[str], None],
+        prepare: Callable[[Peer], tuple[Any, Any] | None],
+    ) -> None:
+        self._lists = lists
+        self._span = span
+        #: The region object, for GPU staging on its device; dropped at close.
+        self._region: Any = region
+        self._block_bytes = lists.block_bytes
+        self.nbytes = nbytes
+        self._plog = plog
+        self._fault = fault
+        self._prepare = prepare
+        #: Staging that could not be made is tried again at each READ (the
+        #: memory may free), but said once.
+        self._error = ""
+        self.mem: StagingMemory | None = None
+        self.pool: StagingPool | None = None
+        self._descs: Any = None
+        self._prepped: Any = None
+        self.zombies: list[_Zombie] = []
+        #: READs that may hold pieces: what a peer's share is counted over.
+        self._reads: set[StagedRead] = set()
+
+    def _setup(self) -> None:
+        """Staging beside the region, registered after the region's
+        metadata was taken: only we address it, so peers get no key to it."""
+        span = self._span
+        mem = StagingMemory(
+            max(1, self.nbytes // self._block_bytes),
+            self._block_bytes,
+            span.addr,
+            span.nbytes,
+            cuda_region=self._region if span.mem_kind == MEM_VRAM else None,
+        )
+        self._descs = self._lists.agent.register_memory(
+            [(mem.addr, mem.nbytes, mem.device_id, "")], span.mem_kind
+        )
+        self.mem = mem
+        self.pool = StagingPool(mem.num_blocks)
+
+    def read(
+        self, peer: Peer, local: list[int], remote: list[int]
+    ) -> StagedRead | None:
+        """A READ of the peer's ``remote`` blocks into our ``local`` ones,
+        not started yet (its first :meth:`advance` posts it); None when no
+        staging can be made now (said once): it fails, and the next tries
+        again. No READ may land in place instead."""
+        if self.pool is None:
+            try:
+                self._setup()
+            except Exception as exc:
+                if str(exc) != self._error:
+                    self._error = str(exc)
+                    logger.warning(
+                        "cannot make %d bytes of read staging (staged READs "
+                        "recompute until it can be made; lower "
+                        "read_staging_mib, or 0 to READ in place): %s",
+                        self.nbytes,
+                        exc,
+                    )
+                return None
+        read = StagedRead(
+            self, peer, np.asarray(local, dtype=np.int64), np.asarray(remote, np.int64)
+        )
+        self._reads.add(read)
+        return read
+
+    def advance(self, read: StagedRead, post: bool = True) -> str:
+        """Copy out the pieces that landed and post the next ones: "PROC"
+        while pieces run or wait for free staging, then "DONE" or "ERR"
+        (the pieces still running are then buried). ``post`` False: a READ
+        being given up on, whose next pieces must not start.
+
+        A check that raises is raised: the piece's fate is then unknown,
+        and the caller's release buries it (its staging is not reused)."""
+        pool, mem = self.pool, self.mem
+        assert pool is not None and mem is not None
+        name = read.peer.info.agent_name
+        while True:
+            for piece in list(read.pieces):
+                if piece.state == "PROC":
+                    piece.state = str(self._lists.agent.check_xfer_state(piece.handle))
+                    if piece.state == "PROC":
+                        continue
+                read.pieces.remove(piece)
+                release_quietly(piece.handle, name, self._plog)
+                try:
+                    if piece.state != "DONE":
+                        self.bury(read)
+                        return "ERR"
+                    end = piece.lo + piece.stage.size
+                    mem.copy_out(piece.stage, read.local[piece.lo : end])
+                except Exception as exc:
+                    if self._plog.warning(
+                        "copy_out",
+                        name,
+                        "copying a READ out of staging failed: %s",
+                        exc,
+                    ):
+                        logger.debug("copy-out failure detail", exc_info=True)
+                    self.bury(read)
+                    return "ERR"
+                finally:
+                    pool.give(piece.stage)
+            left = int(read.local.size) - read.posted
+            if not left:
+                if read.pieces:
+                    return "PROC"
+                self._reads.discard(read)
+                return "DONE"
+            if not post or len(read.pieces) >= PIECES_IN_FLIGHT:
+                return "PROC"
+            mine = self._held(read)
+            # A share of what the other peers leave, not of the whole pool:
+            # two stalled peers with half each took all of it.
+            share = max(1, int((pool.free + mine) * PEER_STAGING_SHARE))
+            most = max(1, share // PIECES_IN_FLIGHT)
+            stage = pool.take(min(left, most, share - mine))
+            if not stage.size:
+                return "PROC"  # the peer's share or the pool is taken: wait
+            lo, handle = read.posted, None
+            try:
+                handle = self._xfer(read.peer, stage, read.remote[lo : lo + stage.size])
+                state = str(self._lists.agent.transfer(handle))
+            except Exception as exc:
+                if self._plog.warning(
+                    "post",
+                    name,
+                    "READ of %d blocks failed to post: %s",
+                    stage.size,
+                    exc,
+                ):
+                    logger.debug("post failure detail", exc_info=True)
+                if handle is None:
+                    pool.give(stage)  # nothing was posted
+                else:
+                    # NIXL posts a piece a descriptor at a time and cancels
+                    # the posted ones when one fails: cancelled, not
+                    # stopped. Its staging waits for the peer's agent to be
+                    # dropped, as a READ failed with the endpoint does, and
+                    # the session ends so that it is.
+                    self.zombies.append(_Zombie(handle, stage, name, gone=True))
+                    self._fault(name)
+                self.bury(read)
+                return "ERR"
+            read.pieces.append(_Piece(handle, stage, lo, state))
+            read.posted += int(stage.size)
+
+    def _held(self, read: StagedRead) -> int:
+        """Staging blocks held by ``read``'s peer: its READs' pieces running
+        and its READs given up on."""
+        name = read.peer.info.agent_name
+        # Only zombies that may still run: the lost ones keep their blocks
+        # until close and the gone ones until the peer's agent is dropped
+        # (which a new session that takes the agent back defers), and
+        # charged to the peer they stopped its staged READs for good.
+        held = sum(
+            int(z.stage.size) for z in self.zombies if z.peer == name and z.running
+        )
+        return held + sum(
+            int(p.stage.size)
+            for r in self._reads
+            if r.peer is read.peer
+            for p in r.pieces
+        )
+
+    def _xfer(self, peer: Peer, stage: Blocks, remote: Blocks) -> Any:
+        """A NIXL READ of the peer's ``remote`` blocks into staging ``stage``."""
+        mem = self.mem
+        assert mem is not None
+        agent, info, kind = self._lists.agent, peer.info, self._span.mem_kind
+        prepped = self._prepare(peer)
+        if prepped is not None:
+            if self._prepped is None:
+                self._prepped = self._lists.blocks(
+                    "NIXL_INIT_AGENT", mem.addr, mem.num_blocks, mem.device_id, kind
+                )
+            return agent.make_prepped_xfer(
+                "READ", self._prepped, stage.tolist(), prepped[1], remote.tolist(), b""
+            )
+        plan = plan_write(stage, remote, mem.num_blocks, info.num_blocks)
+        ours = RegionSpan(mem.addr, mem.nbytes, kind, mem.device_id)
+        return self._lists.xfer("READ", plan, ours, info, b"")
+
+    def bury(self, read: StagedRead) -> None:
+        """A staged READ given up on: its pieces in flight become zombies."""
+        self._reads.discard(read)
+        for piece in read.pieces:
+            self.zombies.append(
+                _Zombie(piece.handle, piece.stage, read.peer.info.agent_name)
+            )
+        read.pieces.clear()
+
+    # -- zombies, by peer ----------------------------------------------------
+
+    def busy(self, name: str) -> bool:
+        """Whether a READ given up on from ``name`` may still run: its agent
+        must stay loaded, or its state can no longer be read."""
+        return any(z.peer == name and z.running for z in self.zombies)
+
+    def settling(self) -> bool:
+        return any(z.running for z in self.zombies)
+
+    def lose(self, name: str) -> None:
+        """``name``'s agent is gone: its zombies can no longer be checked,
+        and keep their staging until close."""
+        for z in self.zombies:
+            z.lost = z.lost or z.peer == name
+
+    def settle(self) -> set[str]:
+        """Free the staging of zombies UCX has ended; the peers that still
+        have some running (their agents must stay loaded)."""
+        pool = self.pool
+        if not self.zombies or pool is None:
+            return set()
+        live: list[_Zombie] = []
+        for z in self.zombies:
+            if z.running:
+                try:
+                    state = str(self._lists.agent.check_xfer_state(z.handle))
+                except Exception as exc:
+                    # Either way the peer's endpoint is no use to its
+                    # session any more: it ends, and the agent is dropped.
+                    self._fault(z.peer)
+                    if disconnected(exc):
+                        # Over, failed with the peer's endpoint. (Taken for
+                        # an unknown state, a dead peer's READ held its
+                        # staging for good, and with the whole pool taken
+                        # every later NIXL READ waited out its deadline.)
+                        z.gone = True
+                        live.append(z)
+                        continue
+                    self._plog.warning(
+                        "unreadable",
+                        z.peer,
+                        "a cancelled READ from it can no longer be checked (%s): "
+                        "its %d staging blocks stay taken until close",
+                        exc,
+                        z.stage.size,
+                    )
+                    z.lost = True
+                    state = "PROC"
+                if state != "PROC":
+                    release_quietly(z.handle, z.peer, self._plog)
+                    pool.give(z.stage)
+                    continue
+            live.append(z)
+        self.zombies = live
+        return {z.peer for z in live if z.running}
+
+    def dropped(self, name: str) -> None:
+        """``name``'s agent was dropped: nothing of that peer's can land
+        now, so READs UCX failed with its endpoint give their staging back."""
+        pool, kept = self.pool, []
+        for z in self.zombies:
+            if z.gone and z.peer == name and pool is not None:
+                release_quietly(z.handle, name, self._plog)
+                pool.give(z.stage)
+            else:
+                kept.append(z)
+        self.zombies = kept
+
+    def blocks(self) -> tuple[int, int, int]:
+        """Staging blocks: (all, free, held by READs given up on)."""
+        pool = self.pool
+        if pool is None:
+            return 0, 0, 0
+        return pool.size, pool.free, sum(int(z.stage.size) for z in self.zombies)
+
+    # -- close ---------------------------------------------------------------
+
+    def close_reads(self) -> None:
+        """Release every zombie, before the agents are dropped. UCX may
+        still write into the staging of those still running until their
+        agent is gone, and when that is cannot be known: it is kept for the
+        life of the process (at most the pool). Those failed with their
+        peer's endpoint cannot: their agents are dropped before the
+        staging is freed."""
+        if self.mem is not None and any(not z.gone for z in self.zombies):
+            _KEPT_STAGING.append(self.mem.buffer)
+        for z in self.zombies:
+            release_quietly(z.handle, z.peer, self._plog)
+        self.zombies.clear()
+        self._reads.clear()
+
+    def close_memory(self) -> None:
+        """Release the staging's list and registration (after every READ
+        into it was released)."""
+        try:
+            if self._prepped is not None:
+                release_quietly(self._prepped, None, self._plog)
+                self._prepped = None
+            if self._descs is not None:
+                try:
+                    self._lists.agent.deregister_memory(self._descs)
+                except Exception:
+                    logger.warning("deregistering NIXL memory failed", exc_info=True)
+                self._descs = None
+        finally:
+            self.mem = None
+            self._region = None
