@@ -3,8 +3,15 @@
 :class:`TierRuntime` owns the three parts of one engine's tier -- the pure
 :class:`~p2p_kv.manager.LoadManager`, the TCP
 :class:`~p2p_kv.control.ControlTransport` and the NIXL
-:class:`~p2p_kv.data.NixlDataTransport` -- and is the only place that reads
-a clock. The adapter calls it from vLLM's scheduler thread.
+:class:`~p2p_kv.data.NixlDataTransport` -- and is where the clock comes
+from. The adapter calls it from vLLM's scheduler thread. What happens on
+each side of the manager has a module of its own, each a part the runtime
+owns and drives under its lock: frames in and out
+(:class:`~p2p_kv.frames.Frames`), the data plane's agents and transfers
+(:class:`~p2p_kv.transfers.Transfers`), and the keep-alive thread that
+answers peers while the engine does not step (:class:`~p2p_kv.waker.Waker`).
+Here stay the poll loop, the pump that carries the manager's events out,
+and the engine's entry points.
 
 Idle is idle: when the engine has nothing else to do (no live request, or
 every live request is waiting on us), :meth:`poll` waits on the control
@@ -32,9 +39,9 @@ from typing import Any
 
 from p2p_kv.control import ControlTransport
 from p2p_kv.data import NixlDataTransport
-from p2p_kv.handshake import FrameRefused
+from p2p_kv.frames import Frames
 from p2p_kv.manager import JobResult, LoadManager, Roles
-from p2p_kv.peer import Pinner, is_inbound
+from p2p_kv.peer import Pinner
 from p2p_kv.peer.events import (
     Cancel,
     Closed,
@@ -43,7 +50,6 @@ from p2p_kv.peer.events import (
     PostWrite,
     RuntimeEvent,
 )
-from p2p_kv.protocol import Heartbeat, Message, ProtocolError, encode
 from p2p_kv.ratelog import PeerLog
 from p2p_kv.transfers import Transfers
 from p2p_kv.waker import WAKER_IDLE_S, Waker
@@ -74,10 +80,10 @@ def fresh_nonce() -> bytes:
 class TierRuntime:
     """One engine's tier, driven from the engine's thread (and the
     waker's): the facade the adapter, :mod:`p2p_kv.stack` and
-    :class:`~p2p_kv.standalone.StandalonePeer` call. The data plane's
-    bookkeeping lives in :attr:`transfers`, the keep-alive thread in
-    :attr:`waker`; this class carries events and messages between them,
-    the manager and the sockets."""
+    :class:`~p2p_kv.standalone.StandalonePeer` call. Frames live in
+    :attr:`frames`, the data plane's bookkeeping in :attr:`transfers`, the
+    keep-alive thread in :attr:`waker`; this class decides when to wait
+    and carries the manager's events to them."""
 
     def __init__(
         self,
@@ -98,12 +104,12 @@ class TierRuntime:
         #: end_request: a set, as the manager keys them (see start_request)
         self._live: set[str] = set()
         self._idle_streak = 0
-        self._me_ready = False
         #: manager.dials_refused when last logged, and when to log again
         self._dials_log = _Throttle()
         #: lines that peers cause: one per kind per interval, naming the peer
         self._peer_log = PeerLog(clock=clock)
         self.transfers = Transfers(manager, data, control, self._peer_log, clock)
+        self.frames = Frames(manager, control, self.transfers, self._peer_log, clock)
         #: one line per fallback reason per interval (peers and clients
         #: choose how often loads fail; the metrics count every one)
         self._fallback_log = PeerLog(clock=clock)
@@ -120,13 +126,13 @@ class TierRuntime:
     @property
     def control(self) -> ControlTransport:
         """The control transport. A caller may swap it (or :attr:`data`)
-        before anything is posted, as fault injectors do: the transfers
-        follow."""
+        before anything is posted, as fault injectors do: the frames and
+        the transfers follow."""
         return self._control
 
     @control.setter
     def control(self, control: ControlTransport) -> None:
-        self._control = self.transfers.control = control
+        self._control = self.transfers.control = self.frames.control = control
 
     @property
     def data(self) -> NixlDataTransport:
@@ -272,13 +278,13 @@ class TierRuntime:
         # Transfers first: a READ needs nothing from the peer, so it starts
         # the moment the engine asks, ahead of this step's messages.
         posted = self._carry(m.take_events(), closed)
-        self._send_all(now)
+        self.frames.send_all(now)
         if posted:
             # Shared-memory UCX copies inside the post: report completions
             # now, so results and TransferDone leave in this step.
             self.transfers.take_completions()
             self._carry(m.take_events(), closed)
-            self._send_all(now)
+            self.frames.send_all(now)
         # What sending ended (a session lost for an overflowing outbox).
         self._carry(m.take_events(), closed)
         if closed:
@@ -309,10 +315,6 @@ class TierRuntime:
                     closed.append(peer)
         return posted
 
-    def _send_all(self, now: float) -> None:
-        for peer, msgs in self.manager.take_outgoing(now):
-            self._send(peer, msgs, now)
-
     def _retire(self, closed: list[str], now: float) -> None:
         """Fence closed sessions (:meth:`Transfers.fence`), close their
         connections, say why once, and let the manager retire them (which
@@ -320,141 +322,17 @@ class TierRuntime:
         self.transfers.fence(closed)
         for peer in closed:
             self.control.close_conn(peer)
-            self._log_close(peer)
+            self.frames.log_close(peer)
             self.manager.on_invalidated(peer, now)
 
-    def _log_close(self, peer: str) -> None:
-        session = self.manager.session(peer)
-        if session is None:
-            return
-        if session.refusal is not None:
-            # A refused handshake (wrong secret, another layout): the
-            # operator's fix is on one side or the other. Any party can
-            # cause it, so at most one line per reason per interval. Its
-            # kind is the refusal's reason, the budget a refused seal's
-            # line (``auth``) shares: one event, one line.
-            self._peer_log.warning(
-                session.refusal.reason,
-                peer,
-                "handshake refused: %.300s",
-                session.refusal,
-            )
-        elif session.close_reason and not (session.proven or is_inbound(peer)):
-            # A peer our clients named that we never got a session with:
-            # unresolvable, refused, unreachable, silent, or refusing us
-            # (its Goodbye says why): requests naming it recompute.
-            self._peer_log.warning(
-                "dial_failed",
-                peer,
-                "no session: %.300r; requests naming it recompute",
-                session.close_reason,
-            )
-        elif session.close_reason:
-            # The reason may be the peer's text (its Goodbye): the PeerLog
-            # line shows it as %r, cut.
-            self._peer_log.info(
-                "session_closed", peer, "session closed: %.300r", session.close_reason
-            )
-
-    def _identity_ready(self) -> bool:
-        """Whether our Hello can be made. vLLM seeds its block hashes after
-        the tier is built, and the waker starts with the tier: a peer that
-        dialled in meanwhile made the waker's pass raise, and the pass's
-        other frames were lost. Until then frames wait in the sockets."""
-        if self._me_ready:
-            return True
-        try:
-            self.manager.me  # noqa: B018  (resolves it, once)
-        except Exception as exc:
-            log.debug("p2p_kv: identity not ready yet: %s", exc)
-            return False
-        self._me_ready = True
-        return True
-
     def _receive(self, timeout: float) -> bool:
-        """Feed whatever arrives within ``timeout`` to the manager; True if
-        any of it is work (anything but a heartbeat) or a wake-up."""
-        work = False
-        if not self._identity_ready():
-            time.sleep(timeout)
-            return False
-        inbound_frames = self.control.poll(timeout)
-        if self.control.take_woken():
-            work = True
-        m = self.manager
-        for inbound in inbound_frames:
-            now = self.clock()
-            conn = inbound.conn
-            if inbound.lost:
-                if inbound.bad:
-                    m.on_bad_frame(conn, "framing")
-                    self._peer_log.warning(
-                        "framing", conn, "connection ended: %s", inbound.why
-                    )
-                m.on_disconnected(conn, inbound.why, now)
-                work = True
-                continue
-            if inbound.new:
-                m.on_inbound(now, conn)
-                continue
-            session = m.session(conn)
-            if session is None:
-                # A connection refused (max_inbound) or whose session ended:
-                # its frames go unread.
-                if is_inbound(conn):
-                    self.control.close_conn(conn)
-                continue
-            if session.closed:
-                # Ended in this poll (the pump retires it): the rest of its
-                # frames go unread.
-                continue
-            try:
-                msg = session.open(inbound.frame)
-            except ProtocolError as exc:
-                m.on_bad_frame(conn, exc.reason)
-                self._peer_log.warning(
-                    "bad_frame", conn, "dropped a bad frame (protocol_errors): %s", exc
-                )
-                continue
-            except FrameRefused as exc:
-                self._refuse_frame(conn, exc)
-                work = True
-                continue
-            if not isinstance(msg, Heartbeat):
-                work = True
-            m.on_message(conn, msg, now)
-            if session.proven:
-                self.control.trust(conn)
-            self.transfers.maybe_add_agent(conn)
+        """Feed whatever arrives within ``timeout`` to the manager
+        (:meth:`Frames.receive`); True if any of it is work (anything but a
+        heartbeat) or a wake-up."""
+        work = self.frames.receive(timeout)
         if work:
             self._idle_streak = 0  # stay responsive while work flows
         return work
-
-    def _refuse_frame(self, conn: str, exc: FrameRefused) -> None:
-        """A frame that failed its seal ends its session: a party without
-        the secret is speaking (over one TCP connection nothing else loses
-        or reorders a frame). The refusals metric counts each; the log
-        says so at most once per interval (such a party may open
-        connection after connection)."""
-        self.manager.on_frame_refused(conn, exc)
-        self._peer_log.warning(
-            "auth", conn, "refused a frame whose seal does not check: %s", exc
-        )
-
-    def _send(self, peer: str, msgs: list[Message], now: float) -> None:
-        frames = []
-        session = self.manager.session(peer)
-        for msg in msgs:
-            try:
-                frame = encode(msg)
-                frames.append(frame if session is None else session.seal(msg, frame))
-            except ProtocolError as exc:
-                log.error(
-                    "p2p_kv: not sending %s to %s: %s", type(msg).__name__, peer, exc
-                )
-        why = self.control.send(peer, frames)
-        if why:
-            self.manager.on_disconnected(peer, f"send failed: {why}", now)
 
     # ------------------------------------------------------------------
 
@@ -524,7 +402,7 @@ class TierRuntime:
             self.transfers.take_completions()
             return
         if closed:
-            self._send_all(now)  # a closed session's Goodbye leaves first
+            self.frames.send_all(now)  # a closed session's Goodbye leaves first
             self._retire(closed, now)
         self.pump()
 

@@ -144,7 +144,7 @@ class Waker:
         """One pass under the runtime's lock: whether the engine is wanted,
         the descriptors to sleep on, and for how long at most."""
         rt = self._rt
-        if not rt._identity_ready():
+        if not rt.frames.identity_ready():
             # Frames wait in the sockets, unread, so their descriptors stay
             # readable: slept on, they ended every wait at once, and the
             # waker spun (30-60% of a core) from the tier's start in vLLM's
