@@ -3,8 +3,15 @@
 :class:`TierRuntime` owns the three parts of one engine's tier -- the pure
 :class:`~p2p_kv.manager.LoadManager`, the TCP
 :class:`~p2p_kv.control.ControlTransport` and the NIXL
-:class:`~p2p_kv.data.NixlDataTransport` -- and is the only place that reads
-a clock. The adapter calls it from vLLM's scheduler thread.
+:class:`~p2p_kv.data.NixlDataTransport` -- and is where the clock comes
+from. The adapter calls it from vLLM's scheduler thread. What happens on
+each side of the manager has a module of its own, each a part the runtime
+owns and drives under its lock: frames in and out
+(:class:`~p2p_kv.frames.Frames`), the data plane's agents and transfers
+(:class:`~p2p_kv.transfers.Transfers`), and the keep-alive thread that
+answers peers while the engine does not step (:class:`~p2p_kv.waker.Waker`).
+Here stay the poll loop, the pump that carries the manager's events out,
+and the engine's entry points.
 
 Idle is idle: when the engine has nothing else to do (no live request, or
 every live request is waiting on us), :meth:`poll` waits on the control
@@ -30,39 +37,24 @@ from collections.abc import Callable
 from queue import Queue
 from typing import Any
 
-import msgspec
-
-from p2p_kv.control import ControlTransport, wait_readable
-from p2p_kv.data import NixlDataTransport, RegionInfo
-from p2p_kv.handshake import FrameRefused
+from p2p_kv.control import ControlTransport
+from p2p_kv.data import NixlDataTransport
+from p2p_kv.frames import Frames
 from p2p_kv.manager import JobResult, LoadManager, Roles
-from p2p_kv.peer import Pinner, is_inbound
+from p2p_kv.peer import Pinner
 from p2p_kv.peer.events import (
     Cancel,
     Closed,
     Dial,
-    Direction,
     PostRead,
     PostWrite,
     RuntimeEvent,
-    TransferRef,
 )
-from p2p_kv.protocol import Heartbeat, Message, ProtocolError, encode
 from p2p_kv.ratelog import PeerLog
+from p2p_kv.transfers import Transfers
+from p2p_kv.waker import WAKER_IDLE_S, Waker
 
 log = logging.getLogger("vllm.p2p_kv")
-
-#: Longest sleep of an idle engine's step while it only holds work for
-#: peers (:meth:`TierRuntime.engine_hold_s`). Each step ends in vLLM's
-#: worker spinning for a second, so this is that second's share of a core
-#: while a peer's work is held (5 s cost a prefiller holding parked stores
-#: 26-28% of a core); vLLM's own leftover work (a finished request's
-#: stores) waits at most this long a step, and only while no request runs.
-PARK_MAX_S = 30.0
-
-#: How long the waker waits for the engine to answer its call before
-#: calling again (a call costs the engine one no-op input).
-REWAKE_S = 0.05
 
 #: How often the data plane is looked at while it has work no descriptor
 #: announces: our transfers in flight or settling (their completions), and
@@ -76,13 +68,6 @@ DATA_TICK_S = 0.01
 #: deadline; a READ that is merely large needs our progress calls).
 DRAIN_TICK_MAX_S = 0.001
 
-#: The waker's longest sleep while the data plane has no such work.
-#: Frames wake it on their descriptors and deadlines are timed, so this
-#: bounds only a descriptor edge some other call took (none known: sends
-#: and unread input say so on the wake pipe). Its 10 ms tick cost an idle
-#: process 1.8% of a core, this one 0.1-0.2%.
-WAKER_IDLE_S = 0.2
-
 
 def fresh_nonce() -> bytes:
     """A handshake nonce for :class:`~p2p_kv.manager.LoadManager`
@@ -93,6 +78,13 @@ def fresh_nonce() -> bytes:
 
 
 class TierRuntime:
+    """One engine's tier, driven from the engine's thread (and the
+    waker's): the facade the adapter, :mod:`p2p_kv.stack` and
+    :class:`~p2p_kv.standalone.StandalonePeer` call. Frames live in
+    :attr:`frames`, the data plane's bookkeeping in :attr:`transfers`, the
+    keep-alive thread in :attr:`waker`; this class decides when to wait
+    and carries the manager's events to them."""
+
     def __init__(
         self,
         manager: LoadManager,
@@ -103,52 +95,70 @@ class TierRuntime:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.manager = manager
-        self.control = control
-        self.data = data
+        self._control = control
+        self._data = data
         self.idle_wait_s = idle_wait_s
         self.busy_wait_s = min(idle_wait_s, 0.02)
         self.clock = clock
-        self._agents: dict[str, str] = {}  # session peer -> NIXL agent name
-        #: outbound peers added before our connection's socket was known:
-        #: their same-host offer is proved on their next frame
-        self._unproven: set[str] = set()
-        #: data-plane transfer id -> (peer, the session's name for it)
-        self._xfers: dict[int, tuple[str, TransferRef]] = {}
         #: ids of the engine's requests between start_request and
         #: end_request: a set, as the manager keys them (see start_request)
         self._live: set[str] = set()
         self._idle_streak = 0
-        self._me_ready = False
         #: manager.dials_refused when last logged, and when to log again
         self._dials_log = _Throttle()
         #: lines that peers cause: one per kind per interval, naming the peer
         self._peer_log = PeerLog(clock=clock)
+        self.transfers = Transfers(manager, data, control, self._peer_log, clock)
+        self.frames = Frames(manager, control, self.transfers, self._peer_log, clock)
         #: one line per fallback reason per interval (peers and clients
         #: choose how often loads fail; the metrics count every one)
         self._fallback_log = PeerLog(clock=clock)
         #: Held by whoever is inside the runtime: the engine's thread or the
         #: waker (vLLM 0.33 also calls from its tier-poll thread).
         self.lock = threading.RLock()
-        self.has_waker = False
-        self._waker: threading.Thread | None = None
+        self.waker = Waker(self)
+        #: set by the first close(): a second returns at once
         self._stop = threading.Event()
         self._closing = threading.Lock()
-        #: When the waker last called the engine in, while that call is
-        #: unanswered (None: no call pending).
-        self._called_at: float | None = None
 
     # ------------------------------------------------------------------
+
+    @property
+    def control(self) -> ControlTransport:
+        """The control transport. A caller may swap it (or :attr:`data`)
+        before anything is posted, as fault injectors do: the frames and
+        the transfers follow."""
+        return self._control
+
+    @control.setter
+    def control(self, control: ControlTransport) -> None:
+        self._control = self.transfers.control = self.frames.control = control
+
+    @property
+    def data(self) -> NixlDataTransport:
+        """The data plane (see :attr:`control` on swapping it)."""
+        return self._data
+
+    @data.setter
+    def data(self, data: NixlDataTransport) -> None:
+        self._data = self.transfers.data = data
 
     @property
     def transfers_in_flight(self) -> int:
         """Posted reads and writes whose completion we have not handled yet
         (zero once work drains: a leak check for tests and operators)."""
-        return len(self._xfers)
+        return len(self.transfers)
 
     def agent_of(self, peer: str) -> str | None:
         """The NIXL agent name of a session's peer, once its region is
         known (benchmarks drive the data plane with it directly)."""
-        return self._agents.get(peer)
+        return self.transfers.agent_of(peer)
+
+    @property
+    def has_waker(self) -> bool:
+        """Whether a waker thread runs that calls the engine in: then an
+        engine without live requests may stop stepping."""
+        return self.waker.calls_engine
 
     def may_wait(self) -> bool:
         """True when blocking on the sockets cannot delay the engine's own
@@ -156,7 +166,10 @@ class TierRuntime:
         someone waits for. With a waker, an engine without live requests
         must go idle instead."""
         m = self.manager
-        if self._awaited_transfers() or m.has_lookups_to_serve or m.results_ready():
+        # Transfers given up on do not count: an engine that steps itself
+        # never waited until they ended (back-to-back idle steps, up to the
+        # drain bound). The wait looks at them every DATA_TICK_S instead.
+        if self.transfers.awaited() or m.has_lookups_to_serve or m.results_ready():
             # A READ can end inside its post: its result is already here.
             return False
         if self.live_requests == 0:
@@ -166,70 +179,16 @@ class TierRuntime:
             return not self.has_waker
         return m.waiting_requests() >= self.live_requests
 
-    def _awaited_transfers(self) -> bool:
-        """A transfer in flight whose end someone waits for. Not one given
-        up on (an aborted request's READ, a WRITE past its serve's
-        deadline): it ends when UCX ends it or at its drain bound, and its
-        result helps nobody sooner. Counting those stopped an engine that
-        steps itself from ever waiting until they ended: back-to-back idle
-        steps, up to the drain bound. The wait looks at them every
-        :data:`DATA_TICK_S` instead."""
-        return any(not self.data.given_up(x) for x in self._xfers)
-
     def engine_hold_s(self) -> float:
-        """How long an idle engine's thread may sleep at its step; 0: not
-        at all. Only with a waker, which wakes it for anything of ours.
-
-        vLLM keeps stepping an engine while its tiering manager has jobs in
-        flight, and a pin we hold for a peer is one (a store job of the
-        parent's), as is a parked store. A producer with no request of its
-        own then stepped ~750 times a second until the peer's Release or
-        the pin's deadline (15 s when the peer was slow), and each step of
-        the 3-process engine wakes its worker, which then spins for a
-        second: on a small host that spin stalled the very peer that was to
-        read (its OpenMP threads share the cores). Work of ours ends by a
-        peer's message or a deadline, which the waker sees, and it wakes
-        the engine, as does any client request: so the sleep is long
-        (:data:`PARK_MAX_S`). A peer's Fetch waiting for stores does not
-        keep it stepping: with no live request none can come (vLLM ends a
-        request at the tier only after its last store), and a new request
-        wakes the engine anyway."""
-        if not self.has_waker or self.live_requests:
-            return 0.0
-        m = self.manager
-        if (
-            not m.jobs_in_flight()
-            or m.has_lookups_to_serve
-            or m.results_ready()
-            or any(
-                ref.direction is Direction.WRITE and not self.data.given_up(x)
-                for x, (_, ref) in self._xfers.items()
-            )
-        ):
-            # Nothing of ours keeps it stepping (whatever does is vLLM's
-            # own), or it has something to do for us or a waiting peer (a
-            # WRITE of ours: its TransferDone leaves on the step that
-            # sees it end, not at the waker's next tick).
-            return 0.0
-        # A READ still in flight is a finished request's (none is live),
-        # and a WRITE given up on is waited for by nobody: the waker takes
-        # their completions (every DATA_TICK_S) and calls the engine in
-        # for what results they make. Stepping for them spun the engine
-        # until they ended (a given-up one up to the drain bound).
-        return PARK_MAX_S
+        """How long an idle engine's thread may sleep at its step
+        (:meth:`Waker.hold_s`); 0: not at all."""
+        return self.waker.hold_s()
 
     def park_engine(self, queue: Queue[Any]) -> None:
         """Called by the engine's thread at its step, not holding
-        :attr:`lock`: sleep as vLLM's idle engine does, on its input
-        ``queue``, for :meth:`engine_hold_s`. A client request or the
-        waker's call (both put on that queue) ends the sleep at once."""
-        with self.lock:
-            hold_s = self.engine_hold_s()
-        if hold_s <= 0:
-            return
-        with queue.not_empty:
-            if not queue.queue:
-                queue.not_empty.wait(hold_s)
+        :attr:`lock`: sleep on its input ``queue`` while the waker keeps
+        the tier alive (:meth:`Waker.park`)."""
+        self.waker.park(queue)
 
     def poll(self, wait: bool | None = None) -> None:
         """One sweep: receive, feed the manager, progress the data plane,
@@ -254,17 +213,17 @@ class TierRuntime:
         peers_moving = self.manager.peer_transfers()
         while True:
             due = min(end, self.manager.next_deadline())
-            if peers_moving or self._xfers:
+            if peers_moving or self.transfers:
                 due = min(due, self.clock() + DATA_TICK_S)
             if self._receive(max(0.0, due - self.clock())):
                 break
             now = self.clock()
             if peers_moving:
                 self.data.poll_notifs()
-            if self._xfers:
+            if self.transfers:
                 # Ours, given up on or waited through: their end is a
                 # result (and frees slots) only once it is taken.
-                self._take_completions()
+                self.transfers.take_completions()
                 if self.manager.results_ready():
                     break
             if now >= self.manager.next_deadline():
@@ -286,10 +245,10 @@ class TierRuntime:
 
     def _progress(self) -> None:
         data = self.data
-        if self._xfers or data.in_flight() or data.settling():
+        if self.transfers or data.in_flight() or data.settling():
             # Settling: staging held by a READ given up on comes back once
             # UCX ends it, on an idle engine too (the waker's passes).
-            self._take_completions()
+            self.transfers.take_completions()
         self.data.poll_notifs()
         self.pump()
 
@@ -305,28 +264,27 @@ class TierRuntime:
             "they recompute",
             m.max_peers,
         )
-        for broken in self.data.take_faulted():
-            for peer in [p for p, a in self._agents.items() if a == broken]:
-                session = m.session(peer)
-                if session is not None and not session.closed:
-                    m.close_session(peer, "its data plane failed")
-                    log.warning(
-                        "p2p_kv: closing the session with %s: its data plane "
-                        "failed (a READ failed with or stranded on its "
-                        "endpoint, or its agent's name was taken)",
-                        peer,
-                    )
+        for peer in self.transfers.faulted_peers():
+            session = m.session(peer)
+            if session is not None and not session.closed:
+                m.close_session(peer, "its data plane failed")
+                log.warning(
+                    "p2p_kv: closing the session with %s: its data plane "
+                    "failed (a READ failed with or stranded on its "
+                    "endpoint, or its agent's name was taken)",
+                    peer,
+                )
         closed: list[str] = []
         # Transfers first: a READ needs nothing from the peer, so it starts
         # the moment the engine asks, ahead of this step's messages.
         posted = self._carry(m.take_events(), closed)
-        self._send_all(now)
+        self.frames.send_all(now)
         if posted:
             # Shared-memory UCX copies inside the post: report completions
             # now, so results and TransferDone leave in this step.
-            self._take_completions()
+            self.transfers.take_completions()
             self._carry(m.take_events(), closed)
-            self._send_all(now)
+            self.frames.send_all(now)
         # What sending ended (a session lost for an overflowing outbox).
         self._carry(m.take_events(), closed)
         if closed:
@@ -348,275 +306,33 @@ class TierRuntime:
                         log.warning("p2p_kv: %s", exc)
                         self.manager.on_disconnected(peer, str(exc), self.clock())
                 case PostRead(ref, local, remote):
-                    posted |= self._post(peer, ref, remote, local)
+                    posted |= self.transfers.post(peer, ref, remote, local)
                 case PostWrite(ref, src, dst, notif):
-                    posted |= self._post(peer, ref, src, dst, notif)
+                    posted |= self.transfers.post(peer, ref, src, dst, notif)
                 case Cancel(ref):
-                    mine = (peer, ref)
-                    self.data.cancel(*(x for x, w in self._xfers.items() if w == mine))
+                    self.transfers.cancel(peer, ref)
                 case Closed():
                     closed.append(peer)
         return posted
 
-    def _send_all(self, now: float) -> None:
-        for peer, msgs in self.manager.take_outgoing(now):
-            self._send(peer, msgs, now)
-
     def _retire(self, closed: list[str], now: float) -> None:
-        """Fence closed sessions (their peer's agent dropped, or their
-        transfers ended where the agent is shared), close their
-        connections, say why once, and let the manager retire them."""
-        m = self.manager
-        # One give-up bound for all of them: fenced one session after
-        # another, each transfer stuck on a stalled peer waited out a
-        # bound of its own, so k such peers held this thread k bounds
-        # (at shutdown, or a partition that drops several at once).
-        going = set(closed)
-        self.data.cancel(*[x for x, (p, _) in self._xfers.items() if p in going])
+        """Fence closed sessions (:meth:`Transfers.fence`), close their
+        connections, say why once, and let the manager retire them (which
+        frees their slots: after the fence, so nothing lands in them)."""
+        self.transfers.fence(closed)
         for peer in closed:
-            agent = self._agents.pop(peer, None)
-            self._unproven.discard(peer)
-            if agent is not None:
-                mine = [x for x, (p, _) in self._xfers.items() if p == peer]
-                if agent in self._agents.values():
-                    # The same engine, other direction (its inbound and our
-                    # outbound session share one NIXL agent): end only this
-                    # session's transfers, waited for (the session's slots
-                    # are freed below); the agent stays, so one still running
-                    # at the drain bound is not fenced (docs: Known limits).
-                    self.data.cancel(*mine, wait=True)
-                else:
-                    self.data.remove_peer(agent)  # fences: nothing lands after
-                for xfer_id in mine:
-                    del self._xfers[xfer_id]
             self.control.close_conn(peer)
-            self._log_close(peer)
-            m.on_invalidated(peer, now)
-
-    def _log_close(self, peer: str) -> None:
-        session = self.manager.session(peer)
-        if session is None:
-            return
-        if session.refusal is not None:
-            # A refused handshake (wrong secret, another layout): the
-            # operator's fix is on one side or the other. Any party can
-            # cause it, so at most one line per reason per interval. Its
-            # kind is the refusal's reason, the budget a refused seal's
-            # line (``auth``) shares: one event, one line.
-            self._peer_log.warning(
-                session.refusal.reason,
-                peer,
-                "handshake refused: %.300s",
-                session.refusal,
-            )
-        elif session.close_reason and not (session.proven or is_inbound(peer)):
-            # A peer our clients named that we never got a session with:
-            # unresolvable, refused, unreachable, silent, or refusing us
-            # (its Goodbye says why): requests naming it recompute.
-            self._peer_log.warning(
-                "dial_failed",
-                peer,
-                "no session: %.300r; requests naming it recompute",
-                session.close_reason,
-            )
-        elif session.close_reason:
-            # The reason may be the peer's text (its Goodbye): the PeerLog
-            # line shows it as %r, cut.
-            self._peer_log.info(
-                "session_closed", peer, "session closed: %.300r", session.close_reason
-            )
-
-    def _post(
-        self,
-        peer: str,
-        ref: TransferRef,
-        src: list[int],
-        dst: list[int],
-        notif: bytes = b"",
-    ) -> bool:
-        """Hand one transfer ``src`` -> ``dst`` to the data plane: a read
-        (their blocks into our slots) or a write (ours into theirs). A
-        refusal ends it failed at once."""
-        agent = self._agents.get(peer)
-        read = ref.direction is Direction.READ
-        kind = ref.direction.value
-        try:
-            if agent is None and not read and is_inbound(peer):
-                raise ValueError(
-                    "no WRITEs to a peer that dialled us without the shared "
-                    "secret (its NIXL metadata is not loaded): set a secret on "
-                    "both engines, or read_path: true on the consumer"
-                )
-            if agent is None:
-                raise ValueError("peer has no data-plane agent")
-            if read:
-                xfer = self.data.post_read(agent, src, dst)
-            else:
-                xfer = self.data.post_write(agent, src, dst, notif)
-        except Exception as exc:  # refused before any byte moved
-            self._peer_log.warning(f"{kind}_refused", peer, "%s refused: %s", kind, exc)
-            self._transfer_ended(peer, ref, False)
-            return False
-        self._xfers[xfer] = (peer, ref)
-        return True
-
-    def _transfer_ended(self, peer: str, ref: TransferRef, ok: bool) -> None:
-        now = self.clock()
-        if ref.direction is Direction.READ:
-            self.manager.on_read_done(peer, ref.ident, ok, now)
-        else:
-            self.manager.on_write_done(peer, ref.ident, ok, now)
-
-    def _identity_ready(self) -> bool:
-        """Whether our Hello can be made. vLLM seeds its block hashes after
-        the tier is built, and the waker starts with the tier: a peer that
-        dialled in meanwhile made the waker's pass raise, and the pass's
-        other frames were lost. Until then frames wait in the sockets."""
-        if self._me_ready:
-            return True
-        try:
-            self.manager.me  # noqa: B018  (resolves it, once)
-        except Exception as exc:
-            log.debug("p2p_kv: identity not ready yet: %s", exc)
-            return False
-        self._me_ready = True
-        return True
+            self.frames.log_close(peer)
+            self.manager.on_invalidated(peer, now)
 
     def _receive(self, timeout: float) -> bool:
-        """Feed whatever arrives within ``timeout`` to the manager; True if
-        any of it is work (anything but a heartbeat) or a wake-up."""
-        work = False
-        if not self._identity_ready():
-            time.sleep(timeout)
-            return False
-        inbound_frames = self.control.poll(timeout)
-        if self.control.take_woken():
-            work = True
-        m = self.manager
-        for inbound in inbound_frames:
-            now = self.clock()
-            conn = inbound.conn
-            if inbound.lost:
-                if inbound.bad:
-                    m.on_bad_frame(conn, "framing")
-                    self._peer_log.warning(
-                        "framing", conn, "connection ended: %s", inbound.why
-                    )
-                m.on_disconnected(conn, inbound.why, now)
-                work = True
-                continue
-            if inbound.new:
-                m.on_inbound(now, conn)
-                continue
-            session = m.session(conn)
-            if session is None:
-                # A connection refused (max_inbound) or whose session ended:
-                # its frames go unread.
-                if is_inbound(conn):
-                    self.control.close_conn(conn)
-                continue
-            if session.closed:
-                # Ended in this poll (the pump retires it): the rest of its
-                # frames go unread.
-                continue
-            try:
-                msg = session.open(inbound.frame)
-            except ProtocolError as exc:
-                m.on_bad_frame(conn, exc.reason)
-                self._peer_log.warning(
-                    "bad_frame", conn, "dropped a bad frame (protocol_errors): %s", exc
-                )
-                continue
-            except FrameRefused as exc:
-                self._refuse_frame(conn, exc)
-                work = True
-                continue
-            if not isinstance(msg, Heartbeat):
-                work = True
-            m.on_message(conn, msg, now)
-            if session.proven:
-                self.control.trust(conn)
-            self._maybe_add_agent(conn)
+        """Feed whatever arrives within ``timeout`` to the manager
+        (:meth:`Frames.receive`); True if any of it is work (anything but a
+        heartbeat) or a wake-up."""
+        work = self.frames.receive(timeout)
         if work:
             self._idle_streak = 0  # stay responsive while work flows
         return work
-
-    def _refuse_frame(self, conn: str, exc: FrameRefused) -> None:
-        """A frame that failed its seal ends its session: a party without
-        the secret is speaking (over one TCP connection nothing else loses
-        or reorders a frame). The refusals metric counts each; the log
-        says so at most once per interval (such a party may open
-        connection after connection)."""
-        self.manager.on_frame_refused(conn, exc)
-        self._peer_log.warning(
-            "auth", conn, "refused a frame whose seal does not check: %s", exc
-        )
-
-    def _send(self, peer: str, msgs: list[Message], now: float) -> None:
-        frames = []
-        session = self.manager.session(peer)
-        for msg in msgs:
-            try:
-                frame = encode(msg)
-                frames.append(frame if session is None else session.seal(msg, frame))
-            except ProtocolError as exc:
-                log.error(
-                    "p2p_kv: not sending %s to %s: %s", type(msg).__name__, peer, exc
-                )
-        why = self.control.send(peer, frames)
-        if why:
-            self.manager.on_disconnected(peer, f"send failed: {why}", now)
-
-    def _take_completions(self) -> None:
-        done = self.data.poll_completions()
-        unstopped = self.data.take_unstopped()
-        for xfer_id, ok in done:
-            what = self._xfers.pop(xfer_id, None)
-            if what is None:
-                continue
-            peer, ref = what
-            if xfer_id in unstopped and ref.direction is Direction.WRITE:
-                self.manager.on_write_unstoppable(peer, ref.ident)
-            else:
-                self._transfer_ended(peer, ref, ok)
-
-    def _maybe_add_agent(self, peer: str) -> None:
-        if peer in self._agents:
-            if peer in self._unproven:
-                conn = self.control.connection_inode(peer)
-                if conn is not None:
-                    # Our connection's CONNECTED event came after its first
-                    # frame: a same-host peer can prove itself now.
-                    self._unproven.discard(peer)
-                    self.data.prove_peer(self._agents[peer], conn)
-            return
-        session = self.manager.session(peer)
-        if session is None or not session.ready or session.peer_region is None:
-            return
-        if is_inbound(peer) and not session.proven_secret:
-            # NIXL hands a peer's metadata to UCX unchecked, and some of it
-            # (a worker address) aborts the process when malformed: it is
-            # loaded only from peers we dialled (named by our own clients)
-            # or that proved the shared secret. A party that dialled us
-            # without one is never written to: it READs what we offer.
-            return
-        # Our outbound connection: a same-host peer proves its pid holds
-        # the far end before we open its region.
-        conn = self.control.connection_inode(peer)
-        try:
-            info = msgspec.msgpack.decode(session.peer_region, type=RegionInfo)
-            self.data.add_peer(info, conn_inode=conn)
-        except (ValueError, msgspec.DecodeError) as exc:
-            self._peer_log.warning(
-                "bad_region", peer, "refused: bad data-plane region: %s", exc
-            )
-            session.close(f"bad data-plane region: {exc}")
-            return
-        self._agents[peer] = info.agent_name
-        if conn is None and not is_inbound(peer):
-            # Whatever it offers (a shared file, a CUDA IPC handle, or
-            # nothing), the data plane decides once the proof can be made.
-            self._unproven.add(peer)
 
     # ------------------------------------------------------------------
 
@@ -683,10 +399,10 @@ class TierRuntime:
         self.manager.submit_load(job_id, req_id, keys, slots, now)
         closed: list[str] = []
         if self._carry(self.manager.take_events(), closed) and not closed:
-            self._take_completions()
+            self.transfers.take_completions()
             return
         if closed:
-            self._send_all(now)  # a closed session's Goodbye leaves first
+            self.frames.send_all(now)  # a closed session's Goodbye leaves first
             self._retire(closed, now)
         self.pump()
 
@@ -719,17 +435,17 @@ class TierRuntime:
         READ)."""
         m, start = self.manager, self.clock()
         end = start + timeout_s if timeout_s is not None else m.drain_deadline(start)
-        polls_unchanged, in_flight = 0, len(self._xfers)
+        polls_unchanged, in_flight = 0, len(self.transfers)
         while m.jobs_unended(self.clock()) and self.clock() < end:
-            self.poll(wait=not self._xfers)
-            if not self._xfers:
+            self.poll(wait=not self.transfers)
+            if not self.transfers:
                 time.sleep(0.001)
                 continue
             # Our transfers move only on our progress calls, so poll on;
             # but one stuck on a stalled peer runs to its deadline, and
             # polling it without a pause spun a core that long.
-            if len(self._xfers) != in_flight:
-                polls_unchanged, in_flight = 0, len(self._xfers)
+            if len(self.transfers) != in_flight:
+                polls_unchanged, in_flight = 0, len(self.transfers)
             time.sleep(min(DRAIN_TICK_MAX_S, 50e-6 * 2**polls_unchanged))
             polls_unchanged = min(polls_unchanged + 1, 16)
         left = m.jobs_unended(self.clock())
@@ -773,82 +489,11 @@ class TierRuntime:
         silent that long would be dropped as dead. :attr:`has_waker` stays
         False: such an engine still steps to serve lookups and take results.
         """
-        if self._waker is not None:
-            return
-        self.has_waker = wake_engine is not None
-        idle_s = max(interval_s, idle_s)
-
-        def run() -> None:
-            sweeps, calls = _FailureLog("waker poll"), _FailureLog("waking the engine")
-            try:
-                while not self._stop.is_set():
-                    if not self.lock.acquire(timeout=interval_s):
-                        continue  # the engine stayed in the tier: it sees everything
-                    try:
-                        if self._stop.is_set():
-                            break  # close() took over; the transports may be gone
-                        wanted, fds, sleep_s = self._waker_sweep(interval_s, idle_s)
-                        sweeps.ok()
-                    except Exception:
-                        # When in doubt, hand it to the engine: its own
-                        # step may get past what failed here.
-                        sweeps.failed()
-                        wanted, fds, sleep_s = True, [], interval_s
-                    finally:
-                        self.lock.release()
-                    now = self.clock()
-                    # Read once: the engine's thread clears it unlocked.
-                    called_at = self._called_at
-                    if wake_engine is None:
-                        wanted = False  # the engine steps itself
-                    elif not wanted:
-                        self._called_at = None  # whatever was wanted is done
-                    elif called_at is None or now - called_at >= REWAKE_S:
-                        # Again if the engine has not come: a call it took
-                        # without stepping (it was just finishing a step of
-                        # its own) must not leave the lookup unserved.
-                        self._called_at = now
-                        try:
-                            wake_engine()
-                            calls.ok()
-                        except Exception:
-                            calls.failed()
-                    if wanted:
-                        sleep_s = min(sleep_s, REWAKE_S)
-                    if not self._stop.is_set():
-                        wait_readable(fds, sleep_s)
-            finally:
-                # Whatever ended the thread, the engine must keep the tier
-                # alive by stepping again (may_wait, has_pending_work).
-                self.has_waker = False
-
-        self._waker = threading.Thread(target=run, name="p2p_kv-waker", daemon=True)
-        self._waker.start()
-
-    def _waker_sweep(
-        self, interval_s: float, idle_s: float
-    ) -> tuple[bool, list[tuple[int, int]], float]:
-        """One pass of the waker under :attr:`lock`: whether the engine is
-        wanted, the descriptors to sleep on, and for how long at most."""
-        if not self._identity_ready():
-            # Frames wait in the sockets, unread, so their descriptors stay
-            # readable: slept on, they ended every wait at once, and the
-            # waker spun (30-60% of a core) from the tier's start in vLLM's
-            # Scheduler() to the engine's hash seed, or for good.
-            return False, [], interval_s
-        self._sweep()
-        m, data = self.manager, self.data
-        wanted = m.has_lookups_to_serve or m.results_ready()
-        fds = self.control.readiness_fds()
-        due_s = m.next_deadline() - self.clock()
-        busy = self._xfers or data.in_flight() or data.settling() or m.peer_transfers()
-        # At least 1 ms: a deadline the poll did not clear must not turn
-        # this into a spin.
-        return wanted, fds, max(0.001, min(interval_s if busy else idle_s, due_s))
+        self.waker.start(wake_engine, interval_s, idle_s)
 
     def engine_stepped(self) -> None:
         """The engine called in: a wake-up has been taken."""
-        self._called_at = None
+        self.waker.engine_stepped()
 
     def close(self) -> None:
         """End every session (peers hear a Goodbye), stop the waker, close
@@ -857,12 +502,7 @@ class TierRuntime:
             if self._stop.is_set():
                 return
             self._stop.set()
-        self.control.wake()  # ends the waker's sleep
-        if self._waker is not None:
-            self._waker.join(2.0)
-            if self._waker.is_alive():
-                # It stops at its next pass (it checks _stop under the lock).
-                log.warning("p2p_kv: the waker did not stop within 2 s")
+        self.waker.stop()
         with self.lock:
             try:
                 self.manager.close_all("shutdown")
@@ -892,20 +532,3 @@ class _Throttle:
             return
         rise, self._logged, self._next_at = total - self._logged, total, now + 60.0
         log.warning(msg, rise, *args)
-
-
-class _FailureLog:
-    """A failure that repeats every tick is logged once with its traceback,
-    then at debug level until it stops: one line, not a hundred a second."""
-
-    def __init__(self, what: str) -> None:
-        self._what = what
-        self._failing = False
-
-    def ok(self) -> None:
-        self._failing = False
-
-    def failed(self) -> None:
-        level = logging.DEBUG if self._failing else logging.ERROR
-        log.log(level, "p2p_kv: %s failed", self._what, exc_info=True)
-        self._failing = True

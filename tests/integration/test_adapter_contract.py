@@ -320,9 +320,9 @@ def test_an_engine_nothing_else_serves_between_steps_gets_a_keep_alive(
     for tier, waker in ((build(), False), (EngineCoreProc().tier, True)):
         try:
             if tier._polled:  # vLLM's tier-poll thread calls it between steps
-                assert tier.runtime._waker is None
+                assert tier.runtime.waker.thread is None
             else:
-                assert tier.runtime._waker is not None
+                assert tier.runtime.waker.thread is not None
                 assert tier.runtime.has_waker is waker
         finally:
             tier.shutdown()

@@ -114,7 +114,7 @@ def test_a_lookup_calls_the_sleeping_engine_in_when_it_arrives(
         # pending for good.
         assert took < IN_TIME_S, f"fetch {i} took {took:.2f} s (tick {TICK_S} s)"
     assert engine.calls >= 3  # one serve window per lookup at least
-    waker = producer.runtime._waker
+    waker = producer.runtime.waker.thread
     assert waker is not None and waker.is_alive()
 
 
@@ -126,7 +126,7 @@ def test_close_ends_the_wakers_sleep_at_once_and_is_idempotent(
     t0 = time.monotonic()
     producer.runtime.close()
     assert time.monotonic() - t0 < IN_TIME_S
-    waker = producer.runtime._waker
+    waker = producer.runtime.waker.thread
     assert waker is not None and not waker.is_alive()
     producer.runtime.close()  # the fixture closes it again, too
 
@@ -144,9 +144,9 @@ def test_a_waker_that_dies_hands_the_tier_back_to_the_engine() -> None:
             rt.start_waker(fatal, interval_s=0.01)
             rt.manager.results_ready = lambda: True  # type: ignore[method-assign]
         assert rt.has_waker
-        assert rt._waker is not None
-        rt._waker.join(IN_TIME_S)
-        assert not rt._waker.is_alive()
+        assert rt.waker.thread is not None
+        rt.waker.thread.join(IN_TIME_S)
+        assert not rt.waker.thread.is_alive()
         # may_wait and the adapter's has_pending_work read this: the engine
         # steps by itself again instead of waiting on a waker that is gone.
         assert not rt.has_waker
@@ -165,14 +165,14 @@ def test_the_waker_ticks_fast_only_while_the_data_plane_has_work() -> None:
     try:
         rt = peer.runtime
         passes = 0
-        sweep = rt._waker_sweep
+        sweep = rt.waker.sweep
 
         def counted(interval_s: float, idle_s: float) -> tuple[bool, list[int], float]:
             nonlocal passes
             passes += 1
             return sweep(interval_s, idle_s)
 
-        rt._waker_sweep = counted  # type: ignore[method-assign]
+        rt.waker.sweep = counted  # type: ignore[method-assign]
         settling = False
         rt.data.settling = lambda: settling  # type: ignore[method-assign]
         rt.start_waker(lambda: None, interval_s=0.01, idle_s=0.25)
@@ -351,14 +351,14 @@ def test_a_peer_dialling_in_before_our_identity_is_ready_is_answered_after() -> 
     producer.manager._me = identity
     rt = producer.runtime
     passes: list[float] = []
-    real_sweep = rt._waker_sweep
+    real_sweep = rt.waker.sweep
 
     def counted(*args: Any) -> Any:
         if not ready.is_set():
             passes.append(time.monotonic())
         return real_sweep(*args)
 
-    rt._waker_sweep = counted  # type: ignore[method-assign]
+    rt.waker.sweep = counted  # type: ignore[method-assign]
     engine = SleepingEngine(producer)
     rt.start_waker(engine.wake)
     try:
