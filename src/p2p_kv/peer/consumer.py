@@ -358,9 +358,9 @@ class ConsumerSide:
         if record is not None and record.contacted:
             # Nothing of ours reads the pins any more: the peer may drop them.
             record.contacted = False
-            # (A count, for the peer's bytes-served total: a frame carries
-            # at most MAX_KEYS; a larger one was dropped, and with it the
-            # Release, so the pins stayed to their deadline.)
+            # (A count, for the peer's bytes-served total, capped: a frame
+            # carries at most MAX_KEYS, and a larger one would be dropped,
+            # and with it the Release.)
             read = min(load.blocks, MAX_KEYS) if ok else 0
             self.link.send(Release(load.req, load.gen, read))
         self.lookups.tidy(record)

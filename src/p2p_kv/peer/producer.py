@@ -189,8 +189,8 @@ class ProducerSide:
         queue, self._serve_queue = self._serve_queue, []
         if not queue:
             return
-        # Counted once per window, not per lookup: with thousands of serves
-        # a per-lookup sum made a busy window quadratic.
+        # Counted once per window, not per lookup: a sum per lookup over
+        # thousands of serves would make a busy window quadratic.
         pinned = self.pinned_blocks
         for serve in queue:
             pending = self._drop_pending(serve)
@@ -222,8 +222,8 @@ class ProducerSide:
                 self.link.send(serve.answer(lookup, hits, hold_ms))
             serve.fire(Event.SERVED)
             # Never less than an offer announces (whole milliseconds, one at
-            # least): a pin lifetime under 1 ms was announced as 1 ms and
-            # released before it, under a READ the consumer still trusted.
+            # least): a pin lifetime under 1 ms is announced as 1 ms and
+            # must not be released before it, under a READ still trusted.
             self.link.arm(
                 serve,
                 now + max(self.link.timeouts.pin_ttl_s, self.link.timeouts.hold_s()),
