@@ -20,7 +20,8 @@ import numpy as np
 
 from p2p_kv.data import NixlDataTransport, drain_timeout_for
 from p2p_kv.handshake import Identity
-from p2p_kv.manager import Answer, JobResult, LoadManager, Roles
+from p2p_kv.manager import Answer, JobResult, LoadManager
+from p2p_kv.roles import Roles
 from p2p_kv.runtime import TierRuntime, fresh_nonce, open_transports
 from p2p_kv.same_host import shared_region
 from p2p_kv.session import PinResult, Timeouts

@@ -14,8 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from p2p_kv.handshake import Identity
-from p2p_kv.manager import JobResult, LoadManager, Roles
+from p2p_kv.manager import JobResult, LoadManager
 from p2p_kv.protocol import Message, decode, encode
+from p2p_kv.roles import Roles
 from p2p_kv.session import Limits, PinResult, ReadOrder, Timeouts, WriteOrder
 
 BLOCK = 16

@@ -11,8 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from p2p_kv.lifecycle import State
-from p2p_kv.manager import Answer, JobResult, LoadManager, Roles
+from p2p_kv.manager import Answer, JobResult, LoadManager
 from p2p_kv.protocol import Fetch, FetchOffer, decode, encode
+from p2p_kv.roles import Roles
 from p2p_kv.session import Timeouts, is_inbound
 
 from .memnet import FAST_TIMEOUTS, Net, key, payload
@@ -846,7 +847,8 @@ def test_a_lookup_to_a_peer_that_never_answers_the_handshake_ends_at_its_deadlin
     handshake's (5 s), a request at a time."""
     import os
 
-    from p2p_kv.manager import LoadManager, Source
+    from p2p_kv.manager import LoadManager
+    from p2p_kv.roles import Source
 
     from .memnet import identity
 

@@ -6,7 +6,7 @@ from collections import defaultdict
 
 import pytest
 
-from p2p_kv.manager import LoadObservation, Roles
+from p2p_kv.manager import LoadObservation
 from p2p_kv.metrics import (
     DEFINITIONS,
     FAILED_IDS,
@@ -34,6 +34,7 @@ from p2p_kv.metrics import (
     STAGING_HELD,
     MetricsExporter,
 )
+from p2p_kv.roles import Roles
 from p2p_kv.session import MAX_TALLY_KEYS, tally
 
 from .memnet import Net, identity, key

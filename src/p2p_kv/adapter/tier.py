@@ -26,8 +26,9 @@ import msgspec
 from p2p_kv.adapter import versions
 from p2p_kv.config import ConfigError, TierConfig, check_hash_seed, check_nixl
 from p2p_kv.handshake import Identity
-from p2p_kv.manager import Answer, LoadManager, Roles
+from p2p_kv.manager import Answer, LoadManager
 from p2p_kv.metrics import DEFINITIONS, MetricsExporter
+from p2p_kv.roles import Roles
 from p2p_kv.session import PinResult
 
 #: The installed vLLM's row of the version table: a vLLM known not to work

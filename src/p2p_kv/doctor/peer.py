@@ -449,7 +449,8 @@ def _handshake(
 
     from p2p_kv.data import NixlDataTransport
     from p2p_kv.handshake import Identity
-    from p2p_kv.manager import Answer, LoadManager, Roles, Source, format_peer
+    from p2p_kv.manager import Answer, LoadManager
+    from p2p_kv.roles import Roles, Source, format_peer
     from p2p_kv.runtime import TierRuntime, fresh_nonce, open_transports
     from p2p_kv.session import Timeouts
 
