@@ -32,10 +32,11 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Final
+from typing import Final
 
 from p2p_kv.handshake import FrameRefused, Identity
-from p2p_kv.lifecycle import Event, State
+from p2p_kv.lifecycle import Event
+from p2p_kv.parked import ParkedRegistry
 from p2p_kv.protocol import MAX_KEYS, Hello, Message
 
 # Roles is re-exported: the runtime reads it from here.
@@ -60,8 +61,6 @@ from p2p_kv.session import (
 
 #: Refused inbound connections remembered (their frames dropped unread).
 MAX_REFUSED_INBOUND = 4096
-#: Finished producer requests remembered (see ``LoadManager._finished_kv``).
-MAX_FINISHED_KV = 65_536
 #: The longest a cache reset's drain waits (an offered READ of 1 TB is held
 #: about 45 minutes at the default deadlines).
 MAX_DRAIN_S = 3600.0
@@ -72,9 +71,6 @@ LIMIT_REFUSALS: Final = frozenset(
 #: Dials past ``max_peers`` while idle sessions closed for room still hold
 #: their sockets (``p2p_kv.config.MAX_PEERS`` leaves room for 20 there).
 CLOSING_ROOM = 16
-#: How long a Fetch for such a kv id waits for a new producer request
-#: under the same id (a retry) before it is told nothing was stored.
-LATE_FETCH_GRACE_S = 1.0
 
 
 class Answer(Enum):
@@ -115,20 +111,6 @@ class Consumer:
     #: its peer was past ``max_peers`` when it began: it recomputes (asked
     #: again, it would only be refused again)
     refused: bool = False
-
-
-@dataclass(slots=True)
-class ParkedEntry:
-    """Parked stores of one ``kv_request_id`` and the fetches waiting on them."""
-
-    stores: list[ParkedStore] = field(default_factory=list)
-    waiting: list[tuple[str, Any]] = field(default_factory=list)  # (peer, Serve)
-    live_producers: int = 0
-    #: A producer request for this id was seen: once none is live, no more
-    #: stores can come and a waiting fetch may be refused at once.
-    producer_seen: bool = False
-    #: a FetchWait note for its waiting fetches is in the manager's heap
-    noted: bool = False
 
 
 @dataclass(slots=True)
@@ -208,33 +190,17 @@ class LoadManager:
         self._unsent: set[str] = set()  # req ids with lookups to flush
         self._failed: set[str] = set()
         self._producers: dict[str, str] = {}  # req_id -> remote_decoder kv id
-        self._parked: dict[str, ParkedEntry] = {}
-        self._parked_heap: list[tuple[float, int, ParkedStore]] = []
-        #: kv ids whose producer requests all ended with nothing parked,
-        #: until when a Fetch may still come (``parked_ttl_s``): without
-        #: them a late Fetch waited out its deadline for stores that could
-        #: not come, and kept an idle producer stepping meanwhile.
-        self._finished_kv: dict[str, float] = {}
         #: every session together: lookup keys queued for our engine, and
         #: keys of fetches waiting for stores (Limits.engine_*)
         self._pending_keys, self._waiting_keys = KeyCount(), KeyCount()
-        #: (when, id, kv id, its entry): Fetches for such an id, refused
-        #: then unless a producer request for it came meanwhile. The entry
-        #: it was armed for, as a later Fetch of the same id makes a new
-        #: one: that one's grace is its own, not cut short by this timer.
-        self._late_fetches: list[tuple[float, int, str, ParkedEntry]] = []
         #: Offered pins of sessions that ended, held to their deadline.
         self._orphans: list[tuple[float, int, Serve]] = []
-        #: when to tell the peers whose Fetches wait on a live prefill that
-        #: it is still running (FetchWait): (when, tie, kv id)
-        self._wait_notes: list[tuple[float, int, str]] = []
         self._heap_ids = itertools.count()
         self._jobs: dict[int, _Job] = {}
         self._results: list[LoadResult | StoreResult] = []
         self._finished: list[JobResult] = []
         self._dirty: set[str] = set()
         self._to_serve: set[str] = set()
-        self._waiting_kv: set[str] = set()  # kv ids with fetches waiting
         self._deadlines: list[tuple[float, str]] = []
         self._to_connect: list[str] = []
         self._closing: set[str] = set()
@@ -252,6 +218,7 @@ class LoadManager:
         # piles up when stats are off.
         self.load_observations: deque[LoadObservation] = deque(maxlen=4096)
         self.retired_sessions: deque[Session] = deque(maxlen=1024)
+        self.parked = ParkedRegistry(self, self._sessions.get, self._touch)
 
     # ------------------------------------------------------------------
     # vLLM-facing: consumer leg
@@ -291,12 +258,8 @@ class LoadManager:
             if self._session_for(roles.source.peer, now) is None:
                 consumer.refused = self._refused_dial(roles.source.peer, now)
         if roles.dest_kv_id:
-            self._finished_kv.pop(roles.dest_kv_id, None)
             self._producers[req_id] = roles.dest_kv_id
-            entry = self._parked.setdefault(roles.dest_kv_id, ParkedEntry())
-            entry.live_producers += 0 if carried else 1
-            entry.producer_seen = True
-            self._note_waiting(roles.dest_kv_id, now)  # a decoder came first
+            self.parked.producer_started(roles.dest_kv_id, bool(carried), now)
         return replaced
 
     def lookup(self, req_id: str, key: bytes) -> Answer:
@@ -421,10 +384,7 @@ class LoadManager:
             self._results.append(StoreResult(job_id, True))
             return False
         store = ParkedStore(job_id, kv_id, keys, slots, now + self.parked_ttl_s)
-        entry = self._parked.setdefault(kv_id, ParkedEntry())
-        entry.stores.append(store)
-        heapq.heappush(self._parked_heap, (store.deadline, job_id, store))
-        self._feed_waiting(kv_id, now)
+        self.parked.park(store, now)
         return True
 
     def refuse_store(self, job_id: int, req_id: str, reason: str) -> None:
@@ -455,19 +415,7 @@ class LoadManager:
                 self._touch(session)
         kv_id = self._producers.pop(req_id, None)
         if kv_id is not None:
-            entry = self._parked[kv_id]
-            entry.live_producers -= 1
-            if not entry.live_producers:
-                # vLLM ends a request at the tier after its last store: no
-                # more can come for this id (but from a retry under it).
-                # Noted whether or not stores stay parked: a first decoder
-                # may take them, and a retry's Fetch then waited out its
-                # whole deadline instead of the grace.
-                self._finished_kv.pop(kv_id, None)
-                self._finished_kv[kv_id] = now + self.parked_ttl_s
-                self._forget_finished_kv(now)
-            self._feed_waiting(kv_id, now)
-            self._gc_parked(kv_id)
+            self.parked.producer_ended(kv_id, now)
 
     # ------------------------------------------------------------------
     # vLLM-facing: results
@@ -888,33 +836,14 @@ class LoadManager:
 
     def tick(self, now: float) -> None:
         """Fire deadlines that have passed; O(due work), not O(peers)."""
-        while self._late_fetches and self._late_fetches[0][0] <= now:
-            _, _, kv_id, armed = heapq.heappop(self._late_fetches)
-            entry = self._parked.get(kv_id)
-            if entry is armed and entry.live_producers == 0:
-                entry.producer_seen = True  # no producer came: none will
-                self._feed_waiting(kv_id, now)
+        self.parked.tick_late_fetches(now)
         while self._deadlines and self._deadlines[0][0] <= now:
             _, peer = heapq.heappop(self._deadlines)
             session = self._sessions.get(peer)
             if session is not None:
                 session.tick(now)
                 self._touch(session)
-        while self._parked_heap and self._parked_heap[0][0] <= now:
-            _, _, store = heapq.heappop(self._parked_heap)
-            if store.state is State.STORED:
-                store.fire(Event.TIMEOUT)
-                entry = self._parked.get(store.kv_id)
-                if entry is not None:
-                    entry.stores.remove(store)
-                    self._gc_parked(store.kv_id)
-                self._results.append(StoreResult(store.job_id, False, "parked_expired"))
-        while self._wait_notes and self._wait_notes[0][0] <= now:
-            _, _, kv_id = heapq.heappop(self._wait_notes)
-            entry = self._parked.get(kv_id)
-            if entry is not None:
-                entry.noted = False
-                self._note_waiting(kv_id, now)
+        self._results.extend(self.parked.tick(now))
         while self._orphans and self._orphans[0][0] <= now:
             _, _, serve = heapq.heappop(self._orphans)
             serve.fire(Event.TIMEOUT)
@@ -925,25 +854,12 @@ class LoadManager:
         retry = self._retry_at
         while retry and next(iter(retry.values())) <= now:
             del retry[next(iter(retry))]
-        self._forget_finished_kv(now)
-
-    def _forget_finished_kv(self, now: float) -> None:
-        """Drop the finished producers past their TTL, and the oldest past
-        the cap: insertion order is deadline order (one TTL for all)."""
-        fk = self._finished_kv
-        while fk and (len(fk) > MAX_FINISHED_KV or next(iter(fk.values())) <= now):
-            del fk[next(iter(fk))]
 
     def next_deadline(self) -> float:
         best = self._deadlines[0][0] if self._deadlines else float("inf")
-        if self._late_fetches:
-            best = min(best, self._late_fetches[0][0])
-        if self._parked_heap:
-            best = min(best, self._parked_heap[0][0])
+        best = min(best, self.parked.next_deadline())
         if self._orphans:
             best = min(best, self._orphans[0][0])
-        if self._wait_notes:
-            best = min(best, self._wait_notes[0][0])
         return best
 
     def drain_deadline(self, now: float) -> float:
@@ -954,8 +870,7 @@ class LoadManager:
         it. A fixed 30 s was shorter than an offered READ's hold, which
         grows with its bytes (6 GB: 15 s + 16 s): vLLM's reset then found a
         job left and asserted."""
-        held = [item[0] for item in self._late_fetches]
-        held += [at for at, _, st in self._parked_heap if st.state is State.STORED]
+        held = self.parked.held_until()
         held += [at for at, _, sv in self._orphans if not sv.terminal]
         held += [s.latest_deadline() for s in self._sessions.values()]
         latest = max(held, default=-math.inf) + self.timeouts.abort_ack_s + 5.0
@@ -963,18 +878,7 @@ class LoadManager:
 
     def end_step(self, now: float) -> None:
         """Re-arm deadlines of sessions touched this step, then forget them."""
-        for kv_id in list(self._waiting_kv):
-            entry = self._parked.get(kv_id)
-            if entry is not None:
-                entry.waiting = [
-                    (p, sv)
-                    for p, sv in entry.waiting
-                    if sv.state is State.FETCH_WAITING
-                ]
-                if entry.waiting:
-                    continue
-                self._gc_parked(kv_id)
-            self._waiting_kv.discard(kv_id)
+        self.parked.end_step()
         for peer in self._dirty:
             # Sessions with output too: a result the engine has yet to
             # collect (a long step) must not stop the session's heartbeats
@@ -1021,86 +925,7 @@ class LoadManager:
 
     def _bind_parked(self, session: Session, now: float) -> None:
         while session.wants_parked:
-            serve = session.wants_parked.pop()
-            entry = self._parked.get(serve.req)
-            if entry is None:
-                entry = self._parked[serve.req] = ParkedEntry()
-                # Its producer already ended with nothing parked: refused
-                # after a short grace (a retry may reuse the id), not at the
-                # Fetch's deadline.
-                if self._finished_kv.get(serve.req, 0.0) > now:
-                    heapq.heappush(
-                        self._late_fetches,
-                        (
-                            now + LATE_FETCH_GRACE_S,
-                            next(self._heap_ids),
-                            serve.req,
-                            entry,
-                        ),
-                    )
-            entry.waiting.append((session.peer, serve))
-            self._waiting_kv.add(serve.req)
-            self._feed_waiting(serve.req, now)
-
-    def _feed_waiting(self, kv_id: str, now: float) -> None:
-        entry = self._parked.get(kv_id)
-        if entry is None or not entry.waiting:
-            return
-        complete = entry.producer_seen and entry.live_producers == 0
-        still_waiting = []
-        for peer, serve in entry.waiting:
-            session = self._sessions.get(peer)
-            if (
-                session is None
-                or session.closed
-                or serve.state is not State.FETCH_WAITING
-            ):
-                continue
-            # A Fetch takes the stores only if it names a block of theirs:
-            # one that names none (a stranger's guess at the id) took them
-            # all and, failing, failed them, and the decoder they were
-            # parked for found nothing.
-            # (A view's isdisjoint walks the Fetch's keys and stops at the
-            # first held: no set of up to 65,536 keys per store parked.)
-            keys = serve.fetch.keys if serve.fetch is not None else ()
-            stores: list[ParkedStore] = []
-            if any(not s.slots.keys().isdisjoint(keys) for s in entry.stores):
-                stores, entry.stores = entry.stores, []
-            session.attach_parked(serve, stores, complete, now)
-            self._touch(session)
-            if serve.state is State.FETCH_WAITING:
-                still_waiting.append((peer, serve))
-        entry.waiting = still_waiting
-        self._note_waiting(kv_id, now)
-        self._gc_parked(kv_id)
-
-    def _note_waiting(self, kv_id: str, now: float) -> None:
-        """While ``kv_id``'s prefill is live here, tell each peer whose Fetch
-        waits on it so, now and every heartbeat interval (a decoder that
-        asked first then waits as long as the prefill runs, up to its
-        parked_ttl_s, not its fetch deadline alone)."""
-        entry = self._parked.get(kv_id)
-        if entry is None or not entry.live_producers or not entry.waiting:
-            return
-        for peer, serve in entry.waiting:
-            session = self._sessions.get(peer)
-            if session is not None:
-                session.tell_waiting(serve, now)
-                self._touch(session)
-        if not entry.noted:
-            entry.noted = True
-            when = now + self.timeouts.heartbeat_interval_s
-            heapq.heappush(self._wait_notes, (when, next(self._heap_ids), kv_id))
-
-    def _gc_parked(self, kv_id: str) -> None:
-        entry = self._parked.get(kv_id)
-        if (
-            entry is not None
-            and not entry.stores
-            and not entry.waiting
-            and (entry.live_producers == 0)
-        ):
-            del self._parked[kv_id]
+            self.parked.bind(session.peer, session.wants_parked.pop(), now)
 
     # ------------------------------------------------------------------
     # drain, reset, close
@@ -1108,13 +933,7 @@ class LoadManager:
 
     def release_parked(self, now: float) -> None:
         """Cache reset: parked stores go back to the engine as failed."""
-        for entry in self._parked.values():
-            for store in entry.stores:
-                store.fire(Event.RESET)
-                self._results.append(StoreResult(store.job_id, False, "reset"))
-            entry.stores.clear()
-        for kv_id in list(self._parked):
-            self._gc_parked(kv_id)
+        self._results.extend(self.parked.release())
 
     def close_all(self, reason: str) -> None:
         for session in self._sessions.values():
@@ -1226,7 +1045,7 @@ class LoadManager:
         return frozenset(self._failed)
 
     def parked_store_count(self) -> int:
-        return sum(len(e.stores) for e in self._parked.values())
+        return self.parked.store_count()
 
     def sessions(self) -> Iterable[Session]:
         return self._sessions.values()
@@ -1241,14 +1060,13 @@ class LoadManager:
             "generations": len(self._by_gen),
             "failed_ids": len(self._failed),
             "producers": len(self._producers),
-            "parked_entries": len(self._parked),
-            "parked_stores": sum(len(e.stores) for e in self._parked.values()),
             "jobs": len(self._jobs),
             "buffered_results": len(self._results),
             "unsent_lookups": len(self._unsent),
             "fenced_slots": sum(s.fenced_slots for s in self._sessions.values()),
             "orphaned_blocks": sum(sv.held_blocks for _, _, sv in self._orphans),
         }
+        report.update(self.parked.residue())
         for session in self._sessions.values():
             for name, size in session.sizes().items():
                 report[name] = report.get(name, 0) + size

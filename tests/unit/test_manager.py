@@ -708,7 +708,7 @@ def test_each_fetch_after_its_producer_ended_gets_its_own_grace() -> None:
     b.manager.on_new_request("d1", net.roles("a", "kvW", probe=False), net.now)
     load(net, "d1", [1, 2, 3, 4])
     net.run(2)
-    assert len(a.manager._late_fetches) == 1  # d1's Fetch waits at a
+    assert len(a.manager.parked.late_fetches) == 1  # d1's Fetch waits at a
     start = net.now
     b.manager.on_request_finished("d1", net.now)
     net.run()
@@ -1293,9 +1293,9 @@ def test_a_finished_producer_is_forgotten_at_its_ttl_without_another() -> None:
     dec = Roles.parse({"remote_decoder": {"kv_request_id": "kv9"}})
     a.on_new_request("p1", dec, net.now)
     a.on_request_finished("p1", net.now)
-    assert list(a._finished_kv) == ["kv9"]
+    assert list(a.parked.finished) == ["kv9"]
     wait(net, a.parked_ttl_s + 0.5, dt=0.5)
-    assert a._finished_kv == {}
+    assert a.parked.finished == {}
 
 
 def test_offered_parked_stores_outlive_a_lost_session_to_their_deadline() -> None:
