@@ -511,7 +511,7 @@ def test_request_with_both_legs_is_finished_on_both() -> None:
     b.store(store, "r1", [KEYS[0]], [9], net.now)
     b.manager.on_request_finished("r1", net.now)
     report = b.manager.state_report()
-    assert report["consumers"] == 0 and report["producers"] == 0
+    assert report["requests_by_id"] == 0
     assert report["parked_stores"] == 1  # kept for its decoder, until its TTL
 
 
@@ -1037,10 +1037,10 @@ def test_a_lookup_of_more_keys_than_a_frame_lists_goes_in_several(
     """A Lookup lists at most MAX_KEYS keys (the peer refuses more): one
     step's keys past that went out in one frame, the peer dropped it, and
     the request waited for its lookup deadline to recompute."""
-    import p2p_kv.manager as manager_module
+    import p2p_kv.consumer as consumer_module
     import p2p_kv.session as session_module
 
-    monkeypatch.setattr(manager_module, "MAX_KEYS", 3)
+    monkeypatch.setattr(consumer_module, "MAX_KEYS", 3)
     monkeypatch.setattr(session_module, "MAX_KEYS", 3)
     net = make_net(reads=False)
     assert probe(net, "r1", "kv1") == [Answer.HIT] * 4
