@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Collection, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 #: What a residue report counts: the containers, never a string.
 _CONTAINERS = (dict, list, set, frozenset, deque)
@@ -64,3 +64,29 @@ def _due(timer: Collection[Any]) -> Iterator[float]:
         yield from timer.values()
     else:
         yield from (item[0] for item in timer)
+
+
+class Holder(Protocol):
+    """A sub-object holding state: it reports its own residue."""
+
+    def residue(self) -> dict[str, int]: ...
+
+
+def holders_of(owner: object) -> dict[str, Holder]:
+    """The sub-objects among ``owner``'s attributes that report residue,
+    by attribute name: found, not listed, so one added later is covered."""
+    return {
+        name: value
+        for name, value in vars(owner).items()
+        if callable(getattr(value, "residue", None))
+    }
+
+
+def sizes_of(owner: object) -> dict[str, int]:
+    """Every container of ``owner`` and of its holders, residue or not."""
+    objects: dict[str, object] = {"self": owner, **holders_of(owner)}
+    return {
+        f"{holder}.{name}": len(items)
+        for holder, obj in objects.items()
+        for name, items in containers_of(obj).items()
+    }

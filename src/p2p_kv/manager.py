@@ -28,23 +28,24 @@ make the other recompute.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 
 from p2p_kv.consumer import Answer as Answer
 from p2p_kv.consumer import Loads
 from p2p_kv.handshake import FrameRefused, Identity
-from p2p_kv.indexes import containers_of, residue_of
+from p2p_kv.indexes import holders_of, residue_of, sizes_of
 from p2p_kv.parked import ParkedRegistry
-from p2p_kv.peers import LIMIT_REFUSALS, Peers, SessionWork, Tallies
+from p2p_kv.peers import FromTallies, Peers, SessionWork, Tallies
 from p2p_kv.protocol import Hello, Message
+from p2p_kv.requests import JobResult as JobResult
 from p2p_kv.requests import JobTable, Request, RequestTable
+from p2p_kv.requests import LoadObservation as LoadObservation
 
 # Roles is re-exported: the runtime reads it from here.
 from p2p_kv.roles import Roles as Roles
 from p2p_kv.session import (
     Limits,
-    LoadResult,
     ParkedStore,
     Pinner,
     ReadOrder,
@@ -59,46 +60,14 @@ from p2p_kv.session import (
 #: The longest a cache reset's drain waits (an offered READ of 1 TB is held
 #: about 45 minutes at the default deadlines).
 MAX_DRAIN_S = 3600.0
-#: Session counts a report always has, so a reader may index them while no
-#: session is up.
-SESSION_KEYS = ("probes", "loads", "serves", "writes", "fenced_results", "offers")
-
-
-@dataclass(slots=True)
-class JobResult:
-    """Engine-neutral twin of vLLM's JobResult."""
-
-    job_id: int
-    success: bool
-    transfer_time: float | None = None
-    transfer_bytes: int | None = None
-    #: why a load failed (the fallback reason); empty on success
-    reason: str = ""
-    #: a load's engine request, its ``kv_request_id`` and the peer: what
-    #: an operator greps for when a request recomputed
-    req_id: str = ""
-    kv_id: str = ""
-    peer: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class LoadObservation:
-    """One finished load job, for the metrics (drained by p2p_kv.metrics)."""
-
-    peer: str
-    success: bool
-    elapsed_s: float  # the session's: Fetch to result
-    nbytes: int
-    reason: str
-    waited_s: float  # submit_load to get_finished_jobs: what vLLM waited
 
 
 class LoadManager:
     """See the module docstring. Every method takes ``now``; none blocks.
 
-    It holds six indexes, all of requests and jobs; sessions live in
-    :attr:`peers` and :attr:`work`, parked stores in :attr:`parked`,
-    counters in :attr:`tallies`. :meth:`state_report` derives from them."""
+    A facade: the state is its sub-objects' (requests and jobs, sessions
+    and their step work, parked stores, counters), each holding its own
+    few indexes, and :meth:`state_report` is derived from them."""
 
     def __init__(
         self,
@@ -141,17 +110,15 @@ class LoadManager:
         return self._me
 
     # Counters, read by the runtime, the metrics and tests.
-    refusals = property(lambda self: self.tallies.refusals)
-    protocol_errors = property(lambda self: self.tallies.protocol_errors)
-    fallbacks = property(lambda self: self.tallies.fallbacks)
-    load_observations = property(lambda self: self.tallies.load_observations)
-    retired_sessions = property(lambda self: self.tallies.retired_sessions)
-    dials_refused = property(lambda self: self.tallies.dials_refused)
-    double_results = property(lambda self: self.tallies.double_results)
+    refusals = FromTallies[dict[tuple[str, str], int]]()
+    protocol_errors = FromTallies[dict[str, int]]()
+    fallbacks = FromTallies[dict[str, int]]()
+    load_observations = FromTallies[deque[LoadObservation]]()
+    retired_sessions = FromTallies[deque[Session]]()
+    dials_refused = FromTallies[int]()
+    double_results = FromTallies[int]()
 
-    # ------------------------------------------------------------------
-    # vLLM-facing: requests
-    # ------------------------------------------------------------------
+    # -- vLLM-facing: requests --
 
     def on_new_request(self, req_id: str, roles: Roles, now: float) -> bool:
         """Start a request; True if it replaced a live one of the same id.
@@ -246,53 +213,11 @@ class LoadManager:
         tally(self.protocol_errors, reason, "other")
         self.jobs.results.append(StoreResult(job_id, False, reason))
 
-    # ------------------------------------------------------------------
-    # vLLM-facing: results
-    # ------------------------------------------------------------------
-
     def get_finished_jobs(self, now: float) -> list[JobResult]:
         """Every job that ended since the last call, each exactly once."""
         self._collect(now)
-        out: list[JobResult] = []
-        for job, result in self.jobs.take(self._double_result):
-            if not isinstance(result, LoadResult):
-                out.append(JobResult(result.job_id, result.success))
-                continue
-            if not result.success:
-                tally(self.fallbacks, result.reason, "other")
-                req = self.requests.by_gen.get(result.gen)
-                if (
-                    not result.request_finished
-                    and req is not None
-                    and job.req_id == req.req_id
-                ):
-                    req.failed = True
-            self.load_observations.append(
-                LoadObservation(
-                    job.peer,
-                    result.success,
-                    result.elapsed_s,
-                    result.nbytes,
-                    result.reason,
-                    max(0.0, now - job.submitted),
-                )
-            )
-            out.append(
-                JobResult(
-                    result.job_id,
-                    result.success,
-                    result.elapsed_s if result.success else None,
-                    result.nbytes if result.success else None,
-                    result.reason,
-                    job.req_id,
-                    job.kv_id,
-                    job.peer,
-                )
-            )
-        return out
-
-    def _double_result(self) -> None:
-        self.tallies.double_results += 1
+        by_gen = self.requests.by_gen
+        return self.jobs.hand_back(now, by_gen, self.tallies)
 
     def _collect(self, now: float) -> None:
         """Take every touched session's results (once a step: the engine's
@@ -307,9 +232,7 @@ class LoadManager:
         self.jobs.results.extend(session.take_load_results())
         self.jobs.results.extend(session.take_store_results())
 
-    # ------------------------------------------------------------------
-    # serve window (producer answers lookups against the engine)
-    # ------------------------------------------------------------------
+    # -- serve window (producer answers lookups against the engine) --
 
     def serve(self, pinner: Pinner, now: float) -> None:
         to_serve, self.work.to_serve = self.work.to_serve, set()
@@ -326,19 +249,10 @@ class LoadManager:
                     session.new_pin_jobs.clear()
                     self._touch(session)
 
-    # ------------------------------------------------------------------
-    # transport-facing
-    # ------------------------------------------------------------------
+    # -- transport-facing --
 
     def on_inbound(self, now: float, peer: str | None = None) -> str:
-        """A new peer connected to us; returns the key to feed its frames
-        (the transport's connection name if it has one).
-
-        Connections are bounded twice: those still handshaking (anyone may
-        open them; past ``max_inbound`` the oldest is dropped, so a flood
-        of them cannot lock the fleet out) and those that finished it
-        (:meth:`on_message`). A connection refused either way stays
-        refused: its later frames are dropped here, counted once."""
+        """A new peer connected to us (see :meth:`Peers.on_inbound`)."""
         return self.peers.on_inbound(now, peer)
 
     def on_message(self, peer: str, msg: Message, now: float) -> None:
@@ -485,9 +399,8 @@ class LoadManager:
         session.confirm_invalidated()
         self.work.adopt_orphans(session)
         self._touch(session)
-        # Its own results only: the other sessions' wait for the engine's
-        # results poll (collecting them all here would cost each retired
-        # session a visit to every touched one).
+        # Its own results only: the others wait for the engine's results
+        # poll (else each retired session visits every touched one).
         self._collect_one(session)
         self.retired_sessions.append(session)  # its last counts, for metrics
         session.leave_engine()
@@ -496,9 +409,7 @@ class LoadManager:
         self.work.dirty.discard(peer)
         self.requests.forget_hits_through(peer)
 
-    # ------------------------------------------------------------------
-    # timers and steps
-    # ------------------------------------------------------------------
+    # -- timers and steps --
 
     def tick(self, now: float) -> None:
         """Fire deadlines that have passed; O(due work), not O(peers)."""
@@ -516,13 +427,9 @@ class LoadManager:
         return min(self.work.next_deadline(), self.parked.next_deadline())
 
     def drain_deadline(self, now: float) -> float:
-        """When a cache reset's drain may give up on jobs still running.
-
-        Every job ends by a deadline armed now (sessions' timers, orphaned
-        serves, parked stores, late Fetches) or by a cancel's wait after
-        it. A fixed bound would be shorter than an offered READ's hold,
-        which grows with its bytes (6 GB: 15 s + 16 s), and vLLM's reset
-        would then find a job left and assert."""
+        """When a cache reset's drain may give up on jobs still running:
+        each ends by a deadline armed now or by a cancel's wait after it
+        (an offered READ's hold grows with its bytes: no fixed bound)."""
         held = self.parked.held_until() + self.work.held_until()
         held += [s.latest_deadline() for s in self.peers.sessions.values()]
         latest = max(held, default=-math.inf) + self.timeouts.abort_ack_s + 5.0
@@ -555,10 +462,6 @@ class LoadManager:
         while session.wants_parked:
             self.parked.bind(session.peer, session.wants_parked.pop(), now)
 
-    # ------------------------------------------------------------------
-    # drain, reset, close
-    # ------------------------------------------------------------------
-
     def release_parked(self, now: float) -> None:
         """Cache reset: parked stores go back to the engine as failed."""
         self.jobs.results.extend(self.parked.release())
@@ -580,9 +483,7 @@ class LoadManager:
         """Drop one peer's session (the peer hears Goodbye); False if none."""
         return self.peers.close_session(peer, reason)
 
-    # ------------------------------------------------------------------
-    # introspection
-    # ------------------------------------------------------------------
+    # -- introspection --
 
     @property
     def has_lookups_to_serve(self) -> bool:
@@ -590,28 +491,16 @@ class LoadManager:
 
     @property
     def limit_refusals(self) -> dict[str, int]:
-        """Refusals of ours no session counts (``max_peers``,
-        ``max_inbound_peers``), by reason: the metrics export them."""
-        return {
-            reason: n
-            for (peer, reason), n in self.refusals.items()
-            if peer == "other" and reason in LIMIT_REFUSALS
-        }
+        return self.tallies.limit_refusals()
 
     def has_unsent(self) -> bool:
         """A session changed since the last pump and holds output for it."""
-        sessions = self.peers.sessions
-        return any(
-            (s := sessions.get(p)) is not None and s.has_output for p in self.work.dirty
-        )
+        return self.work.has_output(self.peers.sessions)
 
     def peer_transfers(self) -> bool:
-        """A peer may be moving bytes to or from our region: READing blocks
-        we offered (held by a live session, or orphaned past a lost one) or
-        WRITing a load of ours. No descriptor announces such a transfer,
-        yet over UCX's TCP transport it needs our progress."""
-        sessions = self.peers.sessions.values()
-        return any(s.peer_transfers for s in sessions) or self.work.orphans_exposed()
+        """A peer may be moving bytes to or from our region (see
+        :meth:`SessionWork.peer_transfers`)."""
+        return self.work.peer_transfers(self.peers.sessions)
 
     def waiting_requests(self) -> int:
         """Live consumer requests blocked on us (an unanswered lookup or a
@@ -631,34 +520,21 @@ class LoadManager:
 
     def results_ready(self) -> bool:
         """Something for the engine: a job result or a lookup answer."""
-        return bool(self.jobs.results) or any(
-            s.has_results
-            for s in (self.peers.sessions.get(p) for p in self.work.dirty)
-            if s is not None
-        )
+        return bool(self.jobs.results) or self.work.has_results(self.peers.sessions)
 
     def jobs_in_flight(self) -> int:
         return self.jobs.in_flight()
 
-    def loads_in_flight(self) -> int:
-        """Load jobs submitted and not yet handed back."""
-        return self.jobs.loads_in_flight()
-
     def jobs_unended(self, now: float) -> int:
-        """Jobs with no result yet: what a cache reset's drain waits for.
-        A result buffered for the engine's next :meth:`get_finished_jobs`
-        has ended (vLLM's drain contract: "yielded by a prior call or queued
-        for the next one"); counting it, as :meth:`jobs_in_flight` does,
-        would hold every reset that found a job for the drain's bound."""
+        """Jobs with no result yet: what a cache reset's drain waits for. A
+        result buffered for the next :meth:`get_finished_jobs` has ended
+        (vLLM's drain contract: "yielded by a prior call or queued for the
+        next one")."""
         self._collect(now)
         return self.jobs.unended()
 
     def failed_ids(self) -> frozenset[str]:
         return self.requests.failed_ids()
-
-    def request(self, req_id: str) -> Request | None:
-        """The live request's record (tests and diagnostics read it)."""
-        return self.requests.by_id.get(req_id)
 
     def parked_store_count(self) -> int:
         return self.parked.store_count()
@@ -669,39 +545,18 @@ class LoadManager:
     def session(self, peer: str) -> Session | None:
         return self.peers.sessions.get(peer)
 
-    def _holders(self) -> dict[str, object]:
-        """Every object that holds state of ours, by name: this manager and
-        each sub-object among its attributes (found, not listed)."""
-        found: dict[str, object] = {"manager": self}
-        for name, value in vars(self).items():
-            if callable(getattr(value, "residue", None)):
-                found[name] = value
-        return found
-
     def sizes(self) -> dict[str, int]:
         """Every container's size, residue or not (for diagnostics)."""
-        return {
-            f"{holder}.{name}": len(items)
-            for holder, obj in self._holders().items()
-            for name, items in containers_of(obj).items()
-        }
+        return sizes_of(self)
 
     def state_report(self) -> dict[str, int]:
         """Every per-request structure's size: all zero once work drains.
 
-        Derived, not listed: each of this manager's indexes, each
-        sub-object's residue, what the records hold, and each session's
-        sizes. A container added later is reported unless its holder
-        declares it per-peer state or a timer."""
+        Derived, not listed: this manager's own containers and each
+        sub-object's residue (its containers, what its records hold, the
+        sessions' sizes). A container added later is reported unless its
+        holder declares it per-peer state or a timer."""
         report = residue_of(self)
-        for name, holder in self._holders().items():
-            if name != "manager":
-                report.update(holder.residue())  # type: ignore[attr-defined]
-        sessions = self.peers.sessions.values()
-        report["fenced_slots"] = sum(s.fenced_slots for s in sessions)
-        for session in sessions:
-            for name, size in session.sizes().items():
-                report[name] = report.get(name, 0) + size
-        for name in SESSION_KEYS:
-            report.setdefault(name, 0)
+        for holder in holders_of(self).values():
+            report.update(holder.residue())
         return report

@@ -17,7 +17,7 @@ import itertools
 from collections import deque
 from collections.abc import Callable, Container, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final, Generic, Protocol, TypeVar, cast
 
 from p2p_kv.handshake import Identity
 from p2p_kv.indexes import residue_of
@@ -44,6 +44,18 @@ LIMIT_REFUSALS: Final = frozenset(
 #: Dials past ``max_peers`` while idle sessions closed for room still hold
 #: their sockets (``p2p_kv.config.MAX_PEERS`` leaves room for 20 there).
 CLOSING_ROOM = 16
+T = TypeVar("T")
+#: Session counts a report always has, so a reader may index them while no
+#: session is up.
+SESSION_KEYS = (
+    "probes",
+    "loads",
+    "serves",
+    "writes",
+    "fenced_results",
+    "offers",
+    "revoked",
+)
 
 
 class PeerSettings(Protocol):
@@ -98,6 +110,26 @@ class Tallies:
         anyone who reaches the port can do."""
         key = ("other", reason)
         self.refusals[key] = self.refusals.get(key, 0) + 1
+
+    def limit_refusals(self) -> dict[str, int]:
+        """Refusals of ours no session counts (``max_peers``,
+        ``max_inbound_peers``), by reason: the metrics export them."""
+        return {
+            reason: n
+            for (peer, reason), n in self.refusals.items()
+            if peer == "other" and reason in LIMIT_REFUSALS
+        }
+
+
+class FromTallies(Generic[T]):
+    """A read-only attribute that is its owner's ``tallies``' of the same
+    name: the counters' readers keep reading them off the manager."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> T:
+        return cast(T, getattr(obj.tallies, self._name))
 
 
 class Peers:
@@ -310,12 +342,27 @@ class Peers:
             del self.refused_inbound[next(iter(self.refused_inbound))]
 
     def residue(self) -> dict[str, int]:
-        """Per-peer state, not per-request: none is residue but a backoff
-        overdue at the last tick, or a dial the pump has yet to take."""
-        at_rest = ("sessions", "handshaking", "dialled", "refused_inbound")
-        return residue_of(
+        """What the sessions hold (their sizes summed, and fenced slots).
+        The containers here are per-peer state, not per-request (a dial
+        queued for the pump outlives the request that asked for it): none
+        is residue but a backoff overdue at the last tick."""
+        at_rest = (
+            "sessions",
+            "handshaking",
+            "dialled",
+            "refused_inbound",
+            "to_connect",
+        )
+        report = residue_of(
             self, "peers_", at_rest=at_rest, timers=("retry_at",), ticked=self._ticked
         )
+        report.update(dict.fromkeys(SESSION_KEYS, 0))
+        sessions = self.sessions.values()
+        report["fenced_slots"] = sum(s.fenced_slots for s in sessions)
+        for session in sessions:
+            for name, size in session.sizes().items():
+                report[name] = report.get(name, 0) + size
+        return report
 
 
 class SessionWork:
@@ -381,9 +428,28 @@ class SessionWork:
         self._ticked = now
         return out
 
-    def orphans_exposed(self) -> bool:
-        """A peer may still be READing an orphan's blocks."""
-        return any(not sv.terminal and sv.exposed for _, _, sv in self.orphans)
+    def has_output(self, sessions: Mapping[str, Session]) -> bool:
+        """A touched session holds output for the pump."""
+        return any(
+            (s := sessions.get(p)) is not None and s.has_output for p in self.dirty
+        )
+
+    def has_results(self, sessions: Mapping[str, Session]) -> bool:
+        """A touched session holds results or answers for the engine."""
+        return any(
+            s.has_results
+            for s in (sessions.get(p) for p in self.dirty)
+            if s is not None
+        )
+
+    def peer_transfers(self, sessions: Mapping[str, Session]) -> bool:
+        """A peer may be moving bytes to or from our region: READing blocks
+        we offered (held by a live session, or orphaned past a lost one) or
+        WRITing a load of ours. No descriptor announces such a transfer,
+        yet over UCX's TCP transport it needs our progress."""
+        return any(s.peer_transfers for s in sessions.values()) or any(
+            not sv.terminal and sv.exposed for _, _, sv in self.orphans
+        )
 
     def next_deadline(self) -> float:
         heads = (self.deadlines, self.orphans)

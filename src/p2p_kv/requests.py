@@ -12,12 +12,45 @@ they live in a :class:`JobTable` of their own.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from p2p_kv.indexes import residue_of
 from p2p_kv.roles import Source
-from p2p_kv.session import LoadResult, StoreResult
+from p2p_kv.session import LoadResult, StoreResult, tally
+
+if TYPE_CHECKING:
+    from p2p_kv.peers import Tallies
+
+
+@dataclass(slots=True)
+class JobResult:
+    """Engine-neutral twin of vLLM's JobResult."""
+
+    job_id: int
+    success: bool
+    transfer_time: float | None = None
+    transfer_bytes: int | None = None
+    #: why a load failed (the fallback reason); empty on success
+    reason: str = ""
+    #: a load's engine request, its ``kv_request_id`` and the peer: what
+    #: an operator greps for when a request recomputed
+    req_id: str = ""
+    kv_id: str = ""
+    peer: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadObservation:
+    """One finished load job, for the metrics (drained by p2p_kv.metrics)."""
+
+    peer: str
+    success: bool
+    elapsed_s: float  # the session's: Fetch to result
+    nbytes: int
+    reason: str
+    waited_s: float  # submit_load to get_finished_jobs: what vLLM waited
 
 
 @dataclass(slots=True, eq=False)
@@ -170,18 +203,52 @@ class JobTable:
             if isinstance(result, LoadResult) and result.gen == gen:
                 result.request_finished = True
 
-    def take(
-        self, on_double: Callable[[], None]
-    ) -> list[tuple[Job, LoadResult | StoreResult]]:
-        """Each buffered result with its job, the job forgotten; a result
-        whose job was already answered goes to ``on_double``."""
-        out = []
+    def hand_back(
+        self, now: float, by_gen: Mapping[int, Request], tallies: Tallies
+    ) -> list[JobResult]:
+        """Every buffered result, each with its job (then forgotten), for
+        the engine. A failed load of a live request's generation fails the
+        request: it recomputes (never one already finished)."""
+        out: list[JobResult] = []
         for result in self.results:
             job = self.jobs.pop(result.job_id, None)
             if job is None:
-                on_double()
+                tallies.double_results += 1
                 continue
-            out.append((job, result))
+            if not isinstance(result, LoadResult):
+                out.append(JobResult(result.job_id, result.success))
+                continue
+            if not result.success:
+                tally(tallies.fallbacks, result.reason, "other")
+                req = by_gen.get(result.gen)
+                if (
+                    not result.request_finished
+                    and req is not None
+                    and job.req_id == req.req_id
+                ):
+                    req.failed = True
+            tallies.load_observations.append(
+                LoadObservation(
+                    job.peer,
+                    result.success,
+                    result.elapsed_s,
+                    result.nbytes,
+                    result.reason,
+                    max(0.0, now - job.submitted),
+                )
+            )
+            out.append(
+                JobResult(
+                    result.job_id,
+                    result.success,
+                    result.elapsed_s if result.success else None,
+                    result.nbytes if result.success else None,
+                    result.reason,
+                    job.req_id,
+                    job.kv_id,
+                    job.peer,
+                )
+            )
         self.results.clear()
         return out
 
