@@ -76,8 +76,8 @@ class ParkedRegistry:
         self.expiry: list[tuple[float, int, ParkedStore]] = []
         #: kv ids whose producer requests all ended with nothing parked,
         #: until when a Fetch may still come (``parked_ttl_s``): without
-        #: them a late Fetch waited out its deadline for stores that could
-        #: not come, and kept an idle producer stepping meanwhile.
+        #: them a late Fetch would wait out its deadline for stores that
+        #: cannot come, and keep an idle producer stepping meanwhile.
         self.finished: dict[str, float] = {}
         #: (when, id, kv id, its entry): Fetches for such an id, refused
         #: then unless a producer request for it came meanwhile. The entry
@@ -111,8 +111,7 @@ class ParkedRegistry:
             # vLLM ends a request at the tier after its last store: no more
             # can come for this id (but from a retry under it). Noted whether
             # or not stores stay parked: a first decoder may take them, and a
-            # retry's Fetch then waited out its whole deadline instead of the
-            # grace.
+            # retry's Fetch must then wait only the grace, not its deadline.
             self.finished.pop(kv_id, None)
             self.finished[kv_id] = now + self._settings.parked_ttl_s
             self._forget_finished(now)
