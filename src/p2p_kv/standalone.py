@@ -19,8 +19,9 @@ import numpy as np
 
 from p2p_kv.data.shm_copy import shared_region
 from p2p_kv.data.staged import DEFAULT_READ_STAGING_BYTES
-from p2p_kv.manager import Answer, JobResult, LoadManager, Roles
+from p2p_kv.manager import Answer, JobResult, LoadManager
 from p2p_kv.peer import PinResult, Timeouts
+from p2p_kv.roles import Roles
 from p2p_kv.stack import build_runtime, stated_identity
 
 

@@ -119,7 +119,7 @@ def _producer(kind: str, path: str, device: str, conn: Any, stop: Any) -> None:
         for slot in range(PRODUCER_BLOCKS):
             peer.pinner.table[_key(slot)] = slot
         if path == "pd":
-            from p2p_kv.manager import Roles
+            from p2p_kv.roles import Roles
 
             rt = peer.runtime
             for n, (src, _) in enumerate(MAPPINGS):  # fetch n's blocks, parked

@@ -274,7 +274,9 @@ def start_load(
         rt.flush()
         v.step()
     assert ans == [Answer.HIT] * len(KEYS), ans
-    gen = m._consumers[req].gen
+    record = m.requests.by_id.get(req)
+    assert record is not None and record.consumer is not None
+    gen = record.consumer.gen
     job = time.monotonic_ns() % (1 << 40)
     m.submit_load(job, req, KEYS, slots, rt.clock())
     rt.pump()

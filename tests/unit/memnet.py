@@ -14,10 +14,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from p2p_kv.handshake import Identity
-from p2p_kv.manager import JobResult, LoadManager, Roles
+from p2p_kv.manager import JobResult, LoadManager
 from p2p_kv.peer import Limits, PinResult, Timeouts
 from p2p_kv.peer.events import Cancel, Closed, Dial, Direction, PostRead, PostWrite
 from p2p_kv.protocol import Message, decode, encode
+from p2p_kv.roles import Roles
 
 BLOCK = 16
 NBLOCKS = 64
@@ -180,7 +181,7 @@ class Net:
         self.reads: list[tuple[str, str, PostRead]] = []
         #: Leave posted writes and reads in flight until complete_writes().
         self.hold_writes = False
-        #: cancelled writes cannot be stopped (see take_cancels in step)
+        #: cancelled writes cannot be stopped (see Cancel in _carry)
         self.unstoppable_writes = False
         #: writes that landed in a slot no in-flight job owned (fence broken)
         self.violations: list[str] = []

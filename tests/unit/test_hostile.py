@@ -483,7 +483,7 @@ def test_a_goodbye_leaves_its_connection_to_close() -> None:
     sa = session(net, "a")
     inject(net, "a", Goodbye(reason="shutdown"))
     assert sa.closed
-    assert sa.peer not in m._refused_inbound
+    assert sa.peer not in m.peers.refused_inbound
     finish(net, "r1")
     net.run()
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from p2p_kv.manager import Roles
 from p2p_kv.metrics import PROTOCOL_ERRORS, UNKNOWN, MetricsExporter
+from p2p_kv.roles import Roles
 
 from .memnet import Net, key
 

@@ -11,9 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from p2p_kv.lifecycle import State
-from p2p_kv.manager import Answer, JobResult, LoadManager, Roles
+from p2p_kv.manager import Answer, JobResult, LoadManager
 from p2p_kv.peer import Timeouts, is_inbound
 from p2p_kv.protocol import Fetch, FetchOffer, decode, encode
+from p2p_kv.roles import Roles
 
 from .memnet import FAST_TIMEOUTS, Net, key, payload
 
@@ -510,7 +511,7 @@ def test_request_with_both_legs_is_finished_on_both() -> None:
     b.store(store, "r1", [KEYS[0]], [9], net.now)
     b.manager.on_request_finished("r1", net.now)
     report = b.manager.state_report()
-    assert report["consumers"] == 0 and report["producers"] == 0
+    assert report["requests_by_id"] == 0
     assert report["parked_stores"] == 1  # kept for its decoder, until its TTL
 
 
@@ -707,7 +708,7 @@ def test_each_fetch_after_its_producer_ended_gets_its_own_grace() -> None:
     b.manager.on_new_request("d1", net.roles("a", "kvW", probe=False), net.now)
     load(net, "d1", [1, 2, 3, 4])
     net.run(2)
-    assert len(a.manager._late_fetches) == 1  # d1's Fetch waits at a
+    assert len(a.manager.parked.late_fetches) == 1  # d1's Fetch waits at a
     start = net.now
     b.manager.on_request_finished("d1", net.now)
     net.run()
@@ -846,7 +847,8 @@ def test_a_lookup_to_a_peer_that_never_answers_the_handshake_ends_at_its_deadlin
     handshake's (5 s), a request at a time."""
     import os
 
-    from p2p_kv.manager import LoadManager, Source
+    from p2p_kv.manager import LoadManager
+    from p2p_kv.roles import Source
 
     from .memnet import identity
 
@@ -1035,10 +1037,10 @@ def test_a_lookup_of_more_keys_than_a_frame_lists_goes_in_several(
     """A Lookup lists at most MAX_KEYS keys (the peer refuses more): one
     step's keys past that went out in one frame, the peer dropped it, and
     the request waited for its lookup deadline to recompute."""
-    import p2p_kv.manager as manager_module
+    import p2p_kv.consumer_legs as consumer_module
     import p2p_kv.peer.consumer as session_module
 
-    monkeypatch.setattr(manager_module, "MAX_KEYS", 3)
+    monkeypatch.setattr(consumer_module, "MAX_KEYS", 3)
     monkeypatch.setattr(session_module, "MAX_KEYS", 3)
     net = make_net(reads=False)
     assert probe(net, "r1", "kv1") == [Answer.HIT] * 4
@@ -1291,9 +1293,9 @@ def test_a_finished_producer_is_forgotten_at_its_ttl_without_another() -> None:
     dec = Roles.parse({"remote_decoder": {"kv_request_id": "kv9"}})
     a.on_new_request("p1", dec, net.now)
     a.on_request_finished("p1", net.now)
-    assert list(a._finished_kv) == ["kv9"]
+    assert list(a.parked.finished) == ["kv9"]
     wait(net, a.parked_ttl_s + 0.5, dt=0.5)
-    assert a._finished_kv == {}
+    assert a.parked.finished == {}
 
 
 def test_offered_parked_stores_outlive_a_lost_session_to_their_deadline() -> None:

@@ -6,7 +6,7 @@ from collections import defaultdict
 
 import pytest
 
-from p2p_kv.manager import LoadObservation, Roles
+from p2p_kv.manager import LoadObservation
 from p2p_kv.metrics import (
     DEFINITIONS,
     FAILED_IDS,
@@ -35,6 +35,7 @@ from p2p_kv.metrics import (
     MetricsExporter,
 )
 from p2p_kv.peer import MAX_TALLY_KEYS, tally
+from p2p_kv.roles import Roles
 
 from .memnet import Net, identity, key
 

@@ -27,7 +27,8 @@ from hypothesis.stateful import (
 )
 
 from p2p_kv.lifecycle import State
-from p2p_kv.manager import Answer, Roles
+from p2p_kv.manager import Answer
+from p2p_kv.roles import Roles
 
 from .memnet import FAST_TIMEOUTS, NBLOCKS, Net, key
 

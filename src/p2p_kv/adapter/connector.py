@@ -26,7 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 
 from p2p_kv.adapter.tier import local_address
 from p2p_kv.control import parse_peer
-from p2p_kv.manager import Roles
+from p2p_kv.roles import Roles
 
 
 def decoder_leg(params: Any) -> dict[str, Any] | None:

@@ -421,7 +421,7 @@ class _Child:
         seen_load = False
         for _ in range(2000):
             engine.step()
-            if any(job.kind == "load" for job in manager._jobs.values()):
+            if manager.jobs.loads_in_flight():
                 seen_load = True
                 break
         time.sleep(float(msg.get("pause_s", 0.05)))  # the producer takes the fetch

@@ -24,9 +24,10 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 from p2p_kv.adapter import versions
 from p2p_kv.config import ConfigError, TierConfig, check_hash_seed, check_nixl
 from p2p_kv.handshake import Identity
-from p2p_kv.manager import Answer, Roles
+from p2p_kv.manager import Answer
 from p2p_kv.metrics import DEFINITIONS, MetricsExporter
 from p2p_kv.peer import PinResult
+from p2p_kv.roles import Roles
 
 #: The installed vLLM's row of the version table: a vLLM known not to work
 #: is refused here, before an import below fails for another reason.

@@ -446,8 +446,9 @@ def _handshake(
 ) -> CheckResult:
     import numpy as np
 
-    from p2p_kv.manager import Answer, Roles, Source, format_peer
+    from p2p_kv.manager import Answer
     from p2p_kv.peer import Timeouts
+    from p2p_kv.roles import Roles, Source, format_peer
     from p2p_kv.stack import build_runtime, stated_identity
 
     name = "peer"

@@ -1,0 +1,296 @@
+"""The parked-store registry: a producer's stores kept for a decoder's Fetch.
+
+A ``remote_decoder`` request's store jobs wait here, by ``kv_request_id``,
+until a decoder's parked Fetch names one of their blocks, a cache reset
+gives them back, or their ``parked_ttl_s`` passes. Fetches that arrive
+before the stores wait here too. None of this belongs to one session (a
+Fetch may come over any session, the stores from the engine), so the
+registry sits beside the sessions, with its own timers, and reaches the
+sessions only through the lookup and ``touch`` it is given.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from p2p_kv.indexes import residue_of
+from p2p_kv.lifecycle import Event, State
+from p2p_kv.peer import ParkedStore, Serve, Session, Timeouts
+from p2p_kv.peer.events import StoreResult
+
+#: Finished producer requests remembered (see ``ParkedRegistry.finished``).
+MAX_FINISHED_KV = 65_536
+#: How long a Fetch for such a kv id waits for a new producer request
+#: under the same id (a retry) before it is told nothing was stored.
+LATE_FETCH_GRACE_S = 1.0
+
+
+class ParkedSettings(Protocol):
+    """What the registry reads of its owner's settings, at each use (a
+    caller may change them after start-up)."""
+
+    @property
+    def parked_ttl_s(self) -> float: ...
+
+    @property
+    def timeouts(self) -> Timeouts: ...
+
+
+@dataclass(slots=True, eq=False)
+class ParkedEntry:
+    """Parked stores of one ``kv_request_id`` and the fetches waiting on them."""
+
+    stores: list[ParkedStore] = field(default_factory=list)
+    waiting: list[tuple[str, Serve]] = field(default_factory=list)  # (peer, Serve)
+    live_producers: int = 0
+    #: A producer request for this id was seen: once none is live, no more
+    #: stores can come and a waiting fetch may be refused at once.
+    producer_seen: bool = False
+    #: a FetchWait note for its waiting fetches is in the registry's heap
+    noted: bool = False
+
+
+class ParkedRegistry:
+    """Entries by kv id, and the timers that end what waits in them.
+
+    An entry lives while it holds stores, waiting Fetches or a live
+    producer request (:meth:`_gc`); every timer entry may be stale (its
+    entry gone or replaced) and is checked when it fires."""
+
+    def __init__(
+        self,
+        settings: ParkedSettings,
+        session_of: Callable[[str], Session | None],
+        touch: Callable[[Session], None],
+    ) -> None:
+        self._settings = settings
+        self._session_of = session_of
+        self._touch = touch
+        self._ids = itertools.count()
+        self.entries: dict[str, ParkedEntry] = {}
+        #: (deadline, job id, store): parked stores end by their TTL. Bound
+        #: or released stores stay until then, skipped when they come up.
+        self.expiry: list[tuple[float, int, ParkedStore]] = []
+        #: kv ids whose producer requests all ended with nothing parked,
+        #: until when a Fetch may still come (``parked_ttl_s``): without
+        #: them a late Fetch would wait out its deadline for stores that
+        #: cannot come, and keep an idle producer stepping meanwhile.
+        self.finished: dict[str, float] = {}
+        #: (when, id, kv id, its entry): Fetches for such an id, refused
+        #: then unless a producer request for it came meanwhile. The entry
+        #: it was armed for, as a later Fetch of the same id makes a new
+        #: one: that one's grace is its own, not cut short by this timer.
+        self.late_fetches: list[tuple[float, int, str, ParkedEntry]] = []
+        #: when to tell the peers whose Fetches wait on a live prefill that
+        #: it is still running (FetchWait): (when, tie, kv id)
+        self.wait_notes: list[tuple[float, int, str]] = []
+        #: kv ids with fetches waiting, swept at the end of each step
+        self.waiting_kv: set[str] = set()
+        #: the latest tick: what ``finished`` may hold is younger than this
+        self._ticked = -float("inf")
+
+    # -- producer requests and their stores ---------------------------------
+
+    def producer_started(self, kv_id: str, carried: bool, now: float) -> None:
+        """A ``remote_decoder`` request for ``kv_id`` began (``carried``: the
+        same prefill re-registered under a reused engine id, already
+        counted)."""
+        self.finished.pop(kv_id, None)
+        entry = self.entries.setdefault(kv_id, ParkedEntry())
+        entry.live_producers += 0 if carried else 1
+        entry.producer_seen = True
+        self._note_waiting(kv_id, now)  # a decoder came first
+
+    def producer_ended(self, kv_id: str, now: float) -> None:
+        entry = self.entries[kv_id]
+        entry.live_producers -= 1
+        if not entry.live_producers:
+            # vLLM ends a request at the tier after its last store: no more
+            # can come for this id (but from a retry under it). Noted whether
+            # or not stores stay parked: a first decoder may take them, and a
+            # retry's Fetch must then wait only the grace, not its deadline.
+            self.finished.pop(kv_id, None)
+            self.finished[kv_id] = now + self._settings.parked_ttl_s
+            self._forget_finished(now)
+        self._feed_waiting(kv_id, now)
+        self._gc(kv_id)
+
+    def park(self, store: ParkedStore, now: float) -> None:
+        entry = self.entries.setdefault(store.kv_id, ParkedEntry())
+        entry.stores.append(store)
+        heapq.heappush(self.expiry, (store.deadline, store.job_id, store))
+        self._feed_waiting(store.kv_id, now)
+
+    def release(self) -> list[StoreResult]:
+        """Cache reset: parked stores go back to the engine as failed."""
+        out = []
+        for entry in self.entries.values():
+            for store in entry.stores:
+                store.fire(Event.RESET)
+                out.append(StoreResult(store.job_id, False, "reset"))
+            entry.stores.clear()
+        for kv_id in list(self.entries):
+            self._gc(kv_id)
+        return out
+
+    def store_count(self) -> int:
+        return sum(len(e.stores) for e in self.entries.values())
+
+    # -- fetches waiting for stores -----------------------------------------
+
+    def bind(self, peer: str, serve: Serve, now: float) -> None:
+        """A parked Fetch from ``peer`` wants the stores of ``serve.req``."""
+        entry = self.entries.get(serve.req)
+        if entry is None:
+            entry = self.entries[serve.req] = ParkedEntry()
+            # Its producer already ended with nothing parked: refused after
+            # a short grace (a retry may reuse the id), not at the Fetch's
+            # deadline.
+            if self.finished.get(serve.req, 0.0) > now:
+                when = now + LATE_FETCH_GRACE_S
+                item = (when, next(self._ids), serve.req, entry)
+                heapq.heappush(self.late_fetches, item)
+        entry.waiting.append((peer, serve))
+        self.waiting_kv.add(serve.req)
+        self._feed_waiting(serve.req, now)
+
+    def _feed_waiting(self, kv_id: str, now: float) -> None:
+        entry = self.entries.get(kv_id)
+        if entry is None or not entry.waiting:
+            return
+        complete = entry.producer_seen and entry.live_producers == 0
+        still_waiting = []
+        for peer, serve in entry.waiting:
+            session = self._session_of(peer)
+            if (
+                session is None
+                or session.closed
+                or serve.state is not State.FETCH_WAITING
+            ):
+                continue
+            # A Fetch takes the stores only if it names a block of theirs:
+            # one that names none (a stranger's guess at the id) must not
+            # take them, fail, and fail them for the decoder they were
+            # parked for. (A view's isdisjoint walks the Fetch's keys and
+            # stops at the first held: no set of up to 65,536 keys per store
+            # parked.)
+            keys = serve.fetch.keys if serve.fetch is not None else ()
+            stores: list[ParkedStore] = []
+            if any(not s.slots.keys().isdisjoint(keys) for s in entry.stores):
+                stores, entry.stores = entry.stores, []
+            session.attach_parked(serve, stores, complete, now)
+            self._touch(session)
+            if serve.state is State.FETCH_WAITING:
+                still_waiting.append((peer, serve))
+        entry.waiting = still_waiting
+        self._note_waiting(kv_id, now)
+        self._gc(kv_id)
+
+    def _note_waiting(self, kv_id: str, now: float) -> None:
+        """While ``kv_id``'s prefill is live here, tell each peer whose Fetch
+        waits on it so, now and every heartbeat interval (a decoder that
+        asked first then waits as long as the prefill runs, up to its
+        parked_ttl_s, not its fetch deadline alone)."""
+        entry = self.entries.get(kv_id)
+        if entry is None or not entry.live_producers or not entry.waiting:
+            return
+        for peer, serve in entry.waiting:
+            session = self._session_of(peer)
+            if session is not None:
+                session.tell_waiting(serve, now)
+                self._touch(session)
+        if not entry.noted:
+            entry.noted = True
+            when = now + self._settings.timeouts.heartbeat_interval_s
+            heapq.heappush(self.wait_notes, (when, next(self._ids), kv_id))
+
+    def _gc(self, kv_id: str) -> None:
+        entry = self.entries.get(kv_id)
+        if (
+            entry is not None
+            and not entry.stores
+            and not entry.waiting
+            and entry.live_producers == 0
+        ):
+            del self.entries[kv_id]
+
+    def end_step(self) -> None:
+        """Drop the Fetches that stopped waiting this step (answered, timed
+        out, their session gone), and the entries left empty."""
+        for kv_id in list(self.waiting_kv):
+            entry = self.entries.get(kv_id)
+            if entry is not None:
+                entry.waiting = [
+                    (p, sv)
+                    for p, sv in entry.waiting
+                    if sv.state is State.FETCH_WAITING
+                ]
+                if entry.waiting:
+                    continue
+                self._gc(kv_id)
+            self.waiting_kv.discard(kv_id)
+
+    # -- timers -------------------------------------------------------------
+
+    def tick_late_fetches(self, now: float) -> None:
+        """Refuse the Fetches whose grace passed with no producer back."""
+        while self.late_fetches and self.late_fetches[0][0] <= now:
+            _, _, kv_id, armed = heapq.heappop(self.late_fetches)
+            entry = self.entries.get(kv_id)
+            if entry is armed and entry.live_producers == 0:
+                entry.producer_seen = True  # no producer came: none will
+                self._feed_waiting(kv_id, now)
+
+    def tick(self, now: float) -> list[StoreResult]:
+        """Expire stores past their TTL, renew FetchWait notes, forget
+        finished producers; the expired stores' results."""
+        out = []
+        while self.expiry and self.expiry[0][0] <= now:
+            _, _, store = heapq.heappop(self.expiry)
+            if store.state is State.STORED:
+                store.fire(Event.TIMEOUT)
+                entry = self.entries.get(store.kv_id)
+                if entry is not None:
+                    entry.stores.remove(store)
+                    self._gc(store.kv_id)
+                out.append(StoreResult(store.job_id, False, "parked_expired"))
+        while self.wait_notes and self.wait_notes[0][0] <= now:
+            _, _, kv_id = heapq.heappop(self.wait_notes)
+            entry = self.entries.get(kv_id)
+            if entry is not None:
+                entry.noted = False
+                self._note_waiting(kv_id, now)
+        self._forget_finished(now)
+        self._ticked = now
+        return out
+
+    def _forget_finished(self, now: float) -> None:
+        """Drop the finished producers past their TTL, and the oldest past
+        the cap: insertion order is deadline order (one TTL for all)."""
+        fk = self.finished
+        while fk and (len(fk) > MAX_FINISHED_KV or next(iter(fk.values())) <= now):
+            del fk[next(iter(fk))]
+
+    def next_deadline(self) -> float:
+        heads = (self.late_fetches, self.expiry, self.wait_notes)
+        return min((h[0][0] for h in heads if h), default=float("inf"))
+
+    def held_until(self) -> list[float]:
+        """When each job held here ends at the latest (a drain's bound)."""
+        held = [item[0] for item in self.late_fetches]
+        held += [at for at, _, st in self.expiry if st.state is State.STORED]
+        return held
+
+    def residue(self) -> dict[str, int]:
+        """Every index's size, and the stores the entries hold. The timers
+        count only what is overdue: an entry not yet due may be stale (a
+        bound store's expiry, a note for an entry gone) or a memory (a
+        finished producer, inside its TTL a Fetch may still come for)."""
+        timers = ("expiry", "finished", "late_fetches", "wait_notes")
+        report = residue_of(self, "parked_", timers=timers, ticked=self._ticked)
+        report["parked_stores"] = self.store_count()
+        return report

@@ -1,0 +1,467 @@
+"""The manager's sessions: which peers we talk to, and what they hold.
+
+:class:`Peers` decides who gets a session: dials within ``max_peers``
+(closing an idle one for room), inbound connections within
+``max_inbound``, the reconnect backoff, and the connections refused for
+good. :class:`SessionWork` is what the sessions hold for the engine's step:
+the sessions touched since their output was taken, the peers with lookups
+to serve, the timers that wake sessions, and the offered blocks of
+sessions that ended. Neither reads a request: the manager passes what they
+need (the peers live requests name) at each call.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Callable, Container, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final, Generic, Protocol, TypeVar, cast
+
+from p2p_kv.handshake import Identity
+from p2p_kv.indexes import residue_of
+from p2p_kv.lifecycle import Event
+from p2p_kv.peer import (
+    KeyCount,
+    Limits,
+    Serve,
+    Session,
+    Timeouts,
+    is_inbound,
+)
+from p2p_kv.peer.events import RuntimeEvent, StoreResult
+
+if TYPE_CHECKING:
+    from p2p_kv.manager import LoadObservation
+
+#: Refused inbound connections remembered (their frames dropped unread).
+MAX_REFUSED_INBOUND = 4096
+#: Refusal reasons of the bounds on peers (never a handshake's).
+LIMIT_REFUSALS: Final = frozenset(
+    {"too_many_peers", "too_many_inbound", "too_many_handshaking"}
+)
+#: Dials past ``max_peers`` while idle sessions closed for room still hold
+#: their sockets (``p2p_kv.config.MAX_PEERS`` leaves room for 20 there).
+CLOSING_ROOM = 16
+T = TypeVar("T")
+#: Session counts a report always has, so a reader may index them while no
+#: session is up.
+SESSION_KEYS = (
+    "probes",
+    "loads",
+    "serves",
+    "writes",
+    "fenced_results",
+    "offers",
+    "revoked",
+)
+
+
+class PeerSettings(Protocol):
+    """What :class:`Peers` reads of its owner's settings, at each use (a
+    caller may change them after start-up)."""
+
+    @property
+    def me(self) -> Identity: ...
+
+    @property
+    def timeouts(self) -> Timeouts: ...
+
+    @property
+    def limits(self) -> Limits: ...
+
+    @property
+    def reads(self) -> bool: ...
+
+    @property
+    def max_peers(self) -> int: ...
+
+    @property
+    def max_inbound(self) -> int: ...
+
+    @property
+    def reconnect_backoff_s(self) -> float: ...
+
+
+@dataclass(eq=False)
+class Tallies:
+    """Counters and recent history for the metrics and the logs: never
+    per-request state, so never residue."""
+
+    refusals: dict[tuple[str, str], int] = field(default_factory=dict)
+    protocol_errors: dict[str, int] = field(default_factory=dict)
+    fallbacks: dict[str, int] = field(default_factory=dict)
+    # Drained by p2p_kv.metrics at every stats poll; bounded, so nothing
+    # piles up when stats are off.
+    load_observations: deque[LoadObservation] = field(
+        default_factory=lambda: deque(maxlen=4096)
+    )
+    #: ended sessions, for their last counts (metrics)
+    retired_sessions: deque[Session] = field(default_factory=lambda: deque(maxlen=1024))
+    #: Peers not dialled because max_peers were (the runtime logs it).
+    dials_refused: int = 0
+    double_results: int = 0
+
+    def count_limit_refusal(self, reason: str) -> None:
+        """Outside the table's cap (these are :data:`LIMIT_REFUSALS`, three
+        keys): tallied, they would go to ``("other", "other")`` once 64
+        refused sessions, each its own key, had filled the table, which
+        anyone who reaches the port can do."""
+        key = ("other", reason)
+        self.refusals[key] = self.refusals.get(key, 0) + 1
+
+    def limit_refusals(self) -> dict[str, int]:
+        """Refusals of ours no session counts (``max_peers``,
+        ``max_inbound_peers``), by reason: the metrics export them."""
+        return {
+            reason: n
+            for (peer, reason), n in self.refusals.items()
+            if peer == "other" and reason in LIMIT_REFUSALS
+        }
+
+
+class FromTallies(Generic[T]):
+    """A read-only attribute that is its owner's ``tallies``' of the same
+    name: the counters' readers keep reading them off the manager."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> T:
+        return cast(T, getattr(obj.tallies, self._name))
+
+
+class Peers:
+    """Sessions by peer, and the bounds on opening them.
+
+    What a connection's path reads of the sessions is kept as they change,
+    so that none scans every session: anyone who reaches the port opens
+    sessions, and a scan per connection would make N of them cost the
+    engine's thread O(N^2) in one poll."""
+
+    def __init__(
+        self,
+        settings: PeerSettings,
+        tallies: Tallies,
+        nonces: Callable[[], bytes],
+        touch: Callable[[Session], None],
+    ) -> None:
+        self._settings = settings
+        self._tallies = tallies
+        #: A fresh handshake nonce per session, from the caller: the core
+        #: draws no randomness, as it reads no clock (runs replay exactly).
+        self._nonces = nonces
+        self._touch = touch
+        self._inbound_ids = itertools.count(1)
+        #: every session together: lookup keys queued for our engine, and
+        #: keys of fetches waiting for stores (Limits.engine_*)
+        self.pending_keys, self.waiting_keys = KeyCount(), KeyCount()
+        self.sessions: dict[str, Session] = {}
+        #: Inbound sessions still handshaking, oldest first (the one
+        #: max_inbound drops). Each leaves as it becomes ready
+        #: (:meth:`on_ready`) or closes (Session.on_close, whoever closes it).
+        self.handshaking: dict[str, Session] = {}
+        #: Inbound sessions ready and not closed (max_inbound's other count).
+        self.ready_inbound = 0
+        #: Sessions we dialled, in ``sessions``' order (max_peers).
+        self.dialled: dict[str, Session] = {}
+        #: When a peer whose session ended may be dialled again, in expiry
+        #: order (one backoff for all).
+        self.retry_at: dict[str, float] = {}
+        #: Inbound connections refused (max_inbound): their frames are
+        #: dropped, and counted once. Insertion-ordered, the oldest go first.
+        self.refused_inbound: dict[str, None] = {}
+        self.to_connect: list[str] = []
+        self._ticked = -float("inf")
+
+    # -- dialling -----------------------------------------------------------
+
+    def session_for(
+        self, peer: str, now: float, busy: Container[str]
+    ) -> Session | None:
+        """The live session to ``peer``, dialling one if none; None when
+        closed, in the backoff, or refused for ``max_peers``. ``busy``: the
+        peers live requests name (never closed for room)."""
+        session = self.sessions.get(peer)
+        if session is not None and not session.closed:
+            session.used_at = now
+            return session
+        if session is not None:
+            return None  # closed, awaiting invalidation
+        if now < self.retry_at.get(peer, 0.0):
+            return None
+        if len(self.dialled) >= self._settings.max_peers and not self._make_room(busy):
+            # Clients choose the peers; each dial costs sockets the engine
+            # cannot run out of. This request recomputes.
+            self._tallies.count_limit_refusal("too_many_peers")
+            self._tallies.dials_refused += 1
+            return None
+        self.to_connect.append(peer)
+        return self._new_session(peer, now)
+
+    def refused_dial(self, peer: str, now: float) -> bool:
+        """Whether :meth:`session_for` found no session for ``peer`` because
+        max_peers refused the dial: in the reconnect backoff, or while the
+        peer's last session closes, its lookups ask later instead."""
+        return peer not in self.sessions and now >= self.retry_at.get(peer, 0.0)
+
+    def _make_room(self, busy: Container[str]) -> bool:
+        """Close the dialled session used longest ago that nothing needs (no
+        live request names it, nothing in flight), so a new peer can be
+        dialled; False if there is none. Sessions are never closed for
+        idling otherwise, so without this ``max_peers`` would cap the
+        distinct peers an engine ever talks to while they live. A closing
+        session keeps its sockets until its invalidation (this step's
+        pump), so at most :data:`CLOSING_ROOM` dials pass ``max_peers``
+        meanwhile. It reads the sessions we dialled (at most that many),
+        never the inbound ones, which anyone may open."""
+        if len(self.dialled) >= self._settings.max_peers + CLOSING_ROOM:
+            return False
+        idle = [
+            s
+            for p, s in self.dialled.items()
+            if not s.closed and not s.active and p not in busy
+        ]
+        if not idle:
+            return False
+        oldest = min(idle, key=lambda s: s.used_at)
+        oldest.evicted = True
+        self.close_session(oldest.peer, "idle: room for a new peer (max_peers)")
+        return True
+
+    def _new_session(self, peer: str, now: float) -> Session:
+        settings = self._settings
+        session = Session(
+            peer,
+            settings.me,
+            now,
+            timeouts=settings.timeouts,
+            limits=settings.limits,
+            nonce=self._nonces(),
+            reads=settings.reads,
+            engine_keys=(self.pending_keys, self.waiting_keys),
+        )
+        self.sessions[peer] = session
+        if is_inbound(peer):
+            self.handshaking[peer] = session
+            session.on_close = self._inbound_closed
+        else:
+            self.dialled[peer] = session
+        self._touch(session)
+        return session
+
+    def close_session(self, peer: str, reason: str) -> bool:
+        """Drop one peer's session (the peer hears Goodbye); False if none."""
+        session = self.sessions.get(peer)
+        if session is None:
+            return False
+        session.close(reason)
+        self._touch(session)
+        return True
+
+    def retire(self, session: Session, now: float) -> None:
+        """Forget a session the data plane invalidated. One closed for room
+        was healthy: the next request to it dials at once (with a backoff,
+        peers used in turn slightly past max_peers would miss for a second
+        after each eviction)."""
+        peer = session.peer
+        del self.sessions[peer]
+        self.dialled.pop(peer, None)
+        if not is_inbound(peer) and not session.evicted:
+            # Re-inserted, so the entries stay in the order they expire.
+            self.retry_at.pop(peer, None)
+            self.retry_at[peer] = now + self._settings.reconnect_backoff_s
+
+    def tick(self, now: float) -> None:
+        """End the backoffs past due. In expiry order: those past it go from
+        the front, each once. (One past it behind a later one, after the
+        backoff was changed, reads as absent meanwhile: the same.)"""
+        retry = self.retry_at
+        while retry and next(iter(retry.values())) <= now:
+            del retry[next(iter(retry))]
+        self._ticked = now
+
+    # -- inbound ------------------------------------------------------------
+
+    def on_inbound(self, now: float, peer: str | None) -> str:
+        """See :meth:`p2p_kv.manager.LoadManager.on_inbound`."""
+        if peer is not None and peer in self.refused_inbound:
+            return peer
+        if peer is None or peer in self.sessions:
+            peer = f"in:#{next(self._inbound_ids)}"
+        greeting = len(self.handshaking)
+        if greeting >= self._settings.max_inbound:
+            self._refuse_inbound(
+                next(iter(self.handshaking.values())),  # the oldest
+                "too_many_handshaking",
+                f"{greeting} connections still handshaking",
+            )
+        self._new_session(peer, now)
+        return peer
+
+    def on_ready(self, session: Session) -> None:
+        """An inbound session finished its handshake. Every per-peer bound
+        holds per session: without this one, a party with the secret
+        opening connections would multiply them (six held 6x the
+        waiting-fetch bound)."""
+        self.handshaking.pop(session.peer, None)
+        self.ready_inbound += 1
+        ready = self.ready_inbound
+        if ready > self._settings.max_inbound:
+            self._refuse_inbound(
+                session, "too_many_inbound", f"{ready - 1} peers connected"
+            )
+
+    def _inbound_closed(self, session: Session) -> None:
+        """An inbound session's link closed, whoever closed it (a bound,
+        its peer, a deadline, the runtime): it leaves the count it was in.
+        One not handshaking any more was ready (that is the only other
+        link before closed)."""
+        if self.handshaking.pop(session.peer, None) is None:
+            self.ready_inbound -= 1
+
+    def _refuse_inbound(self, session: Session, reason: str, why: str) -> None:
+        self._tallies.count_limit_refusal(reason)
+        session.close(f"refused: {why}, max_inbound_peers")
+        self._touch(session)
+        self.remember_refused(session.peer)
+
+    def remember_refused(self, peer: str) -> None:
+        """An inbound connection done with for good (refused, or its
+        session ended by a second Hello): its later frames are dropped
+        unread, so one connection cannot open a session (and a log line)
+        every few frames. A peer that means well dials a new connection
+        for a new session. Not for a session we dropped ourselves (its
+        peer could not drain us): its next frame opens a new session, whose
+        Hello tells the peer to end its own and dial again."""
+        if not is_inbound(peer):
+            return
+        self.refused_inbound[peer] = None
+        if len(self.refused_inbound) > MAX_REFUSED_INBOUND:
+            del self.refused_inbound[next(iter(self.refused_inbound))]
+
+    def residue(self) -> dict[str, int]:
+        """What the sessions hold (their sizes summed, and fenced slots).
+        The containers here are per-peer state, not per-request (a dial
+        queued for the pump outlives the request that asked for it): none
+        is residue but a backoff overdue at the last tick."""
+        at_rest = (
+            "sessions",
+            "handshaking",
+            "dialled",
+            "refused_inbound",
+            "to_connect",
+        )
+        report = residue_of(
+            self, "peers_", at_rest=at_rest, timers=("retry_at",), ticked=self._ticked
+        )
+        report.update(dict.fromkeys(SESSION_KEYS, 0))
+        sessions = self.sessions.values()
+        report["fenced_slots"] = sum(s.fenced_slots for s in sessions)
+        for session in sessions:
+            for name, size in session.sizes().items():
+                report[name] = report.get(name, 0) + size
+        return report
+
+
+class SessionWork:
+    """What the sessions hold for the engine's step, and their timers."""
+
+    def __init__(self) -> None:
+        self._ids = itertools.count()
+        #: sessions changed since their output was last taken
+        self.dirty: set[str] = set()
+        #: peers whose sessions hold lookups for our engine to answer
+        self.to_serve: set[str] = set()
+        #: what the runtime's next pump carries out, in order (transfers,
+        #: closed sessions; see LoadManager.take_events)
+        self.out: list[tuple[str, RuntimeEvent]] = []
+        #: Fetches for parked stores just received (WantsParked), bound
+        #: before the message's handling returns
+        self.wants: list[tuple[Session, Serve]] = []
+        #: (when, peer): when a session next needs a tick. Re-armed at the
+        #: end of each step it was touched; stale entries are skipped.
+        self.deadlines: list[tuple[float, str]] = []
+        #: Offered pins of sessions that ended, held to their deadline.
+        self.orphans: list[tuple[float, int, Serve]] = []
+        self._ticked = -float("inf")
+
+    def due(self, now: float) -> Iterator[str]:
+        """The peers whose session deadlines passed, each popped once."""
+        deadlines = self.deadlines
+        while deadlines and deadlines[0][0] <= now:
+            yield heapq.heappop(deadlines)[1]
+
+    def rearm(self, sessions: Mapping[str, Session]) -> None:
+        """Re-arm the deadlines of sessions touched this step, then forget
+        them. Sessions with output too: a result the engine has yet to
+        collect (a long step) must not stop the session's heartbeats and
+        deadlines, or the peer finds it silent and drops it, failing all
+        its loads."""
+        for peer in self.dirty:
+            session = sessions.get(peer)
+            if session is not None and not session.closed:
+                deadline = session.next_deadline()
+                if deadline != float("inf"):
+                    heapq.heappush(self.deadlines, (deadline, peer))
+        self.dirty = {
+            p
+            for p in self.dirty
+            if (s := sessions.get(p)) is not None and (s.has_output or s.closed)
+        }
+        # Stale heap entries (a session re-armed several times) are cheap to
+        # skip but must not pile up: rebuild when they dominate.
+        if len(self.deadlines) > 4 * max(16, len(sessions)):
+            self.deadlines = [(s.next_deadline(), p) for p, s in sessions.items()]
+            heapq.heapify(self.deadlines)
+
+    def adopt(self, serve: Serve) -> None:
+        """An ended session's offered blocks, held until their deadline (a
+        peer may still be READing them)."""
+        heapq.heappush(self.orphans, (serve.deadline, next(self._ids), serve))
+
+    def expire_orphans(self, now: float) -> list[StoreResult]:
+        out: list[StoreResult] = []
+        while self.orphans and self.orphans[0][0] <= now:
+            _, _, serve = heapq.heappop(self.orphans)
+            serve.fire(Event.TIMEOUT)
+            out.extend(serve.let_go(Event.PEER_LOST, False, "peer_down"))
+        self._ticked = now
+        return out
+
+    def has_output(self, sessions: Mapping[str, Session]) -> bool:
+        """Events, or a touched session's messages, for the pump."""
+        return bool(self.out) or any(
+            (s := sessions.get(p)) is not None and s.has_output for p in self.dirty
+        )
+
+    def peer_transfers(self, sessions: Mapping[str, Session]) -> bool:
+        """A peer may be moving bytes to or from our region: READing blocks
+        we offered (held by a live session, or orphaned past a lost one) or
+        WRITing a load of ours. No descriptor announces such a transfer,
+        yet over UCX's TCP transport it needs our progress."""
+        return any(s.peer_transfers for s in sessions.values()) or any(
+            not sv.terminal and sv.exposed for _, _, sv in self.orphans
+        )
+
+    def next_deadline(self) -> float:
+        heads = (self.deadlines, self.orphans)
+        return min((h[0][0] for h in heads if h), default=float("inf"))
+
+    def held_until(self) -> list[float]:
+        """When each orphan still held ends at the latest (a drain's bound)."""
+        return [at for at, _, sv in self.orphans if not sv.terminal]
+
+    def residue(self) -> dict[str, int]:
+        """Lookups left to serve, orphans overdue at the last tick, and the
+        blocks orphans hold. Touched sessions and session timers are
+        per-peer state, not residue."""
+        report = residue_of(
+            self,
+            at_rest=("dirty", "deadlines"),
+            timers=("orphans",),
+            ticked=self._ticked,
+        )
+        report["orphaned_blocks"] = sum(sv.held_blocks for _, _, sv in self.orphans)
+        return report
