@@ -144,7 +144,7 @@ def _p2p_producer(
         return peer, (peer.address, [zlib.crc32(r.data) for r in rows])
 
     def each_step(peer: StandalonePeer) -> None:
-        from p2p_kv.manager import Roles
+        from p2p_kv.roles import Roles
 
         peer.results.clear()  # the parked stores' results: served
         if parks.poll():
