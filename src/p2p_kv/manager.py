@@ -66,9 +66,7 @@ from p2p_kv.protocol import Hello, Message
 from p2p_kv.requests import JobResult as JobResult
 from p2p_kv.requests import JobTable, Request, RequestTable
 from p2p_kv.requests import LoadObservation as LoadObservation
-
-# Roles is re-exported: the runtime reads it from here.
-from p2p_kv.roles import Roles as Roles
+from p2p_kv.roles import Roles
 
 #: The longest a cache reset's drain waits (an offered READ of 1 TB is held
 #: about 45 minutes at the default deadlines).

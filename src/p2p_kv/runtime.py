@@ -40,7 +40,7 @@ from typing import Any
 from p2p_kv.control import ControlTransport
 from p2p_kv.data import NixlDataTransport
 from p2p_kv.frames import Frames
-from p2p_kv.manager import JobResult, LoadManager, Roles
+from p2p_kv.manager import JobResult, LoadManager
 from p2p_kv.peer import Pinner
 from p2p_kv.peer.events import (
     Cancel,
@@ -51,6 +51,7 @@ from p2p_kv.peer.events import (
     RuntimeEvent,
 )
 from p2p_kv.ratelog import PeerLog
+from p2p_kv.roles import Roles
 from p2p_kv.transfers import Transfers
 from p2p_kv.waker import WAKER_IDLE_S, Waker
 
