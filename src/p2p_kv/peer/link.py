@@ -31,6 +31,7 @@ from p2p_kv.handshake import (
 )
 from p2p_kv.peer.events import SessionEvent
 from p2p_kv.peer.records import (
+    KeyCount,
     Limits,
     Load,
     Probe,
@@ -41,10 +42,12 @@ from p2p_kv.peer.records import (
 from p2p_kv.protocol import (
     MAX_GREETING_BYTES,
     Error,
+    Fetch,
     Goodbye,
     Heartbeat,
     Hello,
     HelloAck,
+    Lookup,
     Message,
     ProtocolError,
     Region,
@@ -195,6 +198,27 @@ class Link:
         """The peer broke the protocol: counted, and told why (an ``Error``)."""
         self.counters.error(code)
         self.send(Error(code=code, detail=detail[:1000], req=req, gen=gen))
+
+    def over_bound(
+        self,
+        count: KeyCount,
+        cost: int,
+        bounds: tuple[int, int],
+        name: str,
+        what: str,
+        msg: Lookup | Fetch,
+    ) -> bool:
+        """Whether ``cost`` more keys break ``count``'s per-peer bound or the
+        engine's (``bounds``); if so the peer is told which (an Error
+        counted under ``limit_[engine_]<name>``)."""
+        over = count.over(cost, *bounds)
+        if over is None:
+            return False
+        scope, held, whose = over
+        self.protocol_error(
+            f"limit_{scope}{name}", f"{held} {what}{whose}", msg.req, msg.gen
+        )
+        return True
 
     # -- sealing (with a shared secret; see p2p_kv.handshake) ----------------
 

@@ -135,19 +135,15 @@ class ProducerSide:
     # -- the peer's requests and the engine's answers ------------------------------
 
     def on_lookup(self, msg: Lookup, now: float) -> None:
-        cost = max(1, len(msg.keys))
-        limits = self.link.limits
-        over = self.pending.over(
-            cost, limits.max_pending_keys, limits.engine_pending_keys
-        )
-        if over is not None:
-            scope, held, whose = over
-            self.link.protocol_error(
-                f"limit_{scope}pending_keys",
-                f"{held} lookup keys already wait for our engine{whose}",
-                msg.req,
-                msg.gen,
-            )
+        cost, limits = max(1, len(msg.keys)), self.link.limits
+        if self.link.over_bound(
+            self.pending,
+            cost,
+            (limits.max_pending_keys, limits.engine_pending_keys),
+            "pending_keys",
+            "lookup keys already wait for our engine",
+            msg,
+        ):
             self.link.send(all_miss(msg))
             return
         serve = self._serves.get((msg.req, msg.gen))
@@ -268,19 +264,16 @@ class ProducerSide:
                 self.link.send(TransferDone(msg.req, msg.gen, msg.job, False, "busy"))
                 return
             cost, limits = len(msg.keys), self.link.limits
-            over = self.waiting.over(
-                cost, limits.max_waiting_fetch_keys, limits.engine_waiting_fetch_keys
-            )
-            if over is not None:
-                # Counted per serve alone, a peer could make us hold 4,096
-                # Fetches of 65,536 keys each: 28 GiB.
-                scope, held, whose = over
-                self.link.protocol_error(
-                    f"limit_{scope}waiting_fetch_keys",
-                    f"{held} keys of fetches already wait for our stores{whose}",
-                    msg.req,
-                    msg.gen,
-                )
+            # Counted per serve alone, a peer could make us hold 4,096
+            # Fetches of 65,536 keys each: 28 GiB.
+            if self.link.over_bound(
+                self.waiting,
+                cost,
+                (limits.max_waiting_fetch_keys, limits.engine_waiting_fetch_keys),
+                "waiting_fetch_keys",
+                "keys of fetches already wait for our stores",
+                msg,
+            ):
                 self.link.send(TransferDone(msg.req, msg.gen, msg.job, False, "busy"))
                 return
             # No lookup came first: a disaggregated-prefill fetch for parked
