@@ -38,6 +38,12 @@ What anyone who reaches the port can make us hold, and for how long:
   own requests wait for; at most :data:`ACCEPTS_PER_POLL` accepts.
 * **Output** queued for one peer is at most :data:`MAX_OUT_BYTES`: past
   it the send fails and the session ends (the peer stopped reading).
+
+One connection's bytes and the frame format are
+:class:`~p2p_kv.control_conn.Conn`'s (``control_conn.py``); this module
+holds what spans connections: the poll set, the table of connections, the
+budgets shared by a poll, the bounds on connections still handshaking, and
+closing.
 """
 
 from __future__ import annotations
@@ -54,38 +60,57 @@ import select
 import socket
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Final
 
-from p2p_kv.protocol import MAX_FRAME_BYTES, MAX_GREETING_BYTES
+from p2p_kv.control_conn import (
+    HEADER,
+    LOST,
+    MAX_FRAMES_PER_POLL,
+    MAX_UNTRUSTED_FRAME,
+    MAX_WIRE_FRAME,
+    RECV_CHUNK,
+    Conn,
+    FramingError,
+    Inbound,
+    wire_size,
+)
 
-#: A frame's length prefix: 4 bytes, big-endian.
-HEADER: Final = 4
-#: Largest frame after trust: a protocol frame, sealed, with room.
-MAX_WIRE_FRAME: Final = MAX_FRAME_BYTES + 1024
-#: Largest frame read before trust. A Hello, HelloAck, Goodbye or Error is
-#: a few hundred bytes (their text fields are bounded at 1,024 characters).
-#: A larger one up to :data:`MAX_GREETING_BYTES` (the peer's Region, which
-#: may arrive in one read with the proof that earns trust) waits unread;
-#: past that it breaks the framing.
-MAX_UNTRUSTED_FRAME: Final = 16 * 1024
+__all__ = [
+    "ACCEPTS_PER_POLL",
+    "ACCEPT_PAUSE_S",
+    "CLOSE_LINGER_S",
+    "FD_RESERVE",
+    "HEADER",
+    "LOST",
+    "MAX_BYTES_PER_POLL",
+    "MAX_FRAMES_PER_POLL",
+    "MAX_HANDSHAKING",
+    "MAX_HANDSHAKING_PER_HOST",
+    "MAX_LINGERING",
+    "MAX_OUT_BYTES",
+    "MAX_UNTRUSTED_FRAME",
+    "MAX_WIRE_FRAME",
+    "RECV_CHUNK",
+    "REFUSED",
+    "ControlTransport",
+    "FramingError",
+    "Inbound",
+    "parse_peer",
+    "resolve_bind_host",
+    "wait_readable",
+]
+
 #: Connections still handshaking, in all and from one address.
 MAX_HANDSHAKING: Final = 64
 MAX_HANDSHAKING_PER_HOST: Final = 8
 #: Descriptors kept free for the engine: an accepted connection whose
 #: descriptor number comes within this of ``RLIMIT_NOFILE`` is closed.
 FD_RESERVE: Final = 64
-#: Frames taken from one connection in one poll (the rest stay buffered
-#: for the next, which then does not wait).
-MAX_FRAMES_PER_POLL: Final = 4096
 #: Bytes read in one poll, over all connections; a dialled peer reads at
 #: most a quarter of it first.
 MAX_BYTES_PER_POLL: Final = 64 * 1024 * 1024
-#: Largest single read.
-RECV_CHUNK: Final = 1024 * 1024
 #: Connections accepted in one poll.
 ACCEPTS_PER_POLL: Final = 64
 #: Bytes queued for one peer before a send fails.
@@ -97,14 +122,6 @@ ACCEPT_PAUSE_S: Final = 0.1
 #: and could lose the Goodbye we just sent), and how many may wait.
 CLOSE_LINGER_S: Final = 1.0
 MAX_LINGERING: Final = 256
-#: The largest greeting as it goes on the wire (sealed).
-_MAX_GREETING_WIRE: Final = MAX_GREETING_BYTES + 64
-#: Buffers one ``sendmsg`` takes (the kernel's IOV_MAX is 1024).
-_IOV: Final = 512
-#: Frames of at most this many bytes in all are joined into one buffer
-#: when nothing is queued ahead of them (a copy is cheaper than a
-#: scatter list at this size).
-_JOIN: Final = 64 * 1024
 
 _IN, _OUT = select.POLLIN, select.POLLOUT
 _GONE = select.POLLHUP | select.POLLERR | select.POLLNVAL
@@ -158,57 +175,9 @@ def _family(host: str) -> socket.AddressFamily:
     )
 
 
-#: Why a dial ends, told apart (the operator's fix differs for each).
+#: Why a dial ends, told apart from :data:`LOST` (the operator's fix
+#: differs for each).
 REFUSED = "connection refused: nothing listens there"
-LOST = "connection lost"
-
-
-@dataclass(frozen=True, slots=True)
-class Inbound:
-    """What a poll saw on one connection: a frame; ``new``, an inbound
-    connection accepted (no frame); or ``lost``, the connection went down
-    (no frame), ``why`` saying how, ``bad`` set when it was ended for
-    breaking the framing (a frame too large for its state)."""
-
-    conn: str
-    frame: bytes
-    new: bool = False
-    lost: bool = False
-    why: str = ""
-    bad: bool = False
-
-
-@dataclass(eq=False, slots=True)
-class _Conn:
-    name: str
-    inbound: bool
-    sock: socket.socket | None = None
-    fd: int = -1
-    #: the far end's address, for the per-address bound (inbound only)
-    host: str = ""
-    trusted: bool = False
-    #: outbound: resolving its name (no socket yet) or connect() running
-    resolving: bool = False
-    connecting: bool = False
-    rbuf: bytearray = field(default_factory=bytearray)
-    out: deque[memoryview] = field(default_factory=deque)
-    out_bytes: int = 0
-    #: the poll mask registered for ``fd`` (0: not registered)
-    mask: int = 0
-    #: our socket's inode once connected (outbound: the same-host proof)
-    inode: str | None = None
-    #: why it went down, once it did (reported once, then it waits for
-    #: close_conn), and whether for breaking the framing
-    dead: str = ""
-    bad: bool = False
-
-    @property
-    def cap(self) -> int:
-        return MAX_WIRE_FRAME if self.trusted else MAX_UNTRUSTED_FRAME
-
-
-class FramingError(Exception):
-    """A peer broke the framing: the connection ends."""
 
 
 def wait_readable(fds: list[tuple[int, int]], timeout_s: float) -> None:
@@ -277,14 +246,14 @@ class ControlTransport:
         self._poller = select.poll()
         self._poller.register(self._listen_fd, _IN)
         self._accept_paused_until = 0.0
-        self._conns: dict[str, _Conn] = {}
-        self._by_fd: dict[int, _Conn] = {}
+        self._conns: dict[str, Conn] = {}
+        self._by_fd: dict[int, Conn] = {}
         #: inbound connections not yet trusted, oldest first
-        self._handshaking: dict[str, _Conn] = {}
+        self._handshaking: dict[str, Conn] = {}
         self._inbound_ids = itertools.count(1)
         #: connections with complete frames still buffered, or lost ones
         #: not yet reported: the next poll does not wait
-        self._backlog: set[_Conn] = set()
+        self._backlog: set[Conn] = set()
         #: closed by us, waiting for the peer's end: fd -> (socket, until)
         self._lingering: dict[int, tuple[socket.socket, float]] = {}
         self._resolver: ThreadPoolExecutor | None = None
@@ -330,7 +299,7 @@ class ControlTransport:
         if known is not None:
             self.close_conn(peer)
         host, port = parse_peer(peer)
-        conn = _Conn(peer, inbound=False)
+        conn = Conn(peer, inbound=False)
         self._conns[peer] = conn
         try:
             ipaddress.ip_address(host)
@@ -353,7 +322,7 @@ class ControlTransport:
         self._resolved.put((peer, result))
         self.wake()
 
-    def _dial(self, conn: _Conn, addr: tuple[str, int]) -> None:
+    def _dial(self, conn: Conn, addr: tuple[str, int]) -> None:
         conn.resolving = False
         try:
             sock = socket.socket(_family(addr[0]), socket.SOCK_STREAM)
@@ -374,7 +343,7 @@ class ControlTransport:
             self._connected(conn)
         self._update(conn)
 
-    def _connected(self, conn: _Conn) -> None:
+    def _connected(self, conn: Conn) -> None:
         conn.connecting = False
         with contextlib.suppress(OSError):
             conn.inode = str(os.fstat(conn.fd).st_ino)
@@ -391,59 +360,22 @@ class ControlTransport:
             return "no such connection"
         if c.dead:
             return c.dead
-        size = sum(HEADER + len(f) for f in frames)
+        size = wire_size(frames)
         if c.out_bytes + size > MAX_OUT_BYTES:
             self.counters["send_overflows"] += 1
             return f"more than {MAX_OUT_BYTES} bytes queued: the peer stopped reading"
-        sock = c.sock
-        if not c.out and sock is not None and not c.connecting and size <= _JOIN:
-            # Nothing queued ahead (the usual case, a lookup or a reply):
-            # one buffer, one send, no poll registration to change.
-            buf = b"".join(
-                part for f in frames for part in (len(f).to_bytes(HEADER, "big"), f)
-            )
-            try:
-                sent = sock.send(buf)
-            except (BlockingIOError, InterruptedError):
-                sent = 0
-            except OSError as exc:
-                self._kill(c, f"{LOST}: {exc.strerror or exc}")
-                return c.dead
-            if sent < size:
-                c.out.append(memoryview(buf)[sent:])
-                c.out_bytes += size - sent
-                self._update(c)
-            return ""
-        for frame in frames:
-            c.out.append(memoryview(len(frame).to_bytes(HEADER, "big")))
-            c.out.append(memoryview(frame))
-        c.out_bytes += size
-        if c.sock is not None and not c.connecting:
-            self._flush(c)
+        why = c.send(frames, size)
+        if why:
+            self._kill(c, why)
+        else:
             self._update(c)
         return c.dead
 
-    def _flush(self, c: _Conn) -> None:
+    def _flush(self, c: Conn) -> None:
         """Write what the socket takes of ``c``'s queue."""
-        sock = c.sock
-        while c.out and sock is not None:
-            bufs = list(itertools.islice(c.out, _IOV))
-            try:
-                sent = sock.sendmsg(bufs)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                self._kill(c, f"{LOST}: {exc.strerror or exc}")
-                return
-            c.out_bytes -= sent
-            while sent:
-                head = c.out[0]
-                if sent >= len(head):
-                    sent -= len(head)
-                    c.out.popleft()
-                else:
-                    c.out[0] = head[sent:]
-                    sent = 0
+        why = c.flush()
+        if why:
+            self._kill(c, why)
 
     # -- receiving -----------------------------------------------------------
 
@@ -467,7 +399,7 @@ class ControlTransport:
             ready = []
         if self._lingering:
             self._linger(ready)
-        readable: dict[_Conn, bool] = {}  # -> hung up
+        readable: dict[Conn, bool] = {}  # -> hung up
         accept = False
         for fd, ev in ready:
             if fd == self._wake_r:
@@ -524,36 +456,13 @@ class ControlTransport:
             self._backlog.discard(c)
         return out
 
-    def _read(self, c: _Conn, budget: int, gone: bool, out: list[Inbound]) -> int:
+    def _read(self, c: Conn, budget: int, gone: bool, out: list[Inbound]) -> int:
         """Take ``c``'s frames into ``out``; the bytes read. ``gone``: the
         poll said the connection hung up or failed."""
-        used = 0
-        eof = ""
         self._backlog.discard(c)
-        sock = c.sock
-        while sock is not None and used < budget:
-            room = c.cap + HEADER - len(c.rbuf)
-            if room <= 0:
-                if gone:  # nothing more can come, and it cannot be read
-                    eof = LOST
-                break
-            want = min(RECV_CHUNK, room, budget - used)
-            try:
-                got = sock.recv_into(self._chunk, want)
-            except (BlockingIOError, InterruptedError):
-                break
-            except OSError as exc:
-                eof = f"{LOST}: {exc.strerror or exc}"
-                break
-            if not got:
-                eof = f"{LOST}: closed by the peer"
-                break
-            c.rbuf += self._chunk[:got]
-            used += got
-            if got < want and not gone:
-                break  # drained: the poll says when more comes
+        used, eof = c.fill(self._chunk, budget, gone)
         try:
-            more = self._frames(c, out)
+            more = c.frames(out)
         except FramingError as exc:
             self.counters["framing_errors"] += 1
             self._kill(c, str(exc), bad=True)
@@ -564,35 +473,6 @@ class ControlTransport:
             self._kill(c, eof)
         self._update(c)
         return used
-
-    def _frames(self, c: _Conn, out: list[Inbound]) -> bool:
-        """Move ``c``'s complete frames into ``out``; True if more are
-        buffered past the per-poll bound."""
-        buf, pos, end, taken = c.rbuf, 0, len(c.rbuf), 0
-        name = c.name
-        try:
-            while end - pos >= HEADER:
-                size = int.from_bytes(buf[pos : pos + HEADER], "big")
-                if size > c.cap or size == 0:
-                    if c.trusted or size == 0 or size > _MAX_GREETING_WIRE:
-                        cap = c.cap if c.trusted else _MAX_GREETING_WIRE
-                        raise FramingError(
-                            f"a frame of {size} bytes (at most {cap} here)"
-                        )
-                    return False  # held until trusted or its deadline
-                if end - pos - HEADER < size:
-                    return False
-                if taken == MAX_FRAMES_PER_POLL:
-                    return True
-                out.append(
-                    Inbound(name, bytes(buf[pos + HEADER : pos + HEADER + size]))
-                )
-                pos += HEADER + size
-                taken += 1
-            return False
-        finally:
-            if pos:
-                del buf[:pos]
 
     def _accept(self, out: list[Inbound]) -> None:
         listener = self._listener
@@ -622,7 +502,7 @@ class ControlTransport:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             host = str(addr[0]) if isinstance(addr, tuple) else ""
             self._make_room(host, out)
-            c = _Conn(f"in:{next(self._inbound_ids)}", inbound=True, host=host)
+            c = Conn(f"in:{next(self._inbound_ids)}", inbound=True, host=host)
             c.sock, c.fd = sock, sock.fileno()
             self._conns[c.name] = c
             self._by_fd[c.fd] = c
@@ -662,35 +542,24 @@ class ControlTransport:
             self._backlog.add(c)  # a frame held back for this
         self._update(c)
 
-    def _kill(self, c: _Conn, why: str, bad: bool = False) -> None:
+    def _kill(self, c: Conn, why: str, bad: bool = False) -> None:
         """``c`` went down: reported by the next poll (once), closed by
         :meth:`close_conn`."""
         if c.dead:
             return
-        c.dead = why or LOST
-        c.out.clear()
-        c.out_bytes = 0
-        c.rbuf.clear()
-        c.bad = bad
+        c.fail(why or LOST, bad)
         self._handshaking.pop(c.name, None)
         self._backlog.add(c)
         if c.fd >= 0 and c.mask:
             self._poller.unregister(c.fd)
             c.mask = 0
 
-    def _update(self, c: _Conn) -> None:
+    def _update(self, c: Conn) -> None:
         """Register what ``c`` waits for: input while its buffer has room,
         output while it has some queued or is connecting."""
         if c.dead or c.fd < 0:
             return
-        mask = 0
-        if c.connecting:
-            mask = _OUT
-        else:
-            if len(c.rbuf) < c.cap + HEADER:
-                mask |= _IN
-            if c.out:
-                mask |= _OUT
+        mask = c.wants()
         if mask == c.mask:
             return
         if c.mask and mask:
