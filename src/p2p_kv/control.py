@@ -39,11 +39,13 @@ What anyone who reaches the port can make us hold, and for how long:
 * **Output** queued for one peer is at most :data:`MAX_OUT_BYTES`: past
   it the send fails and the session ends (the peer stopped reading).
 
-One connection's bytes and the frame format are
-:class:`~p2p_kv.control_conn.Conn`'s (``control_conn.py``); this module
-holds what spans connections: the poll set, the table of connections, the
-budgets shared by a poll, the bounds on connections still handshaking, and
-closing.
+The pieces: one connection's bytes and the frame format are
+:class:`~p2p_kv.control_conn.Conn`'s (``control_conn.py``); binding the
+port and accepting from it within the descriptor reserve are
+:class:`~p2p_kv.control_listen.Listener`'s (``control_listen.py``). This
+module holds what spans connections: the poll set, the table of
+connections, dialling, the budgets shared by a poll, the bounds on
+connections still handshaking, and closing.
 """
 
 from __future__ import annotations
@@ -55,7 +57,6 @@ import itertools
 import math
 import os
 import queue
-import resource
 import select
 import socket
 import threading
@@ -75,6 +76,14 @@ from p2p_kv.control_conn import (
     FramingError,
     Inbound,
     wire_size,
+)
+from p2p_kv.control_listen import (
+    ACCEPT_PAUSE_S,
+    ACCEPTS_PER_POLL,
+    FD_RESERVE,
+    Listener,
+    family,
+    resolve_bind_host,
 )
 
 __all__ = [
@@ -105,18 +114,11 @@ __all__ = [
 #: Connections still handshaking, in all and from one address.
 MAX_HANDSHAKING: Final = 64
 MAX_HANDSHAKING_PER_HOST: Final = 8
-#: Descriptors kept free for the engine: an accepted connection whose
-#: descriptor number comes within this of ``RLIMIT_NOFILE`` is closed.
-FD_RESERVE: Final = 64
 #: Bytes read in one poll, over all connections; a dialled peer reads at
 #: most a quarter of it first.
 MAX_BYTES_PER_POLL: Final = 64 * 1024 * 1024
-#: Connections accepted in one poll.
-ACCEPTS_PER_POLL: Final = 64
 #: Bytes queued for one peer before a send fails.
 MAX_OUT_BYTES: Final = 64 * 1024 * 1024
-#: How long accepting pauses after the process ran out of descriptors.
-ACCEPT_PAUSE_S: Final = 0.1
 #: How long a connection we closed waits for the peer's end before its
 #: descriptor goes (closing with unread input would reset the connection
 #: and could lose the Goodbye we just sent), and how many may wait.
@@ -135,44 +137,6 @@ def parse_peer(peer: str) -> tuple[str, int]:
     if not 0 < int(port) < 65536:
         raise ValueError(f"peer address {peer!r}: port is not in 1..65535")
     return host.strip("[]"), int(port)
-
-
-def resolve_bind_host(host: str) -> str:
-    """The address to bind for ``host`` (a name is resolved once, here, at
-    start)."""
-    try:
-        ipaddress.ip_address(host)
-        return host
-    except ValueError:
-        pass
-    try:
-        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    except OSError as exc:
-        infos, why = [], f": {exc}"
-    else:
-        why = ""
-    if not infos:
-        raise ValueError(
-            f"p2p_kv: cannot resolve the host {host!r} to bind{why}; set the "
-            "tier's 'host' key to an address or a name of this machine"
-        )
-    return str(infos[0][4][0])
-
-
-def _bind_fix(errno_: int | None) -> str:
-    """What to change when a bind fails: the port is taken, or the host is
-    not an address of this machine."""
-    if errno_ == errno.EADDRINUSE:
-        return "pick a free port with the tier's 'port' key"
-    if errno_ == errno.EADDRNOTAVAIL:
-        return "set the tier's 'host' key to an address of this machine"
-    return "check the tier's 'host' and 'port' keys"
-
-
-def _family(host: str) -> socket.AddressFamily:
-    return (
-        socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
-    )
 
 
 #: Why a dial ends, told apart from :data:`LOST` (the operator's fix
@@ -220,32 +184,24 @@ class ControlTransport:
         max_handshaking_per_host: int = MAX_HANDSHAKING_PER_HOST,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if not 0 <= port <= 65535:
-            raise ValueError(f"p2p_kv: control port {port} is not in 0..65535")
-        host = host.strip("[]")  # an IPv6 literal as written beside a port
-        bind_host = resolve_bind_host(host)
         self._clock = clock
         self.max_handshaking = max_handshaking
         self.max_handshaking_per_host = max_handshaking_per_host
-        listener = socket.socket(_family(bind_host), socket.SOCK_STREAM)
-        try:
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            listener.bind((bind_host, port))
-            listener.listen(128)
-            listener.setblocking(False)
-        except OSError as exc:
-            listener.close()
-            raise OSError(
-                exc.errno,
-                f"p2p_kv cannot bind its control socket on {host}:{port}: "
-                f"{exc.strerror or exc} ({_bind_fix(exc.errno)})",
-            ) from exc
-        self._listener: socket.socket | None = listener
-        self._listen_fd = listener.fileno()
-        self.host, self.port = host, int(listener.getsockname()[1])
         self._poller = select.poll()
-        self._poller.register(self._listen_fd, _IN)
-        self._accept_paused_until = 0.0
+        #: what the port saw, for metrics and tests
+        self.counters: dict[str, int] = {
+            "accepted": 0,
+            "evicted_handshaking": 0,
+            "refused_fd_reserve": 0,
+            "accept_errors": 0,
+            "framing_errors": 0,
+            "send_overflows": 0,
+        }
+        #: None once closed
+        self._listener: Listener | None = Listener(
+            host, port, poller=self._poller, counters=self.counters, clock=clock
+        )
+        self.host, self.port = self._listener.host, self._listener.port
         self._conns: dict[str, Conn] = {}
         self._by_fd: dict[int, Conn] = {}
         #: inbound connections not yet trusted, oldest first
@@ -266,19 +222,9 @@ class ControlTransport:
         os.set_blocking(self._wake_w, False)
         self._poller.register(self._wake_r, _IN)
         self._woken = False
-        self._fd_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         #: every read lands here first (``recv`` would allocate, and at
         #: this size map and unmap, a buffer of the largest read each time)
         self._chunk = memoryview(bytearray(RECV_CHUNK))
-        #: what the port saw, for metrics and tests
-        self.counters: dict[str, int] = {
-            "accepted": 0,
-            "evicted_handshaking": 0,
-            "refused_fd_reserve": 0,
-            "accept_errors": 0,
-            "framing_errors": 0,
-            "send_overflows": 0,
-        }
 
     # -- addresses -----------------------------------------------------------
 
@@ -325,7 +271,7 @@ class ControlTransport:
     def _dial(self, conn: Conn, addr: tuple[str, int]) -> None:
         conn.resolving = False
         try:
-            sock = socket.socket(_family(addr[0]), socket.SOCK_STREAM)
+            sock = socket.socket(family(addr[0]), socket.SOCK_STREAM)
         except OSError as exc:
             self._kill(conn, f"cannot make a socket: {exc.strerror or exc}")
             return
@@ -384,13 +330,13 @@ class ControlTransport:
         ``timeout_s`` if nothing has."""
         out: list[Inbound] = []
         now = self._clock()
-        if self._accept_paused_until and now >= self._accept_paused_until:
-            self._accept_paused_until = 0.0
-            if self._listener is not None:
-                self._poller.register(self._listen_fd, _IN)
+        listener = self._listener
+        listen_fd = -1 if listener is None else listener.fd
+        if listener is not None:
+            listener.resume(now)
         wait_s = 0.0 if self._backlog or not self._resolved.empty() else timeout_s
-        if self._accept_paused_until:
-            wait_s = min(wait_s, self._accept_paused_until - now)
+        if listener is not None and listener.paused_until:
+            wait_s = min(wait_s, listener.paused_until - now)
         if self._lingering:
             wait_s = min(wait_s, CLOSE_LINGER_S)
         try:
@@ -407,7 +353,7 @@ class ControlTransport:
                 with contextlib.suppress(BlockingIOError):
                     os.read(self._wake_r, 4096)
                 continue
-            if fd == self._listen_fd:
+            if fd == listen_fd:
                 accept = True
                 continue
             c = self._by_fd.get(fd)
@@ -449,8 +395,8 @@ class ControlTransport:
                 continue
             share = budget if c.inbound else min(budget, MAX_BYTES_PER_POLL // 4)
             budget -= self._read(c, share, readable[c], out)
-        if accept:
-            self._accept(out)
+        if accept and listener is not None:
+            self._accept(listener, out)
         for c in [c for c in self._backlog if c.dead]:
             out.append(Inbound(c.name, b"", lost=True, why=c.dead, bad=c.bad))
             self._backlog.discard(c)
@@ -474,33 +420,10 @@ class ControlTransport:
         self._update(c)
         return used
 
-    def _accept(self, out: list[Inbound]) -> None:
-        listener = self._listener
-        for _ in range(ACCEPTS_PER_POLL):
-            if listener is None:
-                return
-            try:
-                sock, addr = listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                if exc.errno == errno.ECONNABORTED:
-                    continue
-                # Out of descriptors or memory: stop asking for a while (the
-                # listener stays readable, and asking at once would spin).
-                self.counters["accept_errors"] += 1
-                self._poller.unregister(self._listen_fd)
-                self._accept_paused_until = self._clock() + ACCEPT_PAUSE_S
-                return
-            if sock.fileno() >= self._fd_limit - FD_RESERVE:
-                self.counters["refused_fd_reserve"] += 1
-                sock.close()
-                continue
-            self.counters["accepted"] += 1
-            sock.setblocking(False)
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            host = str(addr[0]) if isinstance(addr, tuple) else ""
+    def _accept(self, listener: Listener, out: list[Inbound]) -> None:
+        """Take what the listener accepted as connections still
+        handshaking, making room for each under the bounds on those."""
+        for sock, host in listener.accept():
             self._make_room(host, out)
             c = Conn(f"in:{next(self._inbound_ids)}", inbound=True, host=host)
             c.sock, c.fd = sock, sock.fileno()
@@ -588,8 +511,9 @@ class ControlTransport:
         lock, they let another thread sleep until traffic comes
         (:func:`wait_readable`) without touching the transport."""
         fds = [(self._wake_r, _IN)]
-        if self._listener is not None and not self._accept_paused_until:
-            fds.append((self._listen_fd, _IN))
+        listener = self._listener
+        if listener is not None and not listener.paused_until:
+            fds.append((listener.fd, _IN))
         fds.extend((c.fd, c.mask) for c in self._by_fd.values() if c.mask)
         fds.extend((fd, _IN) for fd in self._lingering)
         return fds
@@ -673,8 +597,6 @@ class ControlTransport:
         for sock, _ in self._lingering.values():
             sock.close()
         self._lingering.clear()
-        if not self._accept_paused_until:
-            self._poller.unregister(self._listen_fd)
         self._listener.close()
         self._listener = None
         if self._resolver is not None:
