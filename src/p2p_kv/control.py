@@ -38,6 +38,14 @@ What anyone who reaches the port can make us hold, and for how long:
   own requests wait for; at most :data:`ACCEPTS_PER_POLL` accepts.
 * **Output** queued for one peer is at most :data:`MAX_OUT_BYTES`: past
   it the send fails and the session ends (the peer stopped reading).
+
+The pieces: one connection's bytes and the frame format are
+:class:`~p2p_kv.control_conn.Conn`'s (``control_conn.py``); binding the
+port and accepting from it within the descriptor reserve are
+:class:`~p2p_kv.control_listen.Listener`'s (``control_listen.py``). This
+module holds what spans connections: the poll set, the table of
+connections, dialling, the budgets shared by a poll, the bounds on
+connections still handshaking, and closing.
 """
 
 from __future__ import annotations
@@ -49,62 +57,73 @@ import itertools
 import math
 import os
 import queue
-import resource
 import select
 import socket
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Final
 
-from p2p_kv.protocol import MAX_FRAME_BYTES, MAX_GREETING_BYTES
+from p2p_kv.control_conn import (
+    HEADER,
+    LOST,
+    MAX_FRAMES_PER_POLL,
+    MAX_UNTRUSTED_FRAME,
+    MAX_WIRE_FRAME,
+    RECV_CHUNK,
+    Conn,
+    FramingError,
+    Inbound,
+    wire_size,
+)
+from p2p_kv.control_listen import (
+    ACCEPT_PAUSE_S,
+    ACCEPTS_PER_POLL,
+    FD_RESERVE,
+    Listener,
+    family,
+    resolve_bind_host,
+)
 
-#: A frame's length prefix: 4 bytes, big-endian.
-HEADER: Final = 4
-#: Largest frame after trust: a protocol frame, sealed, with room.
-MAX_WIRE_FRAME: Final = MAX_FRAME_BYTES + 1024
-#: Largest frame read before trust. A Hello, HelloAck, Goodbye or Error is
-#: a few hundred bytes (their text fields are bounded at 1,024 characters).
-#: A larger one up to :data:`MAX_GREETING_BYTES` (the peer's Region, which
-#: may arrive in one read with the proof that earns trust) waits unread;
-#: past that it breaks the framing.
-MAX_UNTRUSTED_FRAME: Final = 16 * 1024
+__all__ = [
+    "ACCEPTS_PER_POLL",
+    "ACCEPT_PAUSE_S",
+    "CLOSE_LINGER_S",
+    "FD_RESERVE",
+    "HEADER",
+    "LOST",
+    "MAX_BYTES_PER_POLL",
+    "MAX_FRAMES_PER_POLL",
+    "MAX_HANDSHAKING",
+    "MAX_HANDSHAKING_PER_HOST",
+    "MAX_LINGERING",
+    "MAX_OUT_BYTES",
+    "MAX_UNTRUSTED_FRAME",
+    "MAX_WIRE_FRAME",
+    "RECV_CHUNK",
+    "REFUSED",
+    "ControlTransport",
+    "FramingError",
+    "Inbound",
+    "parse_peer",
+    "resolve_bind_host",
+    "wait_readable",
+]
+
 #: Connections still handshaking, in all and from one address.
 MAX_HANDSHAKING: Final = 64
 MAX_HANDSHAKING_PER_HOST: Final = 8
-#: Descriptors kept free for the engine: an accepted connection whose
-#: descriptor number comes within this of ``RLIMIT_NOFILE`` is closed.
-FD_RESERVE: Final = 64
-#: Frames taken from one connection in one poll (the rest stay buffered
-#: for the next, which then does not wait).
-MAX_FRAMES_PER_POLL: Final = 4096
 #: Bytes read in one poll, over all connections; a dialled peer reads at
 #: most a quarter of it first.
 MAX_BYTES_PER_POLL: Final = 64 * 1024 * 1024
-#: Largest single read.
-RECV_CHUNK: Final = 1024 * 1024
-#: Connections accepted in one poll.
-ACCEPTS_PER_POLL: Final = 64
 #: Bytes queued for one peer before a send fails.
 MAX_OUT_BYTES: Final = 64 * 1024 * 1024
-#: How long accepting pauses after the process ran out of descriptors.
-ACCEPT_PAUSE_S: Final = 0.1
 #: How long a connection we closed waits for the peer's end before its
 #: descriptor goes (closing with unread input would reset the connection
 #: and could lose the Goodbye we just sent), and how many may wait.
 CLOSE_LINGER_S: Final = 1.0
 MAX_LINGERING: Final = 256
-#: The largest greeting as it goes on the wire (sealed).
-_MAX_GREETING_WIRE: Final = MAX_GREETING_BYTES + 64
-#: Buffers one ``sendmsg`` takes (the kernel's IOV_MAX is 1024).
-_IOV: Final = 512
-#: Frames of at most this many bytes in all are joined into one buffer
-#: when nothing is queued ahead of them (a copy is cheaper than a
-#: scatter list at this size).
-_JOIN: Final = 64 * 1024
 
 _IN, _OUT = select.POLLIN, select.POLLOUT
 _GONE = select.POLLHUP | select.POLLERR | select.POLLNVAL
@@ -120,95 +139,9 @@ def parse_peer(peer: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def resolve_bind_host(host: str) -> str:
-    """The address to bind for ``host`` (a name is resolved once, here, at
-    start)."""
-    try:
-        ipaddress.ip_address(host)
-        return host
-    except ValueError:
-        pass
-    try:
-        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    except OSError as exc:
-        infos, why = [], f": {exc}"
-    else:
-        why = ""
-    if not infos:
-        raise ValueError(
-            f"p2p_kv: cannot resolve the host {host!r} to bind{why}; set the "
-            "tier's 'host' key to an address or a name of this machine"
-        )
-    return str(infos[0][4][0])
-
-
-def _bind_fix(errno_: int | None) -> str:
-    """What to change when a bind fails: the port is taken, or the host is
-    not an address of this machine."""
-    if errno_ == errno.EADDRINUSE:
-        return "pick a free port with the tier's 'port' key"
-    if errno_ == errno.EADDRNOTAVAIL:
-        return "set the tier's 'host' key to an address of this machine"
-    return "check the tier's 'host' and 'port' keys"
-
-
-def _family(host: str) -> socket.AddressFamily:
-    return (
-        socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
-    )
-
-
-#: Why a dial ends, told apart (the operator's fix differs for each).
+#: Why a dial ends, told apart from :data:`LOST` (the operator's fix
+#: differs for each).
 REFUSED = "connection refused: nothing listens there"
-LOST = "connection lost"
-
-
-@dataclass(frozen=True, slots=True)
-class Inbound:
-    """What a poll saw on one connection: a frame; ``new``, an inbound
-    connection accepted (no frame); or ``lost``, the connection went down
-    (no frame), ``why`` saying how, ``bad`` set when it was ended for
-    breaking the framing (a frame too large for its state)."""
-
-    conn: str
-    frame: bytes
-    new: bool = False
-    lost: bool = False
-    why: str = ""
-    bad: bool = False
-
-
-@dataclass(eq=False, slots=True)
-class _Conn:
-    name: str
-    inbound: bool
-    sock: socket.socket | None = None
-    fd: int = -1
-    #: the far end's address, for the per-address bound (inbound only)
-    host: str = ""
-    trusted: bool = False
-    #: outbound: resolving its name (no socket yet) or connect() running
-    resolving: bool = False
-    connecting: bool = False
-    rbuf: bytearray = field(default_factory=bytearray)
-    out: deque[memoryview] = field(default_factory=deque)
-    out_bytes: int = 0
-    #: the poll mask registered for ``fd`` (0: not registered)
-    mask: int = 0
-    #: our socket's inode once connected (outbound: the same-host proof)
-    inode: str | None = None
-    #: why it went down, once it did (reported once, then it waits for
-    #: close_conn), and whether for breaking the framing
-    dead: str = ""
-    bad: bool = False
-
-    @property
-    def cap(self) -> int:
-        return MAX_WIRE_FRAME if self.trusted else MAX_UNTRUSTED_FRAME
-
-
-class FramingError(Exception):
-    """A peer broke the framing: the connection ends."""
 
 
 def wait_readable(fds: list[tuple[int, int]], timeout_s: float) -> None:
@@ -251,40 +184,32 @@ class ControlTransport:
         max_handshaking_per_host: int = MAX_HANDSHAKING_PER_HOST,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if not 0 <= port <= 65535:
-            raise ValueError(f"p2p_kv: control port {port} is not in 0..65535")
-        host = host.strip("[]")  # an IPv6 literal as written beside a port
-        bind_host = resolve_bind_host(host)
         self._clock = clock
         self.max_handshaking = max_handshaking
         self.max_handshaking_per_host = max_handshaking_per_host
-        listener = socket.socket(_family(bind_host), socket.SOCK_STREAM)
-        try:
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            listener.bind((bind_host, port))
-            listener.listen(128)
-            listener.setblocking(False)
-        except OSError as exc:
-            listener.close()
-            raise OSError(
-                exc.errno,
-                f"p2p_kv cannot bind its control socket on {host}:{port}: "
-                f"{exc.strerror or exc} ({_bind_fix(exc.errno)})",
-            ) from exc
-        self._listener: socket.socket | None = listener
-        self._listen_fd = listener.fileno()
-        self.host, self.port = host, int(listener.getsockname()[1])
         self._poller = select.poll()
-        self._poller.register(self._listen_fd, _IN)
-        self._accept_paused_until = 0.0
-        self._conns: dict[str, _Conn] = {}
-        self._by_fd: dict[int, _Conn] = {}
+        #: what the port saw, for metrics and tests
+        self.counters: dict[str, int] = {
+            "accepted": 0,
+            "evicted_handshaking": 0,
+            "refused_fd_reserve": 0,
+            "accept_errors": 0,
+            "framing_errors": 0,
+            "send_overflows": 0,
+        }
+        #: None once closed
+        self._listener: Listener | None = Listener(
+            host, port, poller=self._poller, counters=self.counters, clock=clock
+        )
+        self.host, self.port = self._listener.host, self._listener.port
+        self._conns: dict[str, Conn] = {}
+        self._by_fd: dict[int, Conn] = {}
         #: inbound connections not yet trusted, oldest first
-        self._handshaking: dict[str, _Conn] = {}
+        self._handshaking: dict[str, Conn] = {}
         self._inbound_ids = itertools.count(1)
         #: connections with complete frames still buffered, or lost ones
         #: not yet reported: the next poll does not wait
-        self._backlog: set[_Conn] = set()
+        self._backlog: set[Conn] = set()
         #: closed by us, waiting for the peer's end: fd -> (socket, until)
         self._lingering: dict[int, tuple[socket.socket, float]] = {}
         self._resolver: ThreadPoolExecutor | None = None
@@ -297,19 +222,9 @@ class ControlTransport:
         os.set_blocking(self._wake_w, False)
         self._poller.register(self._wake_r, _IN)
         self._woken = False
-        self._fd_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         #: every read lands here first (``recv`` would allocate, and at
         #: this size map and unmap, a buffer of the largest read each time)
         self._chunk = memoryview(bytearray(RECV_CHUNK))
-        #: what the port saw, for metrics and tests
-        self.counters: dict[str, int] = {
-            "accepted": 0,
-            "evicted_handshaking": 0,
-            "refused_fd_reserve": 0,
-            "accept_errors": 0,
-            "framing_errors": 0,
-            "send_overflows": 0,
-        }
 
     # -- addresses -----------------------------------------------------------
 
@@ -330,7 +245,7 @@ class ControlTransport:
         if known is not None:
             self.close_conn(peer)
         host, port = parse_peer(peer)
-        conn = _Conn(peer, inbound=False)
+        conn = Conn(peer, inbound=False)
         self._conns[peer] = conn
         try:
             ipaddress.ip_address(host)
@@ -353,10 +268,10 @@ class ControlTransport:
         self._resolved.put((peer, result))
         self.wake()
 
-    def _dial(self, conn: _Conn, addr: tuple[str, int]) -> None:
+    def _dial(self, conn: Conn, addr: tuple[str, int]) -> None:
         conn.resolving = False
         try:
-            sock = socket.socket(_family(addr[0]), socket.SOCK_STREAM)
+            sock = socket.socket(family(addr[0]), socket.SOCK_STREAM)
         except OSError as exc:
             self._kill(conn, f"cannot make a socket: {exc.strerror or exc}")
             return
@@ -374,7 +289,7 @@ class ControlTransport:
             self._connected(conn)
         self._update(conn)
 
-    def _connected(self, conn: _Conn) -> None:
+    def _connected(self, conn: Conn) -> None:
         conn.connecting = False
         with contextlib.suppress(OSError):
             conn.inode = str(os.fstat(conn.fd).st_ino)
@@ -391,59 +306,22 @@ class ControlTransport:
             return "no such connection"
         if c.dead:
             return c.dead
-        size = sum(HEADER + len(f) for f in frames)
+        size = wire_size(frames)
         if c.out_bytes + size > MAX_OUT_BYTES:
             self.counters["send_overflows"] += 1
             return f"more than {MAX_OUT_BYTES} bytes queued: the peer stopped reading"
-        sock = c.sock
-        if not c.out and sock is not None and not c.connecting and size <= _JOIN:
-            # Nothing queued ahead (the usual case, a lookup or a reply):
-            # one buffer, one send, no poll registration to change.
-            buf = b"".join(
-                part for f in frames for part in (len(f).to_bytes(HEADER, "big"), f)
-            )
-            try:
-                sent = sock.send(buf)
-            except (BlockingIOError, InterruptedError):
-                sent = 0
-            except OSError as exc:
-                self._kill(c, f"{LOST}: {exc.strerror or exc}")
-                return c.dead
-            if sent < size:
-                c.out.append(memoryview(buf)[sent:])
-                c.out_bytes += size - sent
-                self._update(c)
-            return ""
-        for frame in frames:
-            c.out.append(memoryview(len(frame).to_bytes(HEADER, "big")))
-            c.out.append(memoryview(frame))
-        c.out_bytes += size
-        if c.sock is not None and not c.connecting:
-            self._flush(c)
+        why = c.send(frames, size)
+        if why:
+            self._kill(c, why)
+        else:
             self._update(c)
         return c.dead
 
-    def _flush(self, c: _Conn) -> None:
+    def _flush(self, c: Conn) -> None:
         """Write what the socket takes of ``c``'s queue."""
-        sock = c.sock
-        while c.out and sock is not None:
-            bufs = list(itertools.islice(c.out, _IOV))
-            try:
-                sent = sock.sendmsg(bufs)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                self._kill(c, f"{LOST}: {exc.strerror or exc}")
-                return
-            c.out_bytes -= sent
-            while sent:
-                head = c.out[0]
-                if sent >= len(head):
-                    sent -= len(head)
-                    c.out.popleft()
-                else:
-                    c.out[0] = head[sent:]
-                    sent = 0
+        why = c.flush()
+        if why:
+            self._kill(c, why)
 
     # -- receiving -----------------------------------------------------------
 
@@ -452,13 +330,13 @@ class ControlTransport:
         ``timeout_s`` if nothing has."""
         out: list[Inbound] = []
         now = self._clock()
-        if self._accept_paused_until and now >= self._accept_paused_until:
-            self._accept_paused_until = 0.0
-            if self._listener is not None:
-                self._poller.register(self._listen_fd, _IN)
+        listener = self._listener
+        listen_fd = -1 if listener is None else listener.fd
+        if listener is not None:
+            listener.resume(now)
         wait_s = 0.0 if self._backlog or not self._resolved.empty() else timeout_s
-        if self._accept_paused_until:
-            wait_s = min(wait_s, self._accept_paused_until - now)
+        if listener is not None and listener.paused_until:
+            wait_s = min(wait_s, listener.paused_until - now)
         if self._lingering:
             wait_s = min(wait_s, CLOSE_LINGER_S)
         try:
@@ -467,7 +345,7 @@ class ControlTransport:
             ready = []
         if self._lingering:
             self._linger(ready)
-        readable: dict[_Conn, bool] = {}  # -> hung up
+        readable: dict[Conn, bool] = {}  # -> hung up
         accept = False
         for fd, ev in ready:
             if fd == self._wake_r:
@@ -475,7 +353,7 @@ class ControlTransport:
                 with contextlib.suppress(BlockingIOError):
                     os.read(self._wake_r, 4096)
                 continue
-            if fd == self._listen_fd:
+            if fd == listen_fd:
                 accept = True
                 continue
             c = self._by_fd.get(fd)
@@ -517,43 +395,20 @@ class ControlTransport:
                 continue
             share = budget if c.inbound else min(budget, MAX_BYTES_PER_POLL // 4)
             budget -= self._read(c, share, readable[c], out)
-        if accept:
-            self._accept(out)
+        if accept and listener is not None:
+            self._accept(listener, out)
         for c in [c for c in self._backlog if c.dead]:
             out.append(Inbound(c.name, b"", lost=True, why=c.dead, bad=c.bad))
             self._backlog.discard(c)
         return out
 
-    def _read(self, c: _Conn, budget: int, gone: bool, out: list[Inbound]) -> int:
+    def _read(self, c: Conn, budget: int, gone: bool, out: list[Inbound]) -> int:
         """Take ``c``'s frames into ``out``; the bytes read. ``gone``: the
         poll said the connection hung up or failed."""
-        used = 0
-        eof = ""
         self._backlog.discard(c)
-        sock = c.sock
-        while sock is not None and used < budget:
-            room = c.cap + HEADER - len(c.rbuf)
-            if room <= 0:
-                if gone:  # nothing more can come, and it cannot be read
-                    eof = LOST
-                break
-            want = min(RECV_CHUNK, room, budget - used)
-            try:
-                got = sock.recv_into(self._chunk, want)
-            except (BlockingIOError, InterruptedError):
-                break
-            except OSError as exc:
-                eof = f"{LOST}: {exc.strerror or exc}"
-                break
-            if not got:
-                eof = f"{LOST}: closed by the peer"
-                break
-            c.rbuf += self._chunk[:got]
-            used += got
-            if got < want and not gone:
-                break  # drained: the poll says when more comes
+        used, eof = c.fill(self._chunk, budget, gone)
         try:
-            more = self._frames(c, out)
+            more = c.frames(out)
         except FramingError as exc:
             self.counters["framing_errors"] += 1
             self._kill(c, str(exc), bad=True)
@@ -565,64 +420,12 @@ class ControlTransport:
         self._update(c)
         return used
 
-    def _frames(self, c: _Conn, out: list[Inbound]) -> bool:
-        """Move ``c``'s complete frames into ``out``; True if more are
-        buffered past the per-poll bound."""
-        buf, pos, end, taken = c.rbuf, 0, len(c.rbuf), 0
-        name = c.name
-        try:
-            while end - pos >= HEADER:
-                size = int.from_bytes(buf[pos : pos + HEADER], "big")
-                if size > c.cap or size == 0:
-                    if c.trusted or size == 0 or size > _MAX_GREETING_WIRE:
-                        cap = c.cap if c.trusted else _MAX_GREETING_WIRE
-                        raise FramingError(
-                            f"a frame of {size} bytes (at most {cap} here)"
-                        )
-                    return False  # held until trusted or its deadline
-                if end - pos - HEADER < size:
-                    return False
-                if taken == MAX_FRAMES_PER_POLL:
-                    return True
-                out.append(
-                    Inbound(name, bytes(buf[pos + HEADER : pos + HEADER + size]))
-                )
-                pos += HEADER + size
-                taken += 1
-            return False
-        finally:
-            if pos:
-                del buf[:pos]
-
-    def _accept(self, out: list[Inbound]) -> None:
-        listener = self._listener
-        for _ in range(ACCEPTS_PER_POLL):
-            if listener is None:
-                return
-            try:
-                sock, addr = listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                if exc.errno == errno.ECONNABORTED:
-                    continue
-                # Out of descriptors or memory: stop asking for a while (the
-                # listener stays readable, and asking at once would spin).
-                self.counters["accept_errors"] += 1
-                self._poller.unregister(self._listen_fd)
-                self._accept_paused_until = self._clock() + ACCEPT_PAUSE_S
-                return
-            if sock.fileno() >= self._fd_limit - FD_RESERVE:
-                self.counters["refused_fd_reserve"] += 1
-                sock.close()
-                continue
-            self.counters["accepted"] += 1
-            sock.setblocking(False)
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            host = str(addr[0]) if isinstance(addr, tuple) else ""
+    def _accept(self, listener: Listener, out: list[Inbound]) -> None:
+        """Take what the listener accepted as connections still
+        handshaking, making room for each under the bounds on those."""
+        for sock, host in listener.accept():
             self._make_room(host, out)
-            c = _Conn(f"in:{next(self._inbound_ids)}", inbound=True, host=host)
+            c = Conn(f"in:{next(self._inbound_ids)}", inbound=True, host=host)
             c.sock, c.fd = sock, sock.fileno()
             self._conns[c.name] = c
             self._by_fd[c.fd] = c
@@ -662,35 +465,24 @@ class ControlTransport:
             self._backlog.add(c)  # a frame held back for this
         self._update(c)
 
-    def _kill(self, c: _Conn, why: str, bad: bool = False) -> None:
+    def _kill(self, c: Conn, why: str, bad: bool = False) -> None:
         """``c`` went down: reported by the next poll (once), closed by
         :meth:`close_conn`."""
         if c.dead:
             return
-        c.dead = why or LOST
-        c.out.clear()
-        c.out_bytes = 0
-        c.rbuf.clear()
-        c.bad = bad
+        c.fail(why or LOST, bad)
         self._handshaking.pop(c.name, None)
         self._backlog.add(c)
         if c.fd >= 0 and c.mask:
             self._poller.unregister(c.fd)
             c.mask = 0
 
-    def _update(self, c: _Conn) -> None:
+    def _update(self, c: Conn) -> None:
         """Register what ``c`` waits for: input while its buffer has room,
         output while it has some queued or is connecting."""
         if c.dead or c.fd < 0:
             return
-        mask = 0
-        if c.connecting:
-            mask = _OUT
-        else:
-            if len(c.rbuf) < c.cap + HEADER:
-                mask |= _IN
-            if c.out:
-                mask |= _OUT
+        mask = c.wants()
         if mask == c.mask:
             return
         if c.mask and mask:
@@ -719,8 +511,9 @@ class ControlTransport:
         lock, they let another thread sleep until traffic comes
         (:func:`wait_readable`) without touching the transport."""
         fds = [(self._wake_r, _IN)]
-        if self._listener is not None and not self._accept_paused_until:
-            fds.append((self._listen_fd, _IN))
+        listener = self._listener
+        if listener is not None and not listener.paused_until:
+            fds.append((listener.fd, _IN))
         fds.extend((c.fd, c.mask) for c in self._by_fd.values() if c.mask)
         fds.extend((fd, _IN) for fd in self._lingering)
         return fds
@@ -804,8 +597,6 @@ class ControlTransport:
         for sock, _ in self._lingering.values():
             sock.close()
         self._lingering.clear()
-        if not self._accept_paused_until:
-            self._poller.unregister(self._listen_fd)
         self._listener.close()
         self._listener = None
         if self._resolver is not None:

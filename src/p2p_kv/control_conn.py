@@ -1,0 +1,250 @@
+"""One control connection: its socket, the bytes queued each way, and how
+a frame lies on the wire.
+
+Every frame is a 4-byte big-endian length, then that many bytes. A
+:class:`Conn` turns frames into queued bytes and read bytes into frames, and
+knows the bounds that are one connection's alone: the largest frame for its
+state (trusted or not), and how many frames one poll takes from it. It
+never touches the poller, the table of connections, the byte budget shared
+by a poll, the counters or the bounds on connections still handshaking:
+those span every connection, so they are
+:class:`~p2p_kv.control.ControlTransport`'s, which owns the conns. What
+goes wrong here comes back as the reason the connection is lost (a string)
+or a :class:`FramingError`, and the transport decides what follows.
+"""
+
+from __future__ import annotations
+
+import itertools
+import select
+import socket
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Final
+
+from p2p_kv.protocol import MAX_FRAME_BYTES, MAX_GREETING_BYTES
+
+#: A frame's length prefix: 4 bytes, big-endian.
+HEADER: Final = 4
+#: Largest frame after trust: a protocol frame, sealed, with room.
+MAX_WIRE_FRAME: Final = MAX_FRAME_BYTES + 1024
+#: Largest frame read before trust. A Hello, HelloAck, Goodbye or Error is
+#: a few hundred bytes (their text fields are bounded at 1,024 characters).
+#: A larger one up to :data:`MAX_GREETING_BYTES` (the peer's Region, which
+#: may arrive in one read with the proof that earns trust) waits unread;
+#: past that it breaks the framing.
+MAX_UNTRUSTED_FRAME: Final = 16 * 1024
+#: Frames taken from one connection in one poll (the rest stay buffered
+#: for the next, which then does not wait).
+MAX_FRAMES_PER_POLL: Final = 4096
+#: Largest single read.
+RECV_CHUNK: Final = 1024 * 1024
+#: The largest greeting as it goes on the wire (sealed).
+_MAX_GREETING_WIRE: Final = MAX_GREETING_BYTES + 64
+#: Buffers one ``sendmsg`` takes (the kernel's IOV_MAX is 1024).
+_IOV: Final = 512
+#: Frames of at most this many bytes in all are joined into one buffer
+#: when nothing is queued ahead of them (a copy is cheaper than a
+#: scatter list at this size).
+_JOIN: Final = 64 * 1024
+
+#: Why a connection ends when its socket fails or closes.
+LOST = "connection lost"
+
+_IN, _OUT = select.POLLIN, select.POLLOUT
+
+
+@dataclass(frozen=True, slots=True)
+class Inbound:
+    """What a poll saw on one connection: a frame; ``new``, an inbound
+    connection accepted (no frame); or ``lost``, the connection went down
+    (no frame), ``why`` saying how, ``bad`` set when it was ended for
+    breaking the framing (a frame too large for its state)."""
+
+    conn: str
+    frame: bytes
+    new: bool = False
+    lost: bool = False
+    why: str = ""
+    bad: bool = False
+
+
+class FramingError(Exception):
+    """A peer broke the framing: the connection ends."""
+
+
+def wire_size(frames: list[bytes]) -> int:
+    """The bytes ``frames`` take on the wire, prefixes included."""
+    return sum(HEADER + len(f) for f in frames)
+
+
+@dataclass(eq=False, slots=True)
+class Conn:
+    """One TCP connection's state and bytes. The transport sets ``sock``,
+    ``fd``, the dial flags, ``trusted`` and ``mask``; the methods here keep
+    the buffers."""
+
+    name: str
+    inbound: bool
+    sock: socket.socket | None = None
+    fd: int = -1
+    #: the far end's address, for the per-address bound (inbound only)
+    host: str = ""
+    trusted: bool = False
+    #: outbound: resolving its name (no socket yet) or connect() running
+    resolving: bool = False
+    connecting: bool = False
+    rbuf: bytearray = field(default_factory=bytearray)
+    out: deque[memoryview] = field(default_factory=deque)
+    out_bytes: int = 0
+    #: the poll mask registered for ``fd`` (0: not registered)
+    mask: int = 0
+    #: our socket's inode once connected (outbound: the same-host proof)
+    inode: str | None = None
+    #: why it went down, once it did (reported once, then it waits for
+    #: close_conn), and whether for breaking the framing
+    dead: str = ""
+    bad: bool = False
+
+    @property
+    def cap(self) -> int:
+        """The largest frame this connection may send us in its state."""
+        return MAX_WIRE_FRAME if self.trusted else MAX_UNTRUSTED_FRAME
+
+    def wants(self) -> int:
+        """The poll events it waits for: output while connecting; else
+        input while its buffer has room, and output while some is queued."""
+        if self.connecting:
+            return _OUT
+        mask = 0
+        if len(self.rbuf) < self.cap + HEADER:
+            mask |= _IN
+        if self.out:
+            mask |= _OUT
+        return mask
+
+    def fail(self, why: str, bad: bool) -> None:
+        """Mark it down for ``why``; what either buffer held is dropped (no
+        frame of a dead connection is read or written)."""
+        self.dead = why
+        self.bad = bad
+        self.out.clear()
+        self.out_bytes = 0
+        self.rbuf.clear()
+
+    # -- output --------------------------------------------------------------
+
+    def send(self, frames: list[bytes], size: int) -> str:
+        """Queue ``frames`` (``size`` bytes on the wire) and write what the
+        socket takes now, never blocking; "" or why the connection is
+        lost."""
+        sock = self.sock
+        if not self.out and sock is not None and not self.connecting and size <= _JOIN:
+            # Nothing queued ahead (the usual case, a lookup or a reply):
+            # one buffer, one send.
+            buf = b"".join(
+                part for f in frames for part in (len(f).to_bytes(HEADER, "big"), f)
+            )
+            try:
+                sent = sock.send(buf)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError as exc:
+                return f"{LOST}: {exc.strerror or exc}"
+            if sent < size:
+                self.out.append(memoryview(buf)[sent:])
+                self.out_bytes += size - sent
+            return ""
+        for frame in frames:
+            self.out.append(memoryview(len(frame).to_bytes(HEADER, "big")))
+            self.out.append(memoryview(frame))
+        self.out_bytes += size
+        if sock is not None and not self.connecting:
+            return self.flush()
+        return ""
+
+    def flush(self) -> str:
+        """Write what the socket takes of the queue; "" or why the
+        connection is lost."""
+        sock, out = self.sock, self.out
+        while out and sock is not None:
+            bufs = list(itertools.islice(out, _IOV))
+            try:
+                sent = sock.sendmsg(bufs)
+            except (BlockingIOError, InterruptedError):
+                return ""
+            except OSError as exc:
+                return f"{LOST}: {exc.strerror or exc}"
+            self.out_bytes -= sent
+            while sent:
+                head = out[0]
+                if sent >= len(head):
+                    sent -= len(head)
+                    out.popleft()
+                else:
+                    out[0] = head[sent:]
+                    sent = 0
+        return ""
+
+    # -- input ---------------------------------------------------------------
+
+    def fill(self, chunk: memoryview, budget: int, gone: bool) -> tuple[int, str]:
+        """Read up to ``budget`` bytes, never past the room its largest
+        frame leaves in the buffer, through ``chunk`` (a buffer the
+        transport reuses: ``recv`` would allocate one per read). Returns the
+        bytes read and, if the connection ended, why. ``gone``: the poll
+        said it hung up or failed, so a full buffer ends it too."""
+        used = 0
+        sock = self.sock
+        while sock is not None and used < budget:
+            room = self.cap + HEADER - len(self.rbuf)
+            if room <= 0:
+                if gone:  # nothing more can come, and it cannot be read
+                    return used, LOST
+                break
+            want = min(RECV_CHUNK, room, budget - used)
+            try:
+                got = sock.recv_into(chunk, want)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as exc:
+                return used, f"{LOST}: {exc.strerror or exc}"
+            if not got:
+                return used, f"{LOST}: closed by the peer"
+            self.rbuf += chunk[:got]
+            used += got
+            if got < want and not gone:
+                break  # drained: the poll says when more comes
+        return used, ""
+
+    def frames(self, out: list[Inbound]) -> bool:
+        """Move the complete frames buffered into ``out``; True if more are
+        buffered past the per-poll bound. Raises :class:`FramingError` for a
+        length no frame may have in this state. Before trust, a frame over
+        :data:`MAX_UNTRUSTED_FRAME` but within the largest greeting stays
+        buffered, unread, until trust or the handshake deadline."""
+        buf, pos, end, taken = self.rbuf, 0, len(self.rbuf), 0
+        name, cap = self.name, self.cap
+        try:
+            while end - pos >= HEADER:
+                size = int.from_bytes(buf[pos : pos + HEADER], "big")
+                if size > cap or size == 0:
+                    if self.trusted or size == 0 or size > _MAX_GREETING_WIRE:
+                        most = cap if self.trusted else _MAX_GREETING_WIRE
+                        raise FramingError(
+                            f"a frame of {size} bytes (at most {most} here)"
+                        )
+                    return False  # held until trusted or its deadline
+                if end - pos - HEADER < size:
+                    return False
+                if taken == MAX_FRAMES_PER_POLL:
+                    return True
+                out.append(
+                    Inbound(name, bytes(buf[pos + HEADER : pos + HEADER + size]))
+                )
+                pos += HEADER + size
+                taken += 1
+            return False
+        finally:
+            if pos:
+                del buf[:pos]
