@@ -180,11 +180,6 @@ class TierRuntime:
             return not self.has_waker
         return m.waiting_requests() >= self.live_requests
 
-    def engine_hold_s(self) -> float:
-        """How long an idle engine's thread may sleep at its step
-        (:meth:`Waker.hold_s`); 0: not at all."""
-        return self.waker.hold_s()
-
     def park_engine(self, queue: Queue[Any]) -> None:
         """Called by the engine's thread at its step, not holding
         :attr:`lock`: sleep on its input ``queue`` while the waker keeps
