@@ -75,6 +75,7 @@ class State(Enum):
     FETCH_WAITING = "fetch_waiting"  # fetch arrived before its parked stores
     REVOKING = "revoking"  # reset: pins offered for READ wait for a Release
     ORPHANED = "orphaned"  # session gone; offered pins held to their deadline
+    WRITE_QUEUED = "write_queued"  # our WRITE, not yet handed to the data plane
     WRITING = "writing"
     ABORT_WRITING = "abort_writing"  # abort arrived mid-write: ack when fenced
     #: past its deadline: the write is being stopped; the reply (TransferDone
@@ -127,7 +128,7 @@ class Effect(Enum):
     SEND_FETCH = "send_fetch"  # its Fetch leaves: the session is up
     QUEUE_READ = "queue_read"  # its READ waits for the data plane
     EXTEND = "extend"  # its deadline moves; nothing else changes
-    POSTED = "posted"  # the data plane has its READ: bytes may land now
+    POSTED = "posted"  # the data plane has the transfer: bytes may land now
     SUCCEED = "succeed"  # every byte is in: the result leaves
     #: nothing can land in its slots (never started, or the transfer ended
     #: or was acknowledged): the failure leaves now
@@ -174,8 +175,8 @@ FENCED_LOADS: Final = frozenset(
 )
 #: Serves whose WRITE the peer aborted: it hears AbortAck, not TransferDone.
 ABORTED_WRITES: Final = frozenset({S.ABORT_WRITING, S.ABORT_CANCELLING})
-#: Serves with a WRITE of ours in flight (or queued for the data plane)
-#: that no deadline has cancelled yet.
+#: Serves with a WRITE of ours posted to the data plane that no deadline
+#: has cancelled yet (WRITE_QUEUED: not posted, nothing can land).
 WRITES_IN_FLIGHT: Final = frozenset({S.WRITING, S.ABORT_WRITING})
 
 #: How a serve holding pins (maybe offered for READ) ends: the consumer's
@@ -273,7 +274,7 @@ ROWS: Final[dict[Machine, dict[State, dict[Event, Row]]]] = {
         },
         S.PINNED: {
             E.LOOKUP: Row(S.LOOKUP_QUEUED, X.QUEUE_LOOKUP),
-            E.FETCH: Row(S.WRITING, X.WRITE),
+            E.FETCH: Row(S.WRITE_QUEUED, X.WRITE),
             # A ``read`` Fetch (the consumer's window on our answer closed
             # before its load): the pins are offered again, held anew.
             E.OFFER: Row(S.FETCH_OFFERED, X.OFFER),
@@ -294,7 +295,7 @@ ROWS: Final[dict[Machine, dict[State, dict[Event, Row]]]] = {
             E.TIMEOUT: Row(S.RELEASED, X.RELEASE),
         },
         S.FETCH_WAITING: {
-            E.STORES_READY: Row(S.WRITING, X.WRITE),
+            E.STORES_READY: Row(S.WRITE_QUEUED, X.WRITE),
             # A ``read`` Fetch: the stores are offered, held as pins are.
             E.OFFER: Row(S.FETCH_OFFERED, X.OFFER),
             E.ABORT: Row(S.RELEASED, X.ACK_AND_RELEASE),
@@ -302,6 +303,14 @@ ROWS: Final[dict[Machine, dict[State, dict[Event, Row]]]] = {
             E.TIMEOUT: Row(S.RELEASED, X.REFUSE_AND_RELEASE),
             E.PEER_LOST: Row(S.RELEASED, X.RELEASE),
             E.RESET: Row(S.RELEASED, X.REFUSE_AND_RELEASE),
+        },
+        S.WRITE_QUEUED: {
+            E.POSTED: Row(S.WRITING, X.POSTED),
+            # Not posted yet: nothing can land, so the peer may hear at once
+            # that it is over (its PostWrite goes stale).
+            E.ABORT: Row(S.RELEASED, X.ACK_AND_RELEASE),
+            E.TIMEOUT: Row(S.RELEASED, X.REFUSE_AND_RELEASE),
+            E.PEER_LOST: Row(S.RELEASED, X.RELEASE),
         },
         S.WRITING: {
             E.WRITES_DONE: Row(S.RELEASED, X.RELEASE),

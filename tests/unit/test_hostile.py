@@ -818,3 +818,32 @@ def test_second_lookup_before_the_serve_window_is_answered() -> None:
     net.run()
     assert errors(net, "a") == {}
     assert [b.lookup("r1", k) for k in KEYS[:2]] == [Answer.HIT] * 2
+
+
+def test_a_write_past_its_deadline_before_it_was_posted_ends_at_once() -> None:
+    """WRITE_QUEUED: the data plane never took the WRITE, so nothing can
+    land; its deadline answers the peer at once and the stale PostWrite is
+    never posted."""
+    net = make_net()
+    probe(net, "r1", "kv1")
+    gen, _ = serve_of(net, "kv1")
+    job = load(net, "r1", [5, 6, 7, 8])
+    net.step()  # b's Fetch reaches a; a's PostWrite waits for a's next pump
+    assert serve_of(net, "kv1") == (gen, State.WRITE_QUEUED)
+    a = net.engines["a"].manager
+    net.now += 60.0
+    a.tick(net.now)
+    replies = [m for _, msgs in a.take_outgoing(net.now) for m in msgs]
+    assert TransferDone("kv1", gen, job, False, "write deadline") in replies
+    assert not [e for _, e in a.take_events() if isinstance(e, PostWrite)]
+    assert session(net, "a").counters.failures == {"write_timeout": 1}
+    for msg in replies:
+        inject(net, "b", msg)
+    net.run()
+    b = net.engines["b"]
+    b.collect(net.now)
+    net.engines["a"].collect(net.now)
+    assert not b.results[job][0].success
+    assert net.writes == [] and net.violations == []
+    finish(net, "r1")
+    assert_drained(net)

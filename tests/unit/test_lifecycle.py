@@ -394,6 +394,12 @@ def test_a_serve_tells_the_peer_how_its_abort_ended() -> None:
             assert row.to in ABORTED_WRITES
         else:
             assert row == (S.RELEASED, X.ACK_AND_RELEASE), src
+    # A WRITE becomes one that may land only by being posted; before, an
+    # Abort or the deadline ends the serve at once, as for a queued READ.
+    assert [e for s, e, d in edges(Machine.SERVE) if d is S.WRITING] == [E.POSTED]
+    queued = ROWS[Machine.SERVE][S.WRITE_QUEUED]
+    assert queued[E.TIMEOUT] == (S.RELEASED, X.REFUSE_AND_RELEASE)
+    assert queued[E.POSTED] == (S.WRITING, X.POSTED)
     # A write that missed its deadline is cancelled; one that missed the
     # cancel's ends the session.
     for src in WRITES_IN_FLIGHT:

@@ -77,9 +77,9 @@ class ProducerSide:
         """Whether ``event`` is still to be posted (its serve still writes);
         if so, the data plane has it from now on."""
         serve = self._writing.get(event.ref.ident)
-        if serve is None or serve.write_posted:
+        if serve is None or not serve.can(Event.POSTED):
             return False
-        serve.write_posted = True
+        serve.fire(Event.POSTED)
         return True
 
     # -- the link's turns --------------------------------------------------------
@@ -497,18 +497,9 @@ class ProducerSide:
     def expire(self, serve: Serve, now: float) -> bool:
         """``serve``'s deadline passed; False if that must end the session
         (a write the data plane never said it stopped)."""
-        fetch = serve.fetch
-        if serve.state in WRITES_IN_FLIGHT:
+        fetch, prior = serve.fetch, serve.state
+        if prior in WRITES_IN_FLIGHT or prior is State.WRITE_QUEUED:
             self.link.counters.failed("write_timeout")
-            if not serve.write_posted:
-                # Never handed to the data plane, and now it never will be
-                # (its PostWrite goes stale): nothing can land, so the peer
-                # may hear so at once.
-                self.link.send(serve.write_reply(False))
-                self._release_serve(
-                    serve, Event.WRITES_FAILED, ok=False, reason="deadline"
-                )
-                return True
         match serve.fire(Event.TIMEOUT):
             case Effect.LOSE_SESSION:
                 # The data plane never said the write stopped.
@@ -524,14 +515,15 @@ class ProducerSide:
                 self.link.arm(serve, now + self.link.timeouts.abort_ack_s)
                 return True
             case Effect.REFUSE_AND_RELEASE if fetch is not None:
+                # Waiting for stores, or a WRITE never posted: nothing can
+                # land, so the peer hears at once.
+                why = (
+                    "blocks not stored in time"
+                    if prior is State.FETCH_WAITING
+                    else "write deadline"
+                )
                 self.link.send(
-                    TransferDone(
-                        serve.req,
-                        serve.gen,
-                        fetch.job,
-                        False,
-                        "blocks not stored in time",
-                    )
+                    TransferDone(serve.req, serve.gen, fetch.job, False, why)
                 )
         self._release_serve(serve, None, ok=False, reason="deadline")
         return True

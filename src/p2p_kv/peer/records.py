@@ -344,7 +344,6 @@ class Serve(Tracked):
         "told_wait",
         "waiting",
         "write_id",
-        "write_posted",
     )
 
     def __init__(self, req: str, gen: int, initial: State, deadline: float) -> None:
@@ -358,8 +357,6 @@ class Serve(Tracked):
         self.parked: list[ParkedStore] = []
         self.fetch: Fetch | None = None
         self.write_id = -1
-        #: its PostWrite was taken by the data plane: bytes may land
-        self.write_posted = False
         #: Our pins' slots went to the peer in a LookupResp: it may be
         #: READing them, so they are held until its Release or the deadline.
         self.offered = False
