@@ -26,7 +26,6 @@ from p2p_kv.data.agent import (
     check_ucx_error_handling_mode,
     ucx_tls_allows_peer_mode,
 )
-from p2p_kv.data.agent import load_nixl as _load_nixl
 from p2p_kv.data.nixl import NixlDataTransport
 from p2p_kv.data.regions import (
     MEM_DRAM,
@@ -51,7 +50,6 @@ __all__ = [
     "RegionInfo",
     "RegionSpan",
     "TensorLike",
-    "_load_nixl",
     "build_descs",
     "check_peer_metadata",
     "check_ucx_error_handling_mode",

@@ -104,13 +104,13 @@ def check_nixl() -> CheckResult:
         _config_check_nixl()
     except ConfigError as exc:
         return CheckResult("nixl", False, str(exc), _NIXL_FIX)
-    from p2p_kv.data import (
+    from p2p_kv.data.agent import (
         DEFAULT_UCX_ERROR_HANDLING_MODE,
-        _load_nixl,
         check_ucx_error_handling_mode,
+        load_nixl,
     )
 
-    nixl_agent, nixl_agent_config, _ = _load_nixl()
+    nixl_agent, nixl_agent_config, _ = load_nixl()
     details: dict[str, Any] = {
         "nixl_version": _version("nixl"),
         "backend_package": next(
