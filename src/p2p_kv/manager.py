@@ -328,6 +328,8 @@ class LoadManager:
         with :meth:`on_invalidated` once its peer's agent is dropped). A
         transfer is checked as it is taken: its load or write may have
         ended unposted since (then nothing can land, and it is left out)."""
+        if not self.peers.to_connect and not self.work.out:
+            return []  # the common pump: nothing arose since the last take
         dials, self.peers.to_connect = self.peers.to_connect, []
         out, self.work.out = self.work.out, []
         sessions = self.peers.sessions

@@ -399,6 +399,8 @@ class SessionWork:
         collect (a long step) must not stop the session's heartbeats and
         deadlines, or the peer finds it silent and drops it, failing all
         its loads."""
+        if not self.dirty:
+            return
         for peer in self.dirty:
             session = sessions.get(peer)
             if session is not None and not session.closed:

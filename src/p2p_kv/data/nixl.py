@@ -480,6 +480,8 @@ class NixlDataTransport:
         took their name. The session must end: its READs would fail (or
         stall) for as long as it lived, and only a removed agent gives back
         the staging such READs hold. A new session loads the agent again."""
+        if not self._faulted:
+            return set()  # read without the lock: one added now is seen next call
         with self._lock:
             out = set(self._faulted)
             self._faulted.clear()
