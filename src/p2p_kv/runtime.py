@@ -118,6 +118,7 @@ class TierRuntime:
         #: waker (vLLM 0.33 also calls from its tier-poll thread).
         self.lock = threading.RLock()
         self.waker = Waker(self)
+        data.set_wake(self.wake)
         #: set by the first close(): a second returns at once
         self._stop = threading.Event()
         self._closing = threading.Lock()
@@ -143,6 +144,7 @@ class TierRuntime:
     @data.setter
     def data(self, data: NixlDataTransport) -> None:
         self._data = self.transfers.data = data
+        data.set_wake(self.wake)
 
     @property
     def transfers_in_flight(self) -> int:

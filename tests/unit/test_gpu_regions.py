@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import logging
 import struct
+import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 import numpy as np
@@ -24,6 +25,7 @@ import pytest
 
 from p2p_kv.data import MEM_DRAM, MEM_VRAM, NixlDataTransport, RegionInfo, local, staged
 from p2p_kv.data import agent as agent_mod
+from p2p_kv.data import staged as staged_mod
 from p2p_kv.data.cuda_ipc import export_cuda_region
 from p2p_kv.data.offer import CudaIpcRegion
 from p2p_kv.plan import WritePlan
@@ -210,7 +212,7 @@ class FakeStaging:
         self.copies: list[tuple[list[int], list[int]]] = []
         self.buffer = bytearray(self.nbytes)
 
-    def copy_out(self, stage: Any, slots: Any) -> None:
+    def copy_out(self, stage: Any, slots: Any, threads: Any = None) -> None:
         self.copies.append((stage.tolist(), slots.tolist()))
 
 
@@ -313,15 +315,19 @@ def test_vram_to_vram_descriptors_name_each_sides_gpu(
 
 
 @pytest.mark.parametrize("staged", [True, False], ids=["staged", "in_place"])
-def test_vram_read_names_each_sides_gpu(agents: list[FakeAgent], staged: bool) -> None:
+def test_vram_read_names_each_sides_gpu(
+    agents: list[FakeAgent], staged: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A READ describes our VRAM (its staging, or in place our slots) as the
     destination, the peer's as the source: the device ids must not swap
     with the direction. Staged, the landed blocks are copied to the slots."""
     local_base, remote_base = 0x7F00_0000_0000, 0x7E00_0000_0000
+    monkeypatch.setattr(staged_mod, "PIECES_IN_FLIGHT", 2)
     t = NixlDataTransport(
         FakeCudaTensor(local_base, 16 * BS, index=1),
         BS,
-        # 16 staging blocks: the 3 go as one piece (at most a quarter)
+        # 16 staging blocks, two pieces in flight: the 3 go as one piece
+        # (at most half of the peer's share of 8)
         read_staging_bytes=16 * BS if staged else 0,
     )
     t.add_peer(_peer(MEM_VRAM, 0, remote_base, 32))
@@ -358,33 +364,102 @@ def _six_block_staged_read(
     return t, agent, t.post_read("peer-1", [20, 21, 22, 23, 24, 25], PIECES_SLOTS)
 
 
-def test_a_staged_read_keeps_two_pieces_in_flight(agents: list[FakeAgent]) -> None:
-    """A load larger than the peer's share of the staging moves in pieces of
-    half that share, two running at once: one lands (and is copied out)
-    while the next runs, instead of every piece waiting for the one before."""
+def test_a_staged_read_keeps_its_pieces_in_flight(agents: list[FakeAgent]) -> None:
+    """A load larger than a piece moves in pieces, up to
+    ``staged.PIECES_IN_FLIGHT`` at once (here each a quarter of the peer's
+    share of 4: one block): one lands and is copied out while the next run,
+    and its staging goes to the next piece at once, whatever the order they
+    land in."""
+    assert staged_mod.PIECES_IN_FLIGHT == 4
     t, agent, tid = _six_block_staged_read(agents)
-    assert len(agent.handles) == 2  # two pieces of 2 blocks, both running
+    assert len(agent.handles) == 4  # four pieces of a block, all running
     assert t.poll_completions() == []
     assert t.staging_blocks() == (8, 4, 0)
     agent.landed.append(agent.handles[1])  # the second piece lands first
     assert t.poll_completions() == []
-    assert len(agent.handles) == 3  # its staging went to the third piece
-    agent.landed.extend(agent.handles)
-    assert t.poll_completions() == [(tid, True)]
+    assert len(agent.handles) == 5  # its staging went to the fifth piece
+    done: list[tuple[int, bool]] = []
+    for _ in range(3):
+        agent.landed[:] = agent.handles
+        done += t.poll_completions()
+    assert done == [(tid, True)]
     copies = t._staging.mem.copies
-    assert sorted(s for _, out in copies for s in out) == PIECES_SLOTS
-    assert [out for _, out in copies] == [[5, 7], [1, 3], [9, 11]]
+    assert [out for _, out in copies] == [[3], [1], [5], [7], [9], [11]]
     assert t.staging_blocks() == (8, 8, 0)
 
 
-def test_a_failed_piece_buries_the_piece_still_running(agents: list[FakeAgent]) -> None:
-    """The READ fails at once; the other piece's staging stays held until
-    UCX ends it, and nothing of it is copied into the slots."""
+class SlowCopyStaging(FakeStaging):
+    """Staging whose copies out run on the copy threads and take a while:
+    a piece can be caught mid-copy."""
+
+    copied: ClassVar[list[list[int]]] = []
+
+    def copy_out(self, stage: Any, slots: Any, threads: Any = None) -> Any:
+        out = slots.tolist()
+
+        def slow() -> None:
+            time.sleep(0.2)
+            self.copied.append(out)
+
+        return threads.run([slow])
+
+
+def test_a_read_given_up_on_mid_copy_waits_for_the_copy_before_its_slots_go(
+    agents: list[FakeAgent], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A piece being copied out writes the caller's slots: a READ given up
+    on then (its peer lost) is reported failed only once that copy has
+    ended, or the copy would land in slots handed to another request. The
+    pieces still running keep their staging, as ever."""
+    monkeypatch.setattr(staged_mod, "StagingMemory", SlowCopyStaging)
+    SlowCopyStaging.copied.clear()
+    t, agent, tid = _six_block_staged_read(agents)
+    agent.landed.append(agent.handles[0])
+    assert t.poll_completions() == []  # its copy runs on a thread
+    assert SlowCopyStaging.copied == []
+    t.remove_peer("peer-1")
+    assert SlowCopyStaging.copied == [[1]]  # ended before the give-up did
+    assert t.poll_completions() == [(tid, False)]
+    assert t.staging_blocks() == (8, 5, 3)
+    t.close()
+
+
+def test_a_copy_out_that_fails_fails_the_read_and_gives_its_staging_back(
+    agents: list[FakeAgent], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class FailingCopy(FakeStaging):
+        def copy_out(self, stage: Any, slots: Any, threads: Any = None) -> Any:
+            def boom() -> None:
+                raise OSError("bad address")
+
+            return threads.run([boom])
+
+    monkeypatch.setattr(staged_mod, "StagingMemory", FailingCopy)
+    t, agent, tid = _six_block_staged_read(agents)
+    agent.landed.extend(agent.handles)
+    done: list[tuple[int, bool]] = []
+    for _ in range(20):
+        done += t.poll_completions()
+        if done:
+            break
+        time.sleep(0.01)
+    assert done == [(tid, False)]
+    agent.landed[:] = agent.handles
+    t.poll_completions()
+    assert t.staging_blocks() == (8, 8, 0)
+    t.close()
+
+
+def test_a_failed_piece_buries_the_pieces_still_running(
+    agents: list[FakeAgent],
+) -> None:
+    """The READ fails at once; the other pieces' staging stays held until
+    UCX ends them, and nothing of them is copied into the slots."""
     t, agent, tid = _six_block_staged_read(agents)
     agent.failed.append(agent.handles[0])
     assert t.poll_completions() == [(tid, False)]
-    assert t.staging_blocks() == (8, 6, 2)
-    agent.landed.append(agent.handles[1])
+    assert t.staging_blocks() == (8, 5, 3)
+    agent.landed.extend(agent.handles[1:])
     assert t.poll_completions() == []
     assert t.staging_blocks() == (8, 8, 0)
     assert t._staging.mem.copies == []

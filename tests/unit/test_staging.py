@@ -1,11 +1,16 @@
-"""The staging pool and the copy out of staging (pure; the READs that use
-them are tested between real NIXL agents in test_nixl_transfer)."""
+"""The staging pool and the copy out of staging, on the caller's thread or
+the copy threads (the READs that use them are tested between real NIXL
+agents in test_nixl_transfer)."""
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 import pytest
 
+from p2p_kv.data import staged
+from p2p_kv.data.copy_out import INLINE_COPY_BYTES, CopyThreads
 from p2p_kv.data.staged import StagingMemory, StagingPool
 
 
@@ -76,3 +81,67 @@ def test_copy_out_by_runs_matches_row_by_row(n: int) -> None:
         assert np.array_equal(got[d], buf[s]), (s, d)
     untouched = sorted(set(range(rows)) - set(slots.tolist()))
     assert not got[untouched].any()
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_stripes_cover_every_run_once_in_about_equal_parts(k: int) -> None:
+    runs = [(0, 10, 5), (7, 30, 1), (9, 40, 6)]  # 12 blocks
+    parts = staged._stripes(runs, k)
+    assert len(parts) <= k
+    sizes = [sum(n for _, _, n in p) for p in parts]
+    assert sum(sizes) == 12 and max(sizes) - min(sizes) <= -(-12 // k)
+    blocks = sorted((s + i, d + i) for p in parts for s, d, n in p for i in range(n))
+    want = sorted((s + i, d + i) for s, d, n in runs for i in range(n))
+    assert blocks == want
+
+
+def test_a_large_piece_is_copied_on_the_threads_and_lands_row_by_row() -> None:
+    """A piece of INLINE_COPY_BYTES or more is copied in stripes off the
+    caller's thread; every staging block still lands in its slot, and the
+    owner's wake is called once the copy has ended."""
+    bs = 64 * 1024
+    n = 2 * INLINE_COPY_BYTES // bs
+    region = np.zeros((3 * n) * bs, dtype=np.uint8)
+    mem = StagingMemory(n, bs, region.ctypes.data, region.nbytes)
+    stage_rows = np.frombuffer(
+        (np.ctypeslib.ctypes.c_uint8 * mem.nbytes).from_address(mem.addr),
+        dtype=np.uint8,
+    ).reshape(n, bs)
+    stage_rows[:] = (np.arange(n, dtype=np.uint8) + 1)[:, None]
+    threads = CopyThreads(3)
+    woke = threading.Event()
+    threads.wake = woke.set
+    stage = np.arange(n, dtype=np.int64)[::-1].copy()
+    slots = np.arange(0, 2 * n, 2, dtype=np.int64)  # nothing coalesces
+    try:
+        copying = mem.copy_out(stage, slots, threads)
+        assert copying is not None  # went to the threads
+        assert copying.wait() is None and copying.done()
+        assert woke.wait(5)
+        rows = region.reshape(3 * n, bs)
+        for s, d in zip(stage.tolist(), slots.tolist(), strict=True):
+            assert (rows[d] == s + 1).all()
+        assert not rows[1::2].any()
+        # A small piece is copied on the caller's thread: nothing to wait for.
+        assert mem.copy_out(stage[:1], np.array([1], dtype=np.int64), threads) is None
+        assert (rows[1] == stage[0] + 1).all()
+    finally:
+        threads.close()
+    assert not any(t.name.startswith("p2p_kv-copy") for t in threading.enumerate())
+
+
+def test_a_stripe_that_fails_is_the_copys_error_and_the_threads_go_on() -> None:
+    threads = CopyThreads(2)
+    try:
+
+        def boom() -> None:
+            raise OSError("bad address")
+
+        done: list[int] = []
+        failed = threads.run([boom, lambda: done.append(1)])
+        err = failed.wait()
+        assert isinstance(err, OSError) and "bad address" in str(err)
+        ok = threads.run([lambda: done.append(2), lambda: done.append(3)])
+        assert ok.wait() is None and sorted(done) == [1, 2, 3]
+    finally:
+        threads.close()

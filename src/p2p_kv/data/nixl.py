@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from p2p_kv.data.agent import (
@@ -216,6 +216,12 @@ class NixlDataTransport:
         engine's, which may sleep meanwhile."""
         with self._lock:
             return self._staging.settling()
+
+    def set_wake(self, wake: Callable[[], None] | None) -> None:
+        """Called from another thread when a staged READ's copy out of
+        staging ends: the owner, waiting on its sockets, polls again then
+        instead of at its next data tick."""
+        self._staging.copy_threads.wake = wake
 
     def staging_blocks(self) -> tuple[int, int, int]:
         """Staging blocks: (all, free, held by READs given up on)."""

@@ -17,9 +17,11 @@ peer that resumes lands its bytes there, a dead one errors it. One
 peer's READs, running or given up on, hold at most half of the staging
 the other peers leave (a peer stalled mid-READ keeps its share for the
 stall, and only its share; k stalled peers leave about 1/2**k to the
-rest, one block at least each), so a load larger than that moves in
-pieces of half its share, two in flight: one lands and is copied out
-while the next runs.
+rest, one block at least each). A load moves in pieces of at most
+:data:`PIECE_BYTES` (and a quarter of the peer's share), up to
+:data:`PIECES_IN_FLIGHT` at once: each is copied out on the copy threads
+(:mod:`p2p_kv.data.copy_out`) as soon as it lands, while the next ones
+run, so the copy adds only the last piece's to the READ's time.
 
 :class:`StagingPool` is the allocator (pure); :class:`StagingMemory` owns
 the bytes and the copy out of them; :class:`Staging` runs the READs
@@ -31,6 +33,7 @@ keeps the ones given up on (zombies) until UCX ends them. The transport
 from __future__ import annotations
 
 import ctypes
+import functools
 import heapq
 import logging
 from collections.abc import Callable
@@ -41,6 +44,7 @@ import numpy as np
 import numpy.typing as npt
 
 from p2p_kv.data.agent import Lists, disconnected
+from p2p_kv.data.copy_out import INLINE_COPY_BYTES, Copying, CopyThreads
 from p2p_kv.data.regions import MEM_VRAM, Peer, RegionSpan
 from p2p_kv.data.shm_copy import shared_region
 from p2p_kv.data.transfer import release_quietly
@@ -51,6 +55,7 @@ __all__ = [
     "DEFAULT_READ_STAGING_BYTES",
     "PEER_STAGING_SHARE",
     "PIECES_IN_FLIGHT",
+    "PIECE_BYTES",
     "StagedRead",
     "Staging",
     "StagingMemory",
@@ -171,15 +176,25 @@ class StagingMemory:
         (GPU memory) alive with it."""
         return self._buf
 
-    def copy_out(self, stage: Blocks, slots: Blocks) -> None:
-        """Staging block ``stage[i]`` into region block ``slots[i]``; done
-        (on the GPU: finished) when this returns."""
+    def copy_out(
+        self, stage: Blocks, slots: Blocks, threads: CopyThreads | None = None
+    ) -> Copying | None:
+        """Staging block ``stage[i]`` into region block ``slots[i]``. None:
+        done (on the GPU: finished) when this returns; else the copy runs on
+        ``threads`` in stripes until the :class:`Copying` is done."""
         if isinstance(self._buf, np.ndarray):
             # One memcpy a run: fancy indexing copied through a temporary
             # (32 MiB in 10 ms here, against about 5 by runs).
-            for src, dst, n in _runs(stage, slots):
-                self._region[dst : dst + n] = self._buf[src : src + n]
-            return
+            runs = _runs(stage, slots)
+            if threads is None or stage.size * self.block_bytes < INLINE_COPY_BYTES:
+                self._copy_runs(runs)
+                return None
+            return threads.run(
+                [
+                    functools.partial(self._copy_runs, part)
+                    for part in _stripes(runs, threads.threads)
+                ]
+            )
         import torch
 
         device = self._buf.device
@@ -187,16 +202,46 @@ class StagingMemory:
             torch.as_tensor(stage, device=device)
         ]
         torch.cuda.current_stream(device).synchronize()
+        return None
+
+    def _copy_runs(self, runs: list[tuple[int, int, int]]) -> None:
+        region, buf = self._region, self._buf
+        for src, dst, n in runs:
+            region[dst : dst + n] = buf[src : src + n]
+
+
+def _stripes(
+    runs: list[tuple[int, int, int]], k: int
+) -> list[list[tuple[int, int, int]]]:
+    """``runs`` cut into at most ``k`` parts of about equal blocks (a run
+    may be split between two)."""
+    total = sum(n for _, _, n in runs)
+    per = -(-total // max(1, k))
+    parts: list[list[tuple[int, int, int]]] = [[]]
+    room = per
+    for src, dst, n in runs:
+        while n:
+            if not room:
+                parts.append([])
+                room = per
+            take = min(n, room)
+            parts[-1].append((src, dst, take))
+            src, dst, n, room = src + take, dst + take, n - take, room - take
+    return parts
 
 
 #: Staging bytes of transports closed while READs into them still ran
 #: (see :meth:`Staging.close_reads`).
 _KEPT_STAGING: list[Any] = []
 
-#: Pieces of one staged READ in flight at once: one is posted (and the one
-#: before copied out) while another runs, instead of each waiting for the
-#: last.
-PIECES_IN_FLIGHT = 2
+#: Pieces of one staged READ in flight at once (running, or being copied
+#: out): the next piece's READ runs while the last one's copy does, instead
+#: of each waiting for the one before.
+PIECES_IN_FLIGHT = 4
+#: A piece is at most this many bytes (a block at least): the copy of the
+#: last piece, which nothing overlaps, stays short, and a piece copied
+#: right after it landed is still in the CPU's cache.
+PIECE_BYTES = 4 << 20
 
 #: One peer's staged READs, running or given up on, hold at most this share
 #: of the staging the other peers leave (pieces are this share over
@@ -213,12 +258,14 @@ PEER_STAGING_SHARE = 0.5
 @dataclass(eq=False)
 class _Piece:
     """One piece of a staged READ: the peer's blocks for ``local[lo:lo +
-    stage.size]``, landing in staging blocks ``stage``."""
+    stage.size]``, landing in staging blocks ``stage``, then copied out
+    (``copying``, once UCX ended it: the handle is then released)."""
 
     handle: Any
     stage: Blocks
     lo: int
     state: str
+    copying: Copying | None = None
 
 
 @dataclass(eq=False)
@@ -312,6 +359,9 @@ class Staging:
         self.zombies: list[_Zombie] = []
         #: READs that may hold pieces: what a peer's share is counted over.
         self._reads: set[StagedRead] = set()
+        #: copies out of staging, off the caller's thread (see copy_out.py)
+        self.copy_threads = CopyThreads()
+        self._piece_blocks = max(1, PIECE_BYTES // self._block_bytes)
 
     def _setup(self) -> None:
         """Staging beside the region, registered after the region's
@@ -359,9 +409,9 @@ class Staging:
 
     def advance(self, read: StagedRead, post: bool = True) -> str:
         """Copy out the pieces that landed and post the next ones: "PROC"
-        while pieces run or wait for free staging, then "DONE" or "ERR"
-        (the pieces still running are then buried). ``post`` False: a READ
-        being given up on, whose next pieces must not start.
+        while pieces run, are copied out, or wait for free staging, then
+        "DONE" or "ERR" (the pieces still running are then buried). ``post``
+        False: a READ being given up on, whose next pieces must not start.
 
         A check that raises is raised: the piece's fate is then unknown,
         and the caller's release buries it (its staging is not reused)."""
@@ -370,43 +420,38 @@ class Staging:
         name = read.peer.info.agent_name
         while True:
             for piece in list(read.pieces):
-                if piece.state == "PROC":
-                    piece.state = str(self._lists.agent.check_xfer_state(piece.handle))
+                if piece.copying is None:
                     if piece.state == "PROC":
-                        continue
-                read.pieces.remove(piece)
-                release_quietly(piece.handle, name, self._plog)
-                try:
-                    if piece.state != "DONE":
-                        self.bury(read)
+                        piece.state = str(
+                            self._lists.agent.check_xfer_state(piece.handle)
+                        )
+                        if piece.state == "PROC":
+                            continue
+                    if not self._landed(read, piece):
                         return "ERR"
-                    end = piece.lo + piece.stage.size
-                    mem.copy_out(piece.stage, read.local[piece.lo : end])
-                except Exception as exc:
-                    if self._plog.warning(
-                        "copy_out",
-                        name,
-                        "copying a READ out of staging failed: %s",
-                        exc,
-                    ):
-                        logger.debug("copy-out failure detail", exc_info=True)
-                    self.bury(read)
+                done = piece.copying is not None and piece.copying.done()
+                if done and not self._copied(read, piece):
                     return "ERR"
-                finally:
-                    pool.give(piece.stage)
             left = int(read.local.size) - read.posted
             if not left:
-                if read.pieces:
+                if not read.pieces:
+                    self._reads.discard(read)
+                    return "DONE"
+                if not post or any(p.copying is None for p in read.pieces):
                     return "PROC"
-                self._reads.discard(read)
-                return "DONE"
+                # Only our own copies are left: wait for them here (at
+                # memory speed, a piece's bytes) rather than for a wake-up.
+                for piece in list(read.pieces):
+                    if not self._copied(read, piece):
+                        return "ERR"
+                continue
             if not post or len(read.pieces) >= PIECES_IN_FLIGHT:
                 return "PROC"
             mine = self._held(read)
             # A share of what the other peers leave, not of the whole pool:
             # two stalled peers with half each took all of it.
             share = max(1, int((pool.free + mine) * PEER_STAGING_SHARE))
-            most = max(1, share // PIECES_IN_FLIGHT)
+            most = max(1, min(share // PIECES_IN_FLIGHT, self._piece_blocks))
             stage = pool.take(min(left, most, share - mine))
             if not stage.size:
                 return "PROC"  # the peer's share or the pool is taken: wait
@@ -437,6 +482,54 @@ class Staging:
                 return "ERR"
             read.pieces.append(_Piece(handle, stage, lo, state))
             read.posted += int(stage.size)
+
+    def _landed(self, read: StagedRead, piece: _Piece) -> bool:
+        """A piece UCX ended: start its copy out if it landed. False: the
+        READ failed (buried)."""
+        pool, mem = self.pool, self.mem
+        assert pool is not None and mem is not None
+        name = read.peer.info.agent_name
+        release_quietly(piece.handle, name, self._plog)
+        piece.handle = None
+        copying = None
+        try:
+            if piece.state == "DONE":
+                end = piece.lo + piece.stage.size
+                copying = mem.copy_out(
+                    piece.stage, read.local[piece.lo : end], self.copy_threads
+                )
+        except Exception as exc:
+            self._copy_failed(name, exc)
+            piece.state = "ERR"
+        if piece.state != "DONE":
+            read.pieces.remove(piece)
+            pool.give(piece.stage)
+            self.bury(read)
+            return False
+        if copying is None:  # copied already
+            read.pieces.remove(piece)
+            pool.give(piece.stage)
+        piece.copying = copying
+        return True
+
+    def _copied(self, read: StagedRead, piece: _Piece) -> bool:
+        """A piece whose copy out ran: its staging goes back. False: the
+        copy failed and the READ with it (buried)."""
+        assert self.pool is not None and piece.copying is not None
+        error = piece.copying.wait()
+        read.pieces.remove(piece)
+        self.pool.give(piece.stage)
+        if error is None:
+            return True
+        self._copy_failed(read.peer.info.agent_name, error)
+        self.bury(read)
+        return False
+
+    def _copy_failed(self, name: str, exc: BaseException) -> None:
+        if self._plog.warning(
+            "copy_out", name, "copying a READ out of staging failed: %s", exc
+        ):
+            logger.debug("copy-out failure detail", exc_info=exc)
 
     def _held(self, read: StagedRead) -> int:
         """Staging blocks held by ``read``'s peer: its READs' pieces running
@@ -475,9 +568,16 @@ class Staging:
         return self._lists.xfer("READ", plan, ours, info, b"")
 
     def bury(self, read: StagedRead) -> None:
-        """A staged READ given up on: its pieces in flight become zombies."""
+        """A staged READ given up on: its pieces in flight become zombies,
+        and those being copied out are waited for (their copies write the
+        slots the caller is about to hand back)."""
         self._reads.discard(read)
         for piece in read.pieces:
+            if piece.copying is not None:
+                piece.copying.wait()
+                assert self.pool is not None
+                self.pool.give(piece.stage)
+                continue
             self.zombies.append(
                 _Zombie(piece.handle, piece.stage, read.peer.info.agent_name)
             )
@@ -578,6 +678,7 @@ class Staging:
     def close_memory(self) -> None:
         """Release the staging's list and registration (after every READ
         into it was released)."""
+        self.copy_threads.close()  # no copy reads the staging past this
         try:
             if self._prepped is not None:
                 release_quietly(self._prepped, None, self._plog)
