@@ -17,7 +17,9 @@ Functions that spawned processes run live in modules imported by name
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import multiprocessing as mp
+import os
 import statistics
 import threading
 import time
@@ -33,6 +35,42 @@ MIB = 1024 * KIB
 #: The shared secret of the peers a benchmark starts, as a fleet runs them
 #: (sealed control frames; the write path needs one).
 BENCH_SECRET = b"p2p_kv-bench"
+
+
+#: Set in the process ``bench transfer --netns`` runs inside the consumer's
+#: network namespace: every producer process (p2p_kv's, raw NIXL's, the
+#: round trips' echoes) enters this namespace and listens on this address,
+#: so what a fetch moves crosses a veth pair over TCP, as between hosts.
+PRODUCER_NETNS_ENV = "P2P_KV_BENCH_PRODUCER_NETNS"
+PRODUCER_HOST_ENV = "P2P_KV_BENCH_PRODUCER_HOST"
+_CLONE_NEWNET = 0x40000000
+
+
+def producer_host() -> str:
+    """Where producers listen (and consumers dial)."""
+    return os.environ.get(PRODUCER_HOST_ENV, "127.0.0.1")
+
+
+def enter_producer_netns() -> None:
+    """Move this process (a producer, at its start, before it opens any
+    socket or thread) into the producers' namespace, if one is set."""
+    name = os.environ.get(PRODUCER_NETNS_ENV)
+    if not name:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, _CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"cannot enter network namespace {name}")
+    finally:
+        os.close(fd)
+
+
+def in_producer_netns(target: Any, *args: Any) -> Any:
+    """A spawned producer's entry: its namespace, then ``target(*args)``."""
+    enter_producer_netns()
+    return target(*args)
 
 
 def key(i: int) -> bytes:
@@ -114,6 +152,7 @@ def bench_peer(
     engine_id: str,
     path: str = "read",
     region: Any = None,
+    host: str = "127.0.0.1",
 ) -> StandalonePeer:
     """A StandalonePeer as the benchmarks run one: the bench secret, the
     options of ``path``, its own shared region unless ``region`` is given."""
@@ -124,6 +163,7 @@ def bench_peer(
         block_bytes,
         engine_id=engine_id,
         region=region,
+        host=host,
         secret=BENCH_SECRET,
         **path_options(path),
     )
@@ -165,7 +205,9 @@ class ProducerProcess:
         ctx = mp.get_context("spawn")
         self._out, self._stop = ctx.Queue(), ctx.Event()
         self._proc = ctx.Process(
-            target=target, args=(*args, self._out, self._stop), daemon=True
+            target=in_producer_netns,
+            args=(target, *args, self._out, self._stop),
+            daemon=True,
         )
         self._proc.start()
         msg = self._out.get(timeout=timeout_s)

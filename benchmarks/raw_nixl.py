@@ -33,7 +33,14 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.harness import KIB, MIB, WorkerPair, block_runs, scattered_mapping
+from benchmarks.harness import (
+    KIB,
+    MIB,
+    WorkerPair,
+    block_runs,
+    enter_producer_netns,
+    scattered_mapping,
+)
 
 _STEP_TIMEOUT_S = 120.0
 # How often the receiving process drains notifications while a cell runs.
@@ -148,6 +155,12 @@ def _region(
     return buf, reg
 
 
+def _producer_worker(conn: Any) -> None:
+    """The producer's worker: in the producers' namespace, if one is set."""
+    enter_producer_netns()
+    _worker(conn)
+
+
 def _worker(conn: Any) -> None:
     """Either side of a raw NIXL pair, as told: register a memfd region,
     READ the peer's blocks (the consumer: the producer's process does
@@ -211,6 +224,17 @@ def _worker(conn: Any) -> None:
 Place = tuple[int, int, str]
 
 
+def remote_progress() -> bool:
+    """Whether a READ needs its producer's progress: UCX over TCP only
+    (``UCX_TLS`` naming tcp and no shared-memory transport) emulates a
+    READ with messages the producer's worker must answer; CMA and RDMA
+    READs are one-sided. A raw READ's producer then polls without pause,
+    the best case, instead of sitting idle."""
+    tls = os.environ.get("UCX_TLS", "")
+    names = {t.strip().lstrip("^") for t in tls.split(",")}
+    return "tcp" in names and not names & {"sm", "cma", "posix", "shm", "all"}
+
+
 def timed_transfers(
     agent: Any,
     local: Place,
@@ -263,7 +287,7 @@ class RawNixlPair(WorkerPair):
     consumer that READs from an idle producer (``op="READ"``)."""
 
     def __init__(self) -> None:
-        super().__init__((_worker, _worker), _STEP_TIMEOUT_S + 60)
+        super().__init__((_producer_worker, _worker), _STEP_TIMEOUT_S + 60)
 
     def measure(
         self,
@@ -300,9 +324,17 @@ class RawNixlPair(WorkerPair):
         producer = self._call(1, "peer", p_md)
         if op == "READ":
             back = [(d, s, n) for s, d, n in runs]
+            stop = f"stop-{tag}".encode() if remote_progress() else b""
+            if stop:
+                # Over TCP the producer's progress answers the READ: it
+                # polls every 100 us (spinning, it and the READer took both
+                # cores here and starved every other process).
+                self._conns[0].send(("serve", stop, 1e-4))
             seconds = self._call(
-                1, "read", producer, p_base, block_bytes, back, repeats, b""
+                1, "read", producer, p_base, block_bytes, back, repeats, stop
             )
+            if stop:
+                self._reply(0)
         else:
             stop = f"stop-{tag}".encode()
             self._conns[1].send(("serve", stop, consumer_poll_s))

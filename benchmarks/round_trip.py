@@ -33,7 +33,7 @@ import time
 import traceback
 from typing import Any
 
-from benchmarks.harness import ProducerProcess, met
+from benchmarks.harness import ProducerProcess, met, producer_host
 
 GAP_S = 0.001
 MESSAGE = b"\x5a" * 64
@@ -45,7 +45,7 @@ _KEY_A, _KEY_B = b"\x01" * 32, b"\x02" * 32
 
 
 def _tcp_echo(out: Any, stop: Any) -> None:
-    listener = socket.create_server(("127.0.0.1", 0))
+    listener = socket.create_server((producer_host(), 0))
     try:
         out.put(("ready", listener.getsockname()[1]))
         conn, _ = listener.accept()
@@ -67,7 +67,7 @@ def _control_echo(out: Any, stop: Any) -> None:
     from p2p_kv import control, handshake
 
     keys = handshake.FrameKeys(out=_KEY_B, into=_KEY_A)
-    transport = control.ControlTransport("127.0.0.1", 0)
+    transport = control.ControlTransport(producer_host(), 0)
     try:
         out.put(("ready", transport.port))
         while not stop.is_set():
@@ -100,7 +100,7 @@ class TcpRoundTrip:
     def __init__(self) -> None:
         self._echo = ProducerProcess(_tcp_echo, timeout_s=_TIMEOUT_S)
         (port,) = self._echo.ready
-        self._sock = socket.create_connection(("127.0.0.1", port))
+        self._sock = socket.create_connection((producer_host(), port))
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def trip(self) -> float:
@@ -132,7 +132,7 @@ class ControlRoundTrip:
         self._echo = ProducerProcess(_control_echo, timeout_s=_TIMEOUT_S)
         (port,) = self._echo.ready
         self._t = control.ControlTransport("127.0.0.1", 0)
-        self._peer = f"127.0.0.1:{port}"
+        self._peer = f"{producer_host()}:{port}"
         self._t.connect(self._peer)
 
     def trip(self) -> float:

@@ -64,11 +64,13 @@ import multiprocessing as mp
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 import traceback
 import zlib
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -77,6 +79,8 @@ from benchmarks import round_trip
 from benchmarks.harness import (
     KIB,
     MIB,
+    PRODUCER_HOST_ENV,
+    PRODUCER_NETNS_ENV,
     FetchPair,
     ProducerProcess,
     WorkerPair,
@@ -84,6 +88,7 @@ from benchmarks.harness import (
     key,
     median_round,
     met,
+    producer_host,
     scattered_mapping,
     serve_blocks,
     summary,
@@ -104,6 +109,10 @@ TARGET_LATENCY_X = 2.0
 #: one-block fetches, lookup to result, against raw READ + a bare TCP trip
 TARGET_FLOOR_X = 2.0
 PATHS = ("read", "nixl_read", "nixl_read_in_place", "write", "pd")
+#: Between namespaces: the paths a fetch from another host can take (the
+#: same-host shortcut needs a producer proved to be on this host, and
+#: across namespaces none is).
+NETNS_PATHS = ("nixl_read", "nixl_read_in_place", "write")
 #: end-to-end cells also compared with raw READ plus one bare TCP round trip
 FLOOR_CELLS = ("e2e", "n_e2e")
 #: p2p_kv cells and the raw NIXL baseline each is compared with
@@ -135,7 +144,9 @@ def _p2p_producer(
     stores = itertools.count(1 << 50)
 
     def start() -> tuple[StandalonePeer, tuple[Any, ...]]:
-        peer = bench_peer(num_blocks, block_bytes, f"bench-prod-{os.getpid()}")
+        peer = bench_peer(
+            num_blocks, block_bytes, f"bench-prod-{os.getpid()}", host=producer_host()
+        )
         region = np.asarray(peer.region)
         region[:] = np.random.default_rng(7).integers(
             0, 256, region.size, dtype=np.uint8
@@ -171,6 +182,8 @@ class P2PPair(FetchPair):
     producer WRITEs; the others: :func:`benchmarks.harness.path_options`)."""
 
     def __init__(self, block_bytes: int, max_blocks: int) -> None:
+        #: the load paths measured (between namespaces, the remote ones)
+        self.paths = NETNS_PATHS if os.environ.get(PRODUCER_NETNS_ENV) else PATHS
         self._parks, theirs = mp.get_context("spawn").Pipe()
         producer = ProducerProcess(
             _p2p_producer, block_bytes, max_blocks, theirs, timeout_s=_TIMEOUT_S
@@ -179,7 +192,7 @@ class P2PPair(FetchPair):
             path: bench_peer(
                 2 * max_blocks, block_bytes, f"bench-cons-{path}-{os.getpid()}", path
             )
-            for path in PATHS
+            for path in self.paths
         }
         super().__init__(producer, consumers, block_bytes)
         self.crcs = producer.ready[1]
@@ -240,7 +253,10 @@ class P2PPair(FetchPair):
             "submit": summary(submit, nbytes),
             "verified": True,
         }
-        if path not in ("write", "pd"):
+        # Between namespaces the READ moves only as the producer makes
+        # progress, which it does while it holds blocks offered for it: a
+        # READ posted by hand, with no offer, waits on its idle ticks.
+        if path not in ("write", "pd") and not os.environ.get(PRODUCER_NETNS_ENV):
             out["data_plane"] = summary(
                 self._data_plane(consumer, src, dst, repeats), nbytes
             )
@@ -417,10 +433,13 @@ def run(
     rows: list[dict[str, Any]] = []
     vllm: VllmPair | None = None
     vllm_reason = ""
-    try:
-        vllm = VllmPair()
-    except Exception as exc:
-        vllm_reason = f"{type(exc).__name__}: {exc}"
+    if os.environ.get(PRODUCER_NETNS_ENV):
+        vllm_reason = "not driven between namespaces"
+    else:
+        try:
+            vllm = VllmPair()
+        except Exception as exc:
+            vllm_reason = f"{type(exc).__name__}: {exc}"
     trips: RoundTrips | None = None
     try:
         trips = RoundTrips()
@@ -497,10 +516,10 @@ def _cell(
                     samples["vllm"].append(vllm.measure(bs, n, reps))
                 except Exception as exc:
                     vllm_reason = f"{type(exc).__name__}: {exc}"
-        for path in PATHS:
+        for path in p2p.paths:
             got = p2p.measure(path, n, reps, verify=r == 0)
             for cell, (p, which, _) in P2P_CELLS.items():
-                if p == path:
+                if p == path and which in got:
                     samples[cell].append(got[which])
     row: dict[str, Any] = {
         "block_bytes": bs,
@@ -511,28 +530,31 @@ def _cell(
     }
     for name, runs in samples.items():
         if not runs:
-            row[name] = {"not_driven": vllm_reason}
+            why = vllm_reason if name == "vllm" else "path not measured"
+            row[name] = {"not_driven": why}
             continue
         row[name] = median_round(runs)
     baselines = {name: base for name, (_, _, base) in P2P_CELLS.items()}
     baselines["vllm"] = "raw_nixl"  # it WRITEs, producer to consumer
     for name, base in baselines.items():
         cell = row[name]
-        if "gbps" in cell:
+        if "gbps" in cell and "gbps" in row[base]:
             cell["ratio_raw"] = cell["gbps"] / row[base]["gbps"]
             cell["latency_x_raw"] = cell["latency_us"] / row[base]["latency_us"]
     row["ctl_rt"]["x_tcp"] = row["ctl_rt"]["latency_us"] / row["tcp_rt"]["latency_us"]
     floor_us = row["raw_read"]["latency_us"] + row["tcp_rt"]["latency_us"]
     for name in FLOOR_CELLS:
-        row[name]["latency_x_floor"] = row[name]["latency_us"] / floor_us
+        if "latency_us" in row[name]:
+            row[name]["latency_x_floor"] = row[name]["latency_us"] / floor_us
     return row, vllm_reason
 
 
 def _verdicts(rows: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in P2P_CELLS:
-        big = [r[name]["ratio_raw"] for r in rows if r["bytes"] >= BIG_BYTES]
-        small = [r[name]["latency_x_raw"] for r in rows if r["bytes"] <= SMALL_BYTES]
+        got = [r for r in rows if "ratio_raw" in r[name]]
+        big = [r[name]["ratio_raw"] for r in got if r["bytes"] >= BIG_BYTES]
+        small = [r[name]["latency_x_raw"] for r in got if r["bytes"] <= SMALL_BYTES]
         out[name] = {
             "min_ratio_big": min(big) if big else None,
             "throughput_ok": bool(big) and min(big) >= TARGET_RATIO,
@@ -541,11 +563,15 @@ def _verdicts(rows: list[dict[str, Any]]) -> dict[str, Any]:
         }
         if name in FLOOR_CELLS:
             floor = [
-                r[name]["latency_x_floor"] for r in rows if r["bytes"] <= SMALL_BYTES
+                r[name]["latency_x_floor"] for r in got if r["bytes"] <= SMALL_BYTES
             ]
             out[name]["max_latency_x_floor_small"] = max(floor) if floor else None
     for name in FLOOR_CELLS:
-        one = [r[name]["latency_x_floor"] for r in rows if r["num_blocks"] == 1]
+        one = [
+            r[name]["latency_x_floor"]
+            for r in rows
+            if r["num_blocks"] == 1 and "latency_x_floor" in r[name]
+        ]
         out[name]["max_latency_x_floor_one_block"] = max(one) if one else None
         out[name]["one_block_ok"] = bool(one) and max(one) <= TARGET_FLOOR_X
     tcp = statistics.median(r["tcp_rt"]["latency_us"] for r in rows)
@@ -570,28 +596,35 @@ HEADER = (
 )
 
 
+def _v(cell: dict[str, Any], field: str, width: int, digits: int) -> str:
+    """One number of a cell, or ``n/d`` (not driven) in its place."""
+    if field not in cell:
+        return f"{'n/d':>{width}}"
+    return f"{cell[field]:>{width}.{digits}f}"
+
+
 def _line(row: dict[str, Any]) -> str:
     bs, n = row["block_bytes"], row["num_blocks"]
     block = f"{bs // KIB}K" if bs < MIB else f"{bs // MIB}M"
-    rr, sub, e2e, nsub = row["raw_read"], row["submit"], row["e2e"], row["n_submit"]
-    rw, wsub, vl = row["raw_nixl"], row["w_submit"], row["vllm"]
-    isub, pd = row["i_submit"], row["pd_submit"]
-    vcell = (
-        f"{vl['gbps']:>5.2f} {vl['ratio_raw']:>5.2f}"
-        if "gbps" in vl
-        else f"{'n/d':>5} {'':>5}"
-    )
+
+    def gb_us_x(name: str, w: int) -> str:
+        c = row[name]
+        return f"{_v(c, 'gbps', w, 2)} {_v(c, 'latency_us', 7, 1)} {_v(c, 'ratio_raw', 5, 2)}"
+
+    rr, rw, vl = row["raw_read"], row["raw_nixl"], row["vllm"]
+    e2e, isub = row["e2e"], row["i_submit"]
     return (
         f"{block:>6} {n:>4} {row['bytes'] / MIB:>6.2f} | {row['memcpy']['gbps']:>6.2f} | "
         f"{rr['gbps']:>7.2f} {rr['latency_us']:>7.1f} | "
-        f"{sub['gbps']:>8.2f} {sub['latency_us']:>7.1f} {sub['ratio_raw']:>5.2f} | "
-        f"{e2e['gbps']:>8.2f} {e2e['latency_us']:>7.1f} | "
-        f"{nsub['gbps']:>8.2f} {nsub['latency_us']:>7.1f} {nsub['ratio_raw']:>5.2f} | "
-        f"{isub['gbps']:>8.2f} {isub['ratio_raw']:>5.2f} | "
+        f"{gb_us_x('submit', 8)} | "
+        f"{_v(e2e, 'gbps', 8, 2)} {_v(e2e, 'latency_us', 7, 1)} | "
+        f"{gb_us_x('n_submit', 8)} | "
+        f"{_v(isub, 'gbps', 8, 2)} {_v(isub, 'ratio_raw', 5, 2)} | "
         f"{rw['gbps']:>7.2f} {rw['latency_us']:>7.1f} | "
-        f"{wsub['gbps']:>9.2f} {wsub['latency_us']:>7.1f} {wsub['ratio_raw']:>5.2f} | "
-        f"{vcell} | {row['dp']['latency_us']:>6.1f} {row['n_dp']['latency_us']:>7.1f} | "
-        f"{pd['gbps']:>7.2f} {pd['latency_us']:>7.1f} {pd['ratio_raw']:>5.2f} | "
+        f"{gb_us_x('w_submit', 9)} | "
+        f"{_v(vl, 'gbps', 5, 2)} {_v(vl, 'ratio_raw', 5, 2)} | "
+        f"{_v(row['dp'], 'latency_us', 6, 1)} {_v(row['n_dp'], 'latency_us', 7, 1)} | "
+        f"{gb_us_x('pd_submit', 7)} | "
         f"{row['tcp_rt']['latency_us']:>6.1f} {row['ctl_rt']['latency_us']:>6.1f}"
     )
 
@@ -639,6 +672,25 @@ def _print_verdicts(result: dict[str, Any]) -> None:
             )
 
 
+def _between_namespaces(argv: list[str]) -> int:
+    """Run this benchmark again inside one network namespace, its producers
+    in another (:data:`benchmarks.harness.PRODUCER_NETNS_ENV`), UCX over TCP
+    on the veth between them (``tests.support.netns``: a checkout's)."""
+    from tests.support.netns import UCX_ENV, Hosts
+
+    root = Path(__file__).resolve().parent.parent
+    with Hosts(2) as hosts:
+        env = {
+            **os.environ,
+            **UCX_ENV,
+            PRODUCER_NETNS_ENV: hosts.names[0],
+            PRODUCER_HOST_ENV: hosts.addrs[0],
+        }
+        cmd = ["ip", "netns", "exec", hosts.names[1], sys.executable]
+        cmd += ["-m", "benchmarks.transfer", *argv]
+        return subprocess.run(cmd, env=env, cwd=root, check=False).returncode
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print JSON only")
@@ -647,7 +699,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--rounds", type=int, default=0, help="interleaved rounds per cell"
     )
+    parser.add_argument(
+        "--netns",
+        action="store_true",
+        help="consumer and producers in two network namespaces (needs root "
+        "and iproute2): UCX over TCP across a veth pair, as between hosts",
+    )
     args = parser.parse_args(argv)
+    if args.netns and not os.environ.get(PRODUCER_NETNS_ENV):
+        return _between_namespaces(list(sys.argv[1:] if argv is None else argv))
     cells = list(QUICK) if args.quick else [(b, n) for b in SIZES for n in COUNTS]
     base = args.repeats or (8 if args.quick else 20)
     rounds = args.rounds or (1 if args.quick else 3)
@@ -668,7 +728,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("dp = the read's data plane alone (post_read -> completion), us")
     print("tcp rt / ctl rt = a bare TCP socket's / p2p_kv's control-plane round")
     print("trip between two idle processes (benchmarks/round_trip.py), us")
-    print(HEADER)
+    if os.environ.get(PRODUCER_NETNS_ENV):
+        print("between network namespaces: UCX over TCP on a veth pair, the")
+        print("producer at " + producer_host() + " (read and pd: the same-host")
+        print("shortcut still applies, both ends being on this machine)")
+    print(HEADER, flush=True)
     result = run(cells, base, rounds, lambda row: print(_line(row), flush=True))
     _print_verdicts(result)
     return 0
