@@ -56,6 +56,9 @@ CASES += [("vram", "read_ipc"), ("dram", "read_per_run"), ("dram", "read_torch")
 #: ``nixl_read`` with 3 blocks of staging (GPU memory): loads in pieces.
 CASES += [("vram", "nixl_read_pieces"), ("dram", "nixl_read_pieces")]
 STAGING_BLOCKS = {"nixl_read_pieces": 3}
+#: Both peers share a secret, as a fleet runs them: the write path needs
+#: one (a producer loads no NIXL metadata from a peer that did not prove it).
+SECRET = b"p2p_kv-gpu-test"
 #: (producer blocks, consumer slots) of each fetch of the test
 MAPPINGS = [
     ([0], [63]),  # one block, the region's last slot
@@ -115,6 +118,7 @@ def _producer(kind: str, path: str, device: str, conn: Any, stop: Any) -> None:
             engine_id=f"gpu-test-{kind}",
             region=region,
             reads=path != "write",
+            secret=SECRET,
         )
         for slot in range(PRODUCER_BLOCKS):
             peer.pinner.table[_key(slot)] = slot
@@ -177,6 +181,7 @@ def pair(
             reads=path != "write",
             same_host=not path.startswith("nixl_read"),
             read_staging_bytes=STAGING_BLOCKS.get(path, CONSUMER_BLOCKS) * BS,
+            secret=SECRET,
         )
         try:
             yield consumer, msg[1], msg[2], region, path
