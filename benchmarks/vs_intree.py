@@ -35,7 +35,7 @@ import uuid
 from typing import Any
 
 from p2p_kv.adapter.engines import EngineProcess, EngineSpec, free_port
-from p2p_kv.tiny_model import BENCH, TINY, ensure_model
+from p2p_kv.tiny_model import BENCH, TINY, ModelSpec, ensure_model
 
 TIERS = ("intree", "p2p_kv")
 LENGTHS = "32,64,128,256,512,1024,2048,4096"
@@ -45,17 +45,20 @@ SHORT_TOKENS, SHORT_TARGET, LONG_TARGET = 256, 5.0, 3.0
 IDLE_TARGET = 0.05  # of a core
 
 
-def _say(progress: bool, text: str) -> None:
+def say(progress: bool, text: str) -> None:
+    """A progress line on stderr (stdout carries the table or the JSON)."""
     if progress:
         print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
 
 
-def _prompt(vocab: int, length: int, seed: int) -> list[int]:
+def prompt(vocab: int, length: int, seed: int) -> list[int]:
+    """``length`` random token ids: distinct prompts share no block, so a
+    hit can only come from the tier that was given the prompt."""
     rng = random.Random(seed)
     return [rng.randrange(4, vocab) for _ in range(length)]
 
 
-def _median(xs: list[float]) -> float:
+def median(xs: list[float]) -> float:
     s = sorted(xs)
     return s[len(s) // 2] if s else 0.0
 
@@ -72,14 +75,18 @@ def _cpu_s(pid: int) -> float:
     return total
 
 
-def _tier_metric(metrics: dict[str, float], name: str) -> float:
-    """Sum of a tiering metric over the secondary tier (not the primary)."""
+def tier_metric(metrics: dict[str, float], name: str, primary: bool = False) -> float:
+    """Sum of a tiering metric over the secondary tiers (``primary``: of the
+    primary tier, the engine's own host-memory tier, alone)."""
     return sum(
-        v for k, v in metrics.items() if k.startswith(name + "{") and "primary" not in k
+        v
+        for k, v in metrics.items()
+        if k.startswith(name + "{") and ("primary" in k) == primary
     )
 
 
-def _source(kv_id: str, port: int) -> dict[str, Any]:
+def remote_source(kv_id: str, port: int) -> dict[str, Any]:
+    """A request's ``kv_transfer_params`` naming a producer on this host."""
     return {
         "remote_kv_source": {
             "kv_request_id": kv_id,
@@ -89,7 +96,65 @@ def _source(kv_id: str, port: int) -> dict[str, Any]:
     }
 
 
-def _phases(p: dict[str, list[float]], total_ms: float) -> dict[str, float]:
+def tier_spec(
+    tier: str, model: str, name: str, cpu: int, common: dict[str, Any], **options: Any
+) -> EngineSpec:
+    """One engine of a tier's pair, pinned to ``cpu``, with ``options`` more
+    tier config. Build it just before its engine starts: vLLM's in-tree
+    tier needs a port chosen for it (racy), p2p_kv binds one and reports it."""
+    port = free_port() if tier == "intree" else 0
+    cfg = {"host": "127.0.0.1", "port": port, **options}
+    if tier == "intree":
+        kw: dict[str, Any] = {"tier": None, "intree_tier": cfg}
+    else:
+        kw = {"tier": cfg}
+    return EngineSpec(model, name, cpus=[cpu], **kw, **common)
+
+
+def producer_port(a: EngineProcess) -> int:
+    """The port a consumer names in ``remote_source`` to reach ``a``."""
+    if a.spec.intree_tier is not None:
+        return int(a.spec.intree_tier["port"])
+    return a.tier_port
+
+
+def produce(a: EngineProcess, ids: list[int]) -> list[int]:
+    """``a`` computes a prompt (one token) and stores its blocks."""
+    tokens: list[int] = a.generate(ids, max_tokens=1)["tokens"]
+    a.call({"cmd": "idle", "seconds": 0.2})  # A stores its blocks
+    return tokens
+
+
+def hit(
+    b: EngineProcess, ids: list[int], params: dict[str, Any] | None
+) -> dict[str, Any]:
+    """``b`` runs a prompt to its first token, traced: its reply, the time
+    (``ms``), the tiering metrics that changed (``metrics``), and of them
+    the bytes and blocks loaded from a secondary tier (``bytes``,
+    ``blocks``). ``params``: where the KV is (``remote_source``), or None."""
+    before = b.state()["metrics"]
+    out = b.call(
+        {
+            "cmd": "generate",
+            "ids": ids,
+            "params": params,
+            "max_tokens": 1,
+            "trace": True,
+        }
+    )
+    b.call({"cmd": "idle", "seconds": 0.1})  # stats reach the metrics
+    after = b.state()["metrics"]
+    delta = {
+        k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)
+    }
+    out["metrics"] = delta
+    out["bytes"] = int(tier_metric(delta, "vllm:kv_offload_tiering_read_bytes"))
+    out["blocks"] = int(tier_metric(delta, "vllm:kv_offload_tiering_chunk_hits"))
+    out["ms"] = out["elapsed_s"] * 1000
+    return out
+
+
+def phases(p: dict[str, list[float]], total_ms: float) -> dict[str, float]:
     """A hit's time by phase, in ms, from the engine-side timestamps."""
 
     def first(name: str) -> float | None:
@@ -158,13 +223,13 @@ def _recompute(
     idle_s: float,
     progress: bool,
 ) -> dict[str, Any]:
-    _say(progress, "engine with no tier (cpu1): recompute")
+    say(progress, "engine with no tier (cpu1): recompute")
     with EngineProcess(
         EngineSpec(
             model, f"vs-plain-{uuid.uuid4().hex[:6]}", tier="off", cpus=[1], **common
         )
     ) as c:
-        c.generate(_prompt(1000, 64, 1), max_tokens=1)  # warm-up
+        c.generate(prompt(1000, 64, 1), max_tokens=1)  # warm-up
         rows: dict[int, Any] = {}
         for length, batch in prompts.items():
             ms, tokens = [], []
@@ -172,7 +237,7 @@ def _recompute(
                 out = c.generate(ids, max_tokens=1)
                 ms.append(out["elapsed_s"] * 1000)
                 tokens.append(out["tokens"])
-            rows[length] = {"ttft_ms": _median(ms), "tokens": tokens}
+            rows[length] = {"ttft_ms": median(ms), "tokens": tokens}
         t0, cpu0 = time.monotonic(), _cpu_s(c.proc.pid)
         time.sleep(idle_s)
         idle = (_cpu_s(c.proc.pid) - cpu0) / (time.monotonic() - t0)
@@ -192,96 +257,56 @@ def _tier_run(
     tag = uuid.uuid4().hex[:6]
 
     def spec(name: str, cpu: int) -> EngineSpec:
-        # p2p_kv binds a free port and reports it; vLLM's in-tree tier
-        # needs one chosen for it, just before its engine starts.
-        port = free_port() if tier == "intree" else 0
-        cfg = {"host": "127.0.0.1", "port": port}
-        if tier == "intree":
-            kw: dict[str, Any] = {"tier": None, "intree_tier": cfg}
-        else:
-            kw = {"tier": cfg}
-        return EngineSpec(model, f"vs-{tier}-{name}-{tag}", cpus=[cpu], **kw, **common)
+        return tier_spec(tier, model, f"vs-{tier}-{name}-{tag}", cpu, common)
 
-    _say(progress, f"{tier}: starting A (cpu0) and B (cpu1)")
+    say(progress, f"{tier}: starting A (cpu0) and B (cpu1)")
     engines: list[EngineProcess] = []
     try:
         a = EngineProcess(spec("a", 0))
         engines.append(a)
-        if tier == "intree":
-            assert a.spec.intree_tier is not None
-            pa = int(a.spec.intree_tier["port"])
-        else:
-            pa = a.tier_port
+        pa = producer_port(a)
         b = EngineProcess(spec("b", 1))
         engines.append(b)
         n = 0
 
-        def hit(ids: list[int]) -> dict[str, Any]:
+        def remote_hit(ids: list[int]) -> dict[str, Any]:
             nonlocal n
             n += 1
-            before = b.state()["metrics"]
-            out = b.call(
-                {
-                    "cmd": "generate",
-                    "ids": ids,
-                    "params": _source(f"vs-{tag}-{n}", pa),
-                    "max_tokens": 1,
-                    "trace": True,
-                }
-            )
-            b.call({"cmd": "idle", "seconds": 0.1})  # stats reach the metrics
-            after = b.state()["metrics"]
-            out["bytes"] = int(
-                _tier_metric(after, "vllm:kv_offload_tiering_read_bytes")
-                - _tier_metric(before, "vllm:kv_offload_tiering_read_bytes")
-            )
-            out["blocks"] = int(
-                _tier_metric(after, "vllm:kv_offload_tiering_chunk_hits")
-                - _tier_metric(before, "vllm:kv_offload_tiering_chunk_hits")
-            )
-            out["ms"] = out["elapsed_s"] * 1000
-            return out
-
-        def produce(ids: list[int]) -> list[int]:
-            tokens: list[int] = a.generate(ids, max_tokens=1)["tokens"]
-            a.call({"cmd": "idle", "seconds": 0.2})  # A stores its blocks
-            return tokens
+            return hit(b, ids, remote_source(f"vs-{tag}-{n}", pa))
 
         # The first hit opens the session (handshake, NIXL metadata).
-        warm = _prompt(vocab, 256, 77)
-        produce(warm)
-        first = hit(warm)
+        warm = prompt(vocab, 256, 77)
+        produce(a, warm)
+        first = remote_hit(warm)
         rows: dict[int, Any] = {}
         for length, batch in prompts.items():
-            _say(progress, f"{tier}: {length}-token prompts")
+            say(progress, f"{tier}: {length}-token prompts")
             hits, identical = [], True
             for ids, ref in zip(batch, reference[length]["tokens"], strict=True):
-                a_tokens = produce(ids)
-                h = hit(ids)
+                a_tokens = produce(a, ids)
+                h = remote_hit(ids)
                 hits.append(h)
                 identical = identical and h["tokens"] == a_tokens == ref
             rows[length] = {
-                "ttft_ms": _median([h["ms"] for h in hits]),
-                "bytes": int(_median([h["bytes"] for h in hits])),
-                "blocks": int(_median([h["blocks"] for h in hits])),
-                "cached_tokens": int(_median([h["cached"] for h in hits])),
+                "ttft_ms": median([h["ms"] for h in hits]),
+                "bytes": int(median([h["bytes"] for h in hits])),
+                "blocks": int(median([h["blocks"] for h in hits])),
+                "cached_tokens": int(median([h["cached"] for h in hits])),
                 "identical": identical,
                 "phases_ms": {
                     k: round(
-                        _median(
-                            [_phases(h["phases"], h["ms"]).get(k, 0) for h in hits]
-                        ),
+                        median([phases(h["phases"], h["ms"]).get(k, 0) for h in hits]),
                         2,
                     )
-                    for k in _phases(hits[0]["phases"], hits[0]["ms"])
+                    for k in phases(hits[0]["phases"], hits[0]["ms"])
                 },
             }
-        _say(progress, f"{tier}: idle engines ({idle_s:.0f} s)")
+        say(progress, f"{tier}: idle engines ({idle_s:.0f} s)")
         idle = _idle({"A": a, "B": b}, idle_s)
-        after_idle_ids = _prompt(vocab, 256, 78)
-        produce(after_idle_ids)
+        after_idle_ids = prompt(vocab, 256, 78)
+        produce(a, after_idle_ids)
         time.sleep(idle_s)
-        after_idle = hit(after_idle_ids)
+        after_idle = remote_hit(after_idle_ids)
         address = a.info.get("address")
     finally:
         for e in reversed(engines):
@@ -292,7 +317,7 @@ def _tier_run(
             "ttft_ms": round(h["ms"], 1),
             "blocks": h["blocks"],
             "phases_ms": {
-                k: round(v, 2) for k, v in _phases(h["phases"], h["ms"]).items()
+                k: round(v, 2) for k, v in phases(h["phases"], h["ms"]).items()
             },
         }
 
@@ -303,6 +328,18 @@ def _tier_run(
         "idle": idle,
         "address": address,
     }
+
+
+def engine_common(spec: ModelSpec, lengths: list[int]) -> dict[str, Any]:
+    """What every engine of a run shares: the BENCH model in fp32 (its
+    prefill costs real time), room for the longest prompt, and caches that
+    hold a run's prompts without evicting them."""
+    return dict(
+        dtype="float32" if spec is BENCH else "auto",
+        max_model_len=max(4096, max(lengths) + 64),
+        kv_cache_bytes=256 << 20,
+        cpu_bytes=512 << 20,
+    )
 
 
 def run(
@@ -317,14 +354,9 @@ def run(
     spec = BENCH if preset == "bench" else TINY
     lengths = lengths or [int(x) for x in LENGTHS.split(",")]
     model = str(ensure_model(spec))
-    common: dict[str, Any] = dict(
-        dtype="float32" if spec is BENCH else "auto",
-        max_model_len=max(4096, max(lengths) + 64),
-        kv_cache_bytes=256 << 20,
-        cpu_bytes=512 << 20,
-    )
+    common = engine_common(spec, lengths)
     prompts = {
-        n: [_prompt(spec.vocab_size, n, 10_000 * i + r) for r in range(repeats)]
+        n: [prompt(spec.vocab_size, n, 10_000 * i + r) for r in range(repeats)]
         for i, n in enumerate(lengths)
     }
     plain = _recompute(model, common, prompts, idle_s, progress)

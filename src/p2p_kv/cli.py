@@ -20,6 +20,7 @@ BENCHES = (
     "raw_nixl",
     "ttft",
     "vs_intree",
+    "floor",
     "fallback",
     "gpu",
     "waker",

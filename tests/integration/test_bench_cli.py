@@ -230,3 +230,45 @@ def test_vs_intree_says_a_target_of_lengths_not_run_was_not_measured() -> None:
     assert long_only["speedup_vs_intree_ge_5x_up_to_256"] is None
     short = module._targets({"rows": [row(64, 6.0), row(4096, 2.0)], "tiers": tiers})
     assert short["speedup_vs_intree_ge_5x_up_to_256"] is True
+
+
+def test_floor_is_the_primary_hit_plus_the_bytes_at_the_raw_read_rate() -> None:
+    """benchmarks/floor.py's arithmetic and verdicts on made-up samples:
+    the floor, each path's ratio to it, the 1.2x target from 1,024 tokens
+    (a ratio of exactly 1.2 meets it), vLLM's tier shown without a verdict,
+    and a primary-tier sample whose proof failed failing the row."""
+    from benchmarks import floor
+
+    def sample(ms: float, **extra: Any) -> dict[str, Any]:
+        return {
+            "ms": ms,
+            "bytes": 32 << 19,
+            "blocks": 32,
+            "cached": 1024,
+            "tokens": [7],
+            "phases": {},
+            "metrics": {},
+        } | extra
+
+    s = floor._Samples()
+    s.primary = [sample(10.0), sample(12.0), sample(10.0)]
+    s.proofs = [{"ok": True}] * 3
+    s.raw = [{"gbps": (32 << 19) / 1e6, "descriptors": 32}] * 3  # 1 ms READ
+    s.hits = {
+        "nixl": [sample(13.2)],
+        "same_host": [sample(13.3)],
+        "intree": [sample(40.0)],
+    }
+    row = floor._row(1024, s)
+    assert row["primary_ms"] == 10.0 and row["read_ms"] == pytest.approx(1.0)
+    assert row["floor_ms"] == pytest.approx(11.0)
+    paths = row["paths"]
+    assert paths["nixl"]["ratio"] == pytest.approx(1.2)
+    assert paths["nixl"]["target_met"] is True
+    assert paths["same_host"]["target_met"] is False
+    assert paths["intree"]["target_met"] is None
+    assert floor._targets([row]) == {"nixl": True, "same_host": False}
+    assert all(row["checks"].values()), row["checks"]
+    assert floor._targets([floor._row(512, s)]) == {"nixl": None, "same_host": None}
+    s.proofs = [{"ok": True}, {"ok": False}, {"ok": True}]
+    assert floor._row(1024, s)["checks"]["primary_hit_from_primary_tier"] is False
