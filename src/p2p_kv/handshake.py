@@ -34,9 +34,9 @@ are used, from the standard library and ``cryptography``:
   not open. The secret's other uses (the proof, keyed hashes) are HMACs
   with distinct fixed labels, never a key or salt of HKDF.
 * **Frames** (:class:`FrameKeys`): every frame after the handshake is
-  sealed with ChaCha20-Poly1305 (RFC 8439, an AEAD: the frame is encrypted,
-  not only authenticated). The sealed frame is the byte :data:`SEALED`
-  followed by ciphertext and the 16-byte Poly1305 tag. The 96-bit AEAD
+  sealed with AES-256-GCM (NIST SP 800-38D, an AEAD: the frame is
+  encrypted, not only authenticated). The sealed frame is the byte
+  :data:`SEALED` followed by ciphertext and the 16-byte GCM tag. The 96-bit AEAD
   nonce is the count of frames sealed so far in that direction (12 bytes,
   little-endian): under one key it never repeats, and it is not sent, so a
   replayed, dropped or reordered frame is opened under the wrong nonce and
@@ -65,7 +65,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.hashes import SHA256
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
@@ -80,7 +80,11 @@ _FRAME_KEY_INFO = b"p2p_kv/frame-key/v1 from "
 #: can never be taken for a plain one or the other way round.
 SEALED: Final = 0xC1
 _MARKER: Final = bytes([SEALED])
-#: ChaCha20-Poly1305's key, nonce and tag sizes.
+#: AES-256-GCM's key, nonce and tag sizes. AES-GCM rather than
+#: ChaCha20-Poly1305: every server CPU a vLLM fleet runs on has AES and
+#: carry-less multiply instructions, with which OpenSSL seals and opens a
+#: 100-byte frame in 1.8 us against ChaCha20-Poly1305's 4.4 us, and 1 MiB in
+#: 0.29 ms against 0.85 ms (``docs/architecture.md``, "Control plane").
 _KEY_BYTES: Final = 32
 _NONCE_BYTES: Final = 12
 _TAG_BYTES: Final = 16
@@ -230,7 +234,7 @@ class FrameKeys:
     send, ``into`` opens what we get), and the count of frames sealed and
     opened each way, which is each direction's AEAD nonce.
 
-    A sealed frame is ``SEALED`` + ChaCha20-Poly1305(key, nonce=count,
+    A sealed frame is ``SEALED`` + AES-256-GCM(key, nonce=count,
     plaintext=frame, associated data=``SEALED``). The marker byte is the
     associated data so that the tag covers every byte on the wire: nothing
     of a sealed frame is outside its seal, and the marker cannot be
@@ -244,15 +248,15 @@ class FrameKeys:
     into: bytes = field(repr=False)
     sent: int = 0
     received: int = 0
-    _seal: ChaCha20Poly1305 = field(init=False, repr=False, compare=False)
-    _open: ChaCha20Poly1305 = field(init=False, repr=False, compare=False)
+    _seal: AESGCM = field(init=False, repr=False, compare=False)
+    _open: AESGCM = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        self._seal = ChaCha20Poly1305(self.out)
-        self._open = ChaCha20Poly1305(self.into)
+        self._seal = AESGCM(self.out)
+        self._open = AESGCM(self.into)
 
     def seal(self, frame: bytes) -> bytes:
-        nonce = _nonce(self.sent)
+        nonce = self.sent.to_bytes(_NONCE_BYTES, "little")  # raises past 2**96
         self.sent += 1
         return _MARKER + self._seal.encrypt(nonce, frame, _MARKER)
 
@@ -261,7 +265,9 @@ class FrameKeys:
             raise FrameRefused("a plain frame where a sealed one was due")
         try:
             plain = self._open.decrypt(
-                _nonce(self.received), memoryview(frame)[1:], _MARKER
+                self.received.to_bytes(_NONCE_BYTES, "little"),
+                memoryview(frame)[1:],
+                _MARKER,
             )
         except InvalidTag:
             raise FrameRefused(
@@ -288,9 +294,3 @@ def frame_keys(secret: bytes | None, mine: Hello, theirs: Hello) -> FrameKeys | 
         ).derive(secret)
 
     return FrameKeys(out=direction(mine.nonce), into=direction(theirs.nonce))
-
-
-def _nonce(count: int) -> bytes:
-    """The AEAD nonce of a direction's ``count``-th frame. Past 2**96
-    frames ``to_bytes`` raises rather than wrap (unreachable in practice)."""
-    return count.to_bytes(_NONCE_BYTES, "little")

@@ -20,7 +20,7 @@ from typing import Annotated, Final, get_args
 
 import msgspec
 
-PROTOCOL_VERSION: Final = 6
+PROTOCOL_VERSION: Final = 7
 
 #: Largest frame accepted from a peer. A lookup of 65,536 keys of 36 bytes
 #: is about 2.5 MiB, so 4 MiB fits the largest legal message with room.
