@@ -306,14 +306,17 @@ class ControlTransport:
             return "no such connection"
         if c.dead:
             return c.dead
-        size = wire_size(frames)
+        size = HEADER + len(frames[0]) if len(frames) == 1 else wire_size(frames)
         if c.out_bytes + size > MAX_OUT_BYTES:
             self.counters["send_overflows"] += 1
             return f"more than {MAX_OUT_BYTES} bytes queued: the peer stopped reading"
         why = c.send(frames, size)
         if why:
             self._kill(c, why)
-        else:
+        elif c.out or c.mask != _IN:
+            # Something stayed queued, or the mask is not the idle one:
+            # register what it waits for now. (Input only, all written: the
+            # mask stands, as the buffer it depends on is not touched here.)
             self._update(c)
         return c.dead
 
@@ -329,24 +332,34 @@ class ControlTransport:
         """Everything that arrived, up to the per-poll bounds; waits up to
         ``timeout_s`` if nothing has."""
         out: list[Inbound] = []
-        now = self._clock()
         listener = self._listener
         listen_fd = -1 if listener is None else listener.fd
-        if listener is not None:
-            listener.resume(now)
         wait_s = 0.0 if self._backlog or not self._resolved.empty() else timeout_s
         if listener is not None and listener.paused_until:
-            wait_s = min(wait_s, listener.paused_until - now)
+            now = self._clock()
+            listener.resume(now)
+            if listener.paused_until:
+                wait_s = min(wait_s, listener.paused_until - now)
         if self._lingering:
             wait_s = min(wait_s, CLOSE_LINGER_S)
         try:
             ready = self._poller.poll(max(0, math.ceil(wait_s * 1000)))
         except InterruptedError:
             ready = []
+        if len(ready) == 1 and not self._lingering and not self._backlog:
+            # The usual wake-up: one frame on one proven connection. Taken
+            # in one read; anything else falls through to the general path.
+            fd, ev = ready[0]
+            c = self._by_fd.get(fd)
+            if c is not None and ev == _IN and c.trusted and not c.rbuf and not c.dead:
+                got = c.read_one(self._chunk)
+                if got is not None:
+                    return [got]
         if self._lingering:
             self._linger(ready)
         readable: dict[Conn, bool] = {}  # -> hung up
         accept = False
+        by_fd = self._by_fd
         for fd, ev in ready:
             if fd == self._wake_r:
                 self._woken = True
@@ -356,7 +369,7 @@ class ControlTransport:
             if fd == listen_fd:
                 accept = True
                 continue
-            c = self._by_fd.get(fd)
+            c = by_fd.get(fd)
             if c is None or c.dead:
                 continue
             if c.connecting:
@@ -373,8 +386,9 @@ class ControlTransport:
             elif ev & _OUT:
                 self._flush(c)
             if ev & (_IN | _GONE) and not c.dead:
-                readable[c] = bool(ev & _GONE)
-            self._update(c)
+                readable[c] = bool(ev & _GONE)  # _read registers its mask
+            else:
+                self._update(c)
         while not self._resolved.empty():
             peer, result = self._resolved.get_nowait()
             c = self._conns.get(peer)
@@ -390,22 +404,29 @@ class ControlTransport:
         for c in self._backlog:
             readable.setdefault(c, False)
         budget = MAX_BYTES_PER_POLL
-        for c in sorted(readable, key=lambda c: (c.inbound, not c.trusted)):
+        order = (
+            readable
+            if len(readable) < 2
+            else sorted(readable, key=lambda c: (c.inbound, not c.trusted))
+        )
+        for c in order:
             if c.dead:
                 continue
             share = budget if c.inbound else min(budget, MAX_BYTES_PER_POLL // 4)
             budget -= self._read(c, share, readable[c], out)
         if accept and listener is not None:
             self._accept(listener, out)
-        for c in [c for c in self._backlog if c.dead]:
-            out.append(Inbound(c.name, b"", lost=True, why=c.dead, bad=c.bad))
-            self._backlog.discard(c)
+        if self._backlog:
+            for c in [c for c in self._backlog if c.dead]:
+                out.append(Inbound(c.name, b"", lost=True, why=c.dead, bad=c.bad))
+                self._backlog.discard(c)
         return out
 
     def _read(self, c: Conn, budget: int, gone: bool, out: list[Inbound]) -> int:
         """Take ``c``'s frames into ``out``; the bytes read. ``gone``: the
         poll said the connection hung up or failed."""
-        self._backlog.discard(c)
+        if self._backlog:
+            self._backlog.discard(c)
         used, eof = c.fill(self._chunk, budget, gone)
         try:
             more = c.frames(out)
@@ -417,7 +438,9 @@ class ControlTransport:
             self._backlog.add(c)
         elif eof:
             self._kill(c, eof)
-        self._update(c)
+        if c.rbuf or c.out or c.mask != _IN:
+            # (All read, nothing queued, waiting for input: the mask stands.)
+            self._update(c)
         return used
 
     def _accept(self, listener: Listener, out: list[Inbound]) -> None:

@@ -20,7 +20,7 @@ import select
 import socket
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, NamedTuple
 
 from p2p_kv.protocol import MAX_FRAME_BYTES, MAX_GREETING_BYTES
 
@@ -54,12 +54,13 @@ LOST = "connection lost"
 _IN, _OUT = select.POLLIN, select.POLLOUT
 
 
-@dataclass(frozen=True, slots=True)
-class Inbound:
+class Inbound(NamedTuple):
     """What a poll saw on one connection: a frame; ``new``, an inbound
     connection accepted (no frame); or ``lost``, the connection went down
     (no frame), ``why`` saying how, ``bad`` set when it was ended for
-    breaking the framing (a frame too large for its state)."""
+    breaking the framing (a frame too large for its state). A named tuple:
+    one is made per frame, and a frozen dataclass costs several times as
+    much to make."""
 
     conn: str
     frame: bytes
@@ -117,7 +118,8 @@ class Conn:
         if self.connecting:
             return _OUT
         mask = 0
-        if len(self.rbuf) < self.cap + HEADER:
+        cap = MAX_WIRE_FRAME if self.trusted else MAX_UNTRUSTED_FRAME
+        if len(self.rbuf) < cap + HEADER:
             mask |= _IN
         if self.out:
             mask |= _OUT
@@ -142,9 +144,12 @@ class Conn:
         if not self.out and sock is not None and not self.connecting and size <= _JOIN:
             # Nothing queued ahead (the usual case, a lookup or a reply):
             # one buffer, one send.
-            buf = b"".join(
-                part for f in frames for part in (len(f).to_bytes(HEADER, "big"), f)
-            )
+            if len(frames) == 1:
+                buf = len(frames[0]).to_bytes(HEADER, "big") + frames[0]
+            else:
+                buf = b"".join(
+                    part for f in frames for part in (len(f).to_bytes(HEADER, "big"), f)
+                )
             try:
                 sent = sock.send(buf)
             except (BlockingIOError, InterruptedError):
@@ -188,6 +193,26 @@ class Conn:
 
     # -- input ---------------------------------------------------------------
 
+    def read_one(self, chunk: memoryview) -> Inbound | None:
+        """One read into ``chunk`` with nothing buffered: the frame, if the
+        read was exactly one whole frame (a request or its reply, the usual
+        case); else None, with what was read buffered (or the connection
+        marked lost) for :meth:`fill` and :meth:`frames` to go on with."""
+        sock = self.sock
+        if sock is None or self.connecting:
+            return None
+        try:
+            got = sock.recv_into(chunk, min(len(chunk), self.cap + HEADER))
+        except (BlockingIOError, InterruptedError):
+            return None
+        except OSError:
+            return None  # fill's next read says why
+        if got > HEADER and int.from_bytes(chunk[:HEADER], "big") == got - HEADER:
+            return Inbound(self.name, bytes(chunk[HEADER:got]))
+        if got:
+            self.rbuf += chunk[:got]
+        return None
+
     def fill(self, chunk: memoryview, budget: int, gone: bool) -> tuple[int, str]:
         """Read up to ``budget`` bytes, never past the room its largest
         frame leaves in the buffer, through ``chunk`` (a buffer the
@@ -195,9 +220,9 @@ class Conn:
         bytes read and, if the connection ended, why. ``gone``: the poll
         said it hung up or failed, so a full buffer ends it too."""
         used = 0
-        sock = self.sock
+        sock, most = self.sock, self.cap + HEADER
         while sock is not None and used < budget:
-            room = self.cap + HEADER - len(self.rbuf)
+            room = most - len(self.rbuf)
             if room <= 0:
                 if gone:  # nothing more can come, and it cannot be read
                     return used, LOST
@@ -225,6 +250,12 @@ class Conn:
         buffered, unread, until trust or the handshake deadline."""
         buf, pos, end, taken = self.rbuf, 0, len(self.rbuf), 0
         name, cap = self.name, self.cap
+        if end > HEADER and int.from_bytes(buf[:HEADER], "big") == end - HEADER <= cap:
+            # Exactly one whole frame buffered (the usual case: a request
+            # or its reply, read at once).
+            out.append(Inbound(name, bytes(buf[HEADER:])))
+            buf.clear()
+            return False
         try:
             while end - pos >= HEADER:
                 size = int.from_bytes(buf[pos : pos + HEADER], "big")
