@@ -5,14 +5,20 @@ producer is between lookups:
 
 * **bare TCP**: a blocking Python socket that sends back the 64 bytes it
   reads (``TCP_NODELAY``), the floor of any control plane over TCP;
+* **least Python**: what any control plane written in Python with sealed
+  frames pays at the least: the same 64 bytes sealed with AES-256-GCM,
+  length-prefixed, one ``poll``, one ``recv_into`` and one ``send`` a
+  side, and none of the bounds, tables or checks a transport facing the
+  network needs. It splits p2p_kv's ratio into the language and cipher's
+  share and our transport's;
 * **p2p_kv**: a :class:`p2p_kv.control.ControlTransport` (the runtime's
   transport: non-blocking sockets, ``poll``, length-prefixed frames) whose
   frames are sealed and opened with the session's AEAD
-  (:class:`p2p_kv.handshake.FrameKeys`, ChaCha20-Poly1305) on both ends, as
+  (:class:`p2p_kv.handshake.FrameKeys`, AES-256-GCM) on both ends, as
   a session with a secret seals every frame. The client here waits the way
   an engine's runtime does (``poll`` on the transport).
 
-Both carry a 64-byte message, about a one-key Lookup. Between trips both
+All carry a 64-byte message, about a one-key Lookup. Between trips both
 sides sleep ``GAP_S`` so that each trip starts from idle, as a lookup does
 (a busy loop of trips keeps both processes awake and measures less than
 any lookup can take).
@@ -85,6 +91,61 @@ def _control_echo(out: Any, stop: Any) -> None:
         transport.close()
 
 
+class _LeastPython:
+    """One end of the least-Python baseline: sealed, length-prefixed frames
+    over a non-blocking socket, one poll, one read and one write each."""
+
+    def __init__(self, sock: socket.socket, out: bytes, into: bytes) -> None:
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setblocking(False)
+        self._sock, self._poll = sock, select.poll()
+        self._poll.register(sock, select.POLLIN)
+        self._buf = memoryview(bytearray(65536))
+        self._seal, self._open = AESGCM(out), AESGCM(into)
+        self._sent = self._got = 0
+
+    def send(self, message: bytes) -> None:
+        nonce = self._sent.to_bytes(12, "little")
+        self._sent += 1
+        frame = b"\xc1" + self._seal.encrypt(nonce, message, b"\xc1")
+        self._sock.send(len(frame).to_bytes(4, "big") + frame)
+
+    def recv(self, timeout_ms: int) -> bytes | None:
+        """The next frame, opened; None if none came in time. (Assumes one
+        read holds one whole frame, as it does for 64 bytes on loopback.)"""
+        if not self._poll.poll(timeout_ms):
+            return None
+        n = self._sock.recv_into(self._buf)
+        if n == 0:
+            raise EOFError
+        nonce = self._got.to_bytes(12, "little")
+        self._got += 1
+        return self._open.decrypt(nonce, self._buf[5:n], b"\xc1")
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+def _least_python_echo(out: Any, stop: Any) -> None:
+    listener = socket.create_server((producer_host(), 0))
+    try:
+        out.put(("ready", listener.getsockname()[1]))
+        conn, _ = listener.accept()
+        end = _LeastPython(conn, out=_KEY_B, into=_KEY_A)
+        while not stop.is_set():
+            got = end.recv(100)
+            if got is not None:
+                end.send(got)
+    except EOFError:
+        pass
+    except BaseException:
+        out.put(("error", traceback.format_exc()))
+    finally:
+        listener.close()
+
+
 def _summary(seconds: list[float]) -> dict[str, Any]:
     ordered = sorted(seconds)
     return {
@@ -118,6 +179,30 @@ class TcpRoundTrip:
 
     def close(self) -> None:
         self._sock.close()
+        self._echo.close()
+
+
+class LeastPythonRoundTrip:
+    """The least-Python baseline here and its echo in another process."""
+
+    def __init__(self) -> None:
+        self._echo = ProducerProcess(_least_python_echo, timeout_s=_TIMEOUT_S)
+        (port,) = self._echo.ready
+        sock = socket.create_connection((producer_host(), port))
+        self._end = _LeastPython(sock, out=_KEY_A, into=_KEY_B)
+
+    def trip(self) -> float:
+        t0 = time.perf_counter()
+        self._end.send(MESSAGE)
+        got = None
+        while got is None:
+            got = self._end.recv(int(_TIMEOUT_S * 1000))
+        if got != MESSAGE:
+            raise AssertionError("the least-Python echo answered other bytes")
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self._end.close()
         self._echo.close()
 
 
@@ -157,32 +242,42 @@ class ControlRoundTrip:
 
 
 class RoundTrips:
-    """Both round trips, each against its own echo process."""
+    """The three round trips, each against its own echo process."""
 
     def __init__(self) -> None:
         self.tcp = TcpRoundTrip()
         try:
-            self.ours = ControlRoundTrip()
+            self.python = LeastPythonRoundTrip()
         except BaseException:
             self.tcp.close()
             raise
+        try:
+            self.ours = ControlRoundTrip()
+        except BaseException:
+            self.tcp.close()
+            self.python.close()
+            raise
         for _ in range(5):  # warm-ups: the connections' first trips
             self.tcp.trip()
+            self.python.trip()
             self.ours.trip()
 
     def measure(self, trips: int) -> dict[str, dict[str, Any]]:
         """``trips`` of each, interleaved trip by trip (the machine's noise
         falls on both alike), each from idle."""
-        samples: dict[str, list[float]] = {"tcp": [], "p2p_kv": []}
+        samples: dict[str, list[float]] = {"tcp": [], "python": [], "p2p_kv": []}
         for _ in range(trips):
             time.sleep(GAP_S)
             samples["tcp"].append(self.tcp.trip())
+            time.sleep(GAP_S)
+            samples["python"].append(self.python.trip())
             time.sleep(GAP_S)
             samples["p2p_kv"].append(self.ours.trip())
         return {name: _summary(s) for name, s in samples.items()}
 
     def close(self) -> None:
         self.tcp.close()
+        self.python.close()
         self.ours.close()
 
 
@@ -197,6 +292,8 @@ def measure(trips: int) -> dict[str, Any]:
     return {
         **out,
         "ratio": ratio,
+        "python_x_tcp": out["python"]["median_us"] / out["tcp"]["median_us"],
+        "x_python": out["p2p_kv"]["median_us"] / out["python"]["median_us"],
         "target_x": TARGET_X,
         "met": ratio <= TARGET_X,
         "cpus": os.cpu_count(),
@@ -212,10 +309,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    tcp, ours = result["tcp"], result["p2p_kv"]
+    tcp, py, ours = result["tcp"], result["python"], result["p2p_kv"]
     print("round trip of a 64-byte message between two idle processes, us")
     print(
         f"bare TCP socket     median {tcp['median_us']:7.1f}  p90 {tcp['p90_us']:7.1f}"
+    )
+    print(
+        f"least Python        median {py['median_us']:7.1f}  p90 {py['p90_us']:7.1f}"
+        f"  (sealed, one poll/read/write a side: {result['python_x_tcp']:.2f}x TCP)"
     )
     print(
         f"p2p_kv control      median {ours['median_us']:7.1f}  p90 {ours['p90_us']:7.1f}"
@@ -223,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"ratio {result['ratio']:.2f}x bare TCP (target <= {TARGET_X}x): "
-        f"{met(result['met'])}"
+        f"{met(result['met'])}; {result['x_python']:.2f}x the least Python"
     )
     return 0
 

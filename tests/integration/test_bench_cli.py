@@ -128,8 +128,15 @@ def test_the_transfer_benchmark_between_namespaces_takes_the_remote_paths(
 def test_the_round_trip_benchmark_compares_with_a_bare_socket(tmp_path: Path) -> None:
     result = _bench_json(tmp_path, "round_trip", "--trips", "50")
     assert result["tcp"]["trips"] == result["p2p_kv"]["trips"] == 50
+    assert result["python"]["trips"] == 50
     assert result["ratio"] == pytest.approx(
         result["p2p_kv"]["median_us"] / result["tcp"]["median_us"]
+    )
+    assert result["x_python"] == pytest.approx(
+        result["p2p_kv"]["median_us"] / result["python"]["median_us"]
+    )
+    assert result["python_x_tcp"] == pytest.approx(
+        result["python"]["median_us"] / result["tcp"]["median_us"]
     )
 
 
