@@ -40,10 +40,13 @@ site-packages (``bin/``) get their first line(s) rebuilt for the target's
 interpreter, exactly as pip would write them, and RECORD is rewritten with
 their new hashes. A distribution .venv got as a mere dependency gets the
 REQUESTED marker pip gives what it is asked for: every pin given here is
-one (the Makefile passes pip the same pins). The ``.pyc`` files pip
-compiled name the source venv's paths in ``co_filename``; they are linked
-anyway, as Python sets ``co_filename`` to the module's real path when it
-loads a ``.pyc`` next to its source.
+one (the Makefile passes pip the same pins). This is the one difference
+from an unseeded compat venv besides ``.pyc`` bytes: torch's own
+dependencies (filelock, sympy, ...) lacked REQUESTED there, as the
+Makefile's ``pip install torch`` pulls them in before the pinned list
+names them. The ``.pyc`` files pip compiled name the source venv's paths
+in ``co_filename``; they are linked anyway, as Python sets ``co_filename``
+to the module's real path when it loads a ``.pyc`` next to its source.
 
 Links that fail (another file system, too many links) fall back to copies.
 
