@@ -30,6 +30,7 @@ socket's. Run: ``p2p-kv bench round_trip [--json] [--trips N]``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import select
@@ -245,18 +246,13 @@ class RoundTrips:
     """The three round trips, each against its own echo process."""
 
     def __init__(self) -> None:
-        self.tcp = TcpRoundTrip()
-        try:
+        with contextlib.ExitStack() as undo:  # closes those made if one fails
+            self.tcp = TcpRoundTrip()
+            undo.callback(self.tcp.close)
             self.python = LeastPythonRoundTrip()
-        except BaseException:
-            self.tcp.close()
-            raise
-        try:
+            undo.callback(self.python.close)
             self.ours = ControlRoundTrip()
-        except BaseException:
-            self.tcp.close()
-            self.python.close()
-            raise
+            undo.pop_all()
         for _ in range(5):  # warm-ups: the connections' first trips
             self.tcp.trip()
             self.python.trip()
