@@ -84,15 +84,41 @@ def test_copy_out_by_runs_matches_row_by_row(n: int) -> None:
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
-def test_stripes_cover_every_run_once_in_about_equal_parts(k: int) -> None:
-    runs = [(0, 10, 5), (7, 30, 1), (9, 40, 6)]  # 12 blocks
-    parts = staged._stripes(runs, k)
+def test_stripes_cover_every_segment_once_in_about_equal_parts(k: int) -> None:
+    segments = [  # 12 blocks
+        (0, np.array([10, 12, 14, 16, 18])),
+        (7, np.array([30])),
+        (9, np.array([40, 41, 42, 43, 44, 45])),
+    ]
+    parts = staged._stripes(segments, k)
     assert len(parts) <= k
-    sizes = [sum(n for _, _, n in p) for p in parts]
+    sizes = [sum(int(slots.size) for _, slots in p) for p in parts]
     assert sum(sizes) == 12 and max(sizes) - min(sizes) <= -(-12 // k)
-    blocks = sorted((s + i, d + i) for p in parts for s, d, n in p for i in range(n))
-    want = sorted((s + i, d + i) for s, d, n in runs for i in range(n))
-    assert blocks == want
+    got = sorted(
+        (s + i, int(d)) for p in parts for s, sl in p for i, d in enumerate(sl)
+    )
+    want = sorted((s + i, int(d)) for s, sl in segments for i, d in enumerate(sl))
+    assert got == want
+
+
+@pytest.mark.parametrize(
+    ("stage", "cut"),
+    [
+        ([4, 5, 6, 7], [4]),  # one run, whatever the slots
+        ([3], [3]),
+        ([0, 1, 5, 6, 2], [0, 5, 2]),  # cut where the run breaks
+        ([7, 6, 5], [7, 6, 5]),  # descending: a segment a block
+        ([2, 0, 1, 3], [2, 0, 3]),  # same span as a run, not in order: not one
+    ],
+)
+def test_segments_are_the_runs_of_staging_blocks(
+    stage: list[int], cut: list[int]
+) -> None:
+    slots = np.arange(100, 100 + len(stage), dtype=np.int64)[::-1].copy()
+    segments = staged._segments(np.array(stage, dtype=np.int64), slots)
+    assert [start for start, _ in segments] == cut
+    pairs = [(s + i, int(d)) for s, sl in segments for i, d in enumerate(sl)]
+    assert pairs == list(zip(stage, slots.tolist(), strict=True))
 
 
 def test_a_large_piece_is_copied_on_the_threads_and_lands_row_by_row() -> None:
@@ -143,5 +169,25 @@ def test_a_stripe_that_fails_is_the_copys_error_and_the_threads_go_on() -> None:
         assert isinstance(err, OSError) and "bad address" in str(err)
         ok = threads.run([lambda: done.append(2), lambda: done.append(3)])
         assert ok.wait() is None and sorted(done) == [1, 2, 3]
+    finally:
+        threads.close()
+
+
+def test_a_caller_that_waits_copies_the_stripes_no_thread_has_taken() -> None:
+    """The last piece of a load overlaps nothing: the engine's thread, which
+    would only wait, copies what is still queued instead of waiting for a
+    copy thread to wake (or, as here, to come free)."""
+    threads = CopyThreads(1)
+    taken, release = threading.Event(), threading.Event()
+    ran_on: list[str] = []
+    try:
+        busy = threads.run([lambda: taken.set() or release.wait(5) or None])
+        assert taken.wait(5)  # the only thread is busy with that one
+        queued = threads.run(
+            [lambda: (ran_on.append(threading.current_thread().name), release.set())]
+        )
+        assert queued.wait() is None and queued.done()
+        assert ran_on[-1] == threading.current_thread().name  # the caller copied it
+        assert busy.wait() is None
     finally:
         threads.close()

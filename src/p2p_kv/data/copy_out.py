@@ -41,15 +41,22 @@ INLINE_COPY_BYTES: Final = 1 << 20
 class Copying:
     """One piece's copy, in stripes running on :class:`CopyThreads`."""
 
-    def __init__(self, stripes: list[Future[None]]) -> None:
+    def __init__(
+        self, stripes: list[Future[None]], help_out: Callable[[], None]
+    ) -> None:
         self._stripes = stripes
+        self._help_out = help_out
 
     def done(self) -> bool:
         return all(f.done() for f in self._stripes)
 
     def wait(self) -> BaseException | None:
         """Until every stripe has ended (a copy at memory speed: bounded by
-        the piece's bytes); the first stripe's error, if any failed."""
+        the piece's bytes); the first stripe's error, if any failed. A
+        caller that has to wait copies the stripes no thread has taken yet
+        itself (:meth:`CopyThreads.help_out`)."""
+        if not self.done():
+            self._help_out()
         wait(self._stripes)
         for f in self._stripes:
             if f.exception() is not None:
@@ -82,7 +89,7 @@ class CopyThreads:
                 t.start()
                 self._started.append(t)
         futures: list[Future[None]] = [Future() for _ in stripes]
-        copying = Copying(futures)
+        copying = Copying(futures, self.help_out)
         wake = self.wake
         if wake is not None:
 
@@ -96,15 +103,34 @@ class CopyThreads:
             self._work.put((stripe, f))
         return copying
 
+    def help_out(self) -> None:
+        """Copy, on the calling thread, the stripes still queued. Only a
+        caller with nothing else to do calls it (it waits for the copies):
+        the last piece of a load has nothing to overlap, and a thread that
+        must wake first started 100-200 us late on a 2-core machine and
+        left its stripe to a busy neighbour."""
+        while True:
+            try:
+                item = self._work.get_nowait()
+            except queue.Empty:
+                return
+            if item is None:  # close() is ending a thread: leave it to one
+                self._work.put(None)
+                return
+            self._do(*item)
+
     def _serve(self) -> None:
         while (item := self._work.get()) is not None:
-            stripe, future = item
-            try:
-                stripe()
-            except BaseException as exc:  # the piece fails, the thread goes on
-                future.set_exception(exc)
-            else:
-                future.set_result(None)
+            self._do(*item)
+
+    @staticmethod
+    def _do(stripe: Callable[[], None], future: Future[None]) -> None:
+        try:
+            stripe()
+        except BaseException as exc:  # the piece fails, the thread goes on
+            future.set_exception(exc)
+        else:
+            future.set_result(None)
 
     def close(self) -> None:
         """Wait for the copies still running, then end the threads."""

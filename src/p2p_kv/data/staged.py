@@ -21,7 +21,9 @@ rest, one block at least each). A load moves in pieces of at most
 :data:`PIECE_BYTES` (and a quarter of the peer's share), up to
 :data:`PIECES_IN_FLIGHT` at once: each is copied out on the copy threads
 (:mod:`p2p_kv.data.copy_out`) as soon as it lands, while the next ones
-run, so the copy adds only the last piece's to the READ's time.
+run, so the copy adds only the last piece's to the READ's time; the
+pieces shrink toward the end (:data:`TAIL_PIECE_BYTES`) to keep that
+short, and the caller copies beside the threads while it waits for it.
 
 :class:`StagingPool` is the allocator (pure); :class:`StagingMemory` owns
 the bytes and the copy out of them; :class:`Staging` runs the READs
@@ -32,9 +34,10 @@ keeps the ones given up on (zombies) until UCX ends them. The transport
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import functools
-import heapq
+import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -48,7 +51,7 @@ from p2p_kv.data.copy_out import INLINE_COPY_BYTES, Copying, CopyThreads
 from p2p_kv.data.regions import MEM_VRAM, Peer, RegionSpan
 from p2p_kv.data.shm_copy import shared_region
 from p2p_kv.data.transfer import release_quietly
-from p2p_kv.plan import coalesce, plan_write
+from p2p_kv.plan import plan_write
 from p2p_kv.ratelog import PeerLog
 
 __all__ = [
@@ -56,6 +59,7 @@ __all__ = [
     "PEER_STAGING_SHARE",
     "PIECES_IN_FLIGHT",
     "PIECE_BYTES",
+    "TAIL_PIECE_BYTES",
     "StagedRead",
     "Staging",
     "StagingMemory",
@@ -72,16 +76,16 @@ Blocks = npt.NDArray[np.int64]
 
 
 class StagingPool:
-    """Which staging blocks are free. Blocks are handed out lowest first,
-    so a piece's blocks are mostly one run (one descriptor). A heap: a
-    one-block take and give cost about 2 us (a numpy scan of 1,024 flags
-    cost 10)."""
+    """Which staging blocks are free: a sorted list, so blocks go lowest
+    first (a piece's blocks are then mostly one run: one descriptor, one
+    copy) and a take of any size is one slice of its head. (Popping a heap
+    block by block cost about 30 us for a 64-block piece here.)"""
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks <= 0:
             raise ValueError(f"a staging pool needs blocks, got {num_blocks}")
         self._size = num_blocks
-        self._heap = list(range(num_blocks))  # sorted: already a heap
+        self._free = list(range(num_blocks))
         self._taken = bytearray(num_blocks)
 
     @property
@@ -90,12 +94,14 @@ class StagingPool:
 
     @property
     def free(self) -> int:
-        return len(self._heap)
+        return len(self._free)
 
     def take(self, want: int) -> Blocks:
         """Up to ``want`` free blocks, ascending (none when all are taken)."""
-        heap, taken = self._heap, self._taken
-        got = [heapq.heappop(heap) for _ in range(min(max(want, 0), len(heap)))]
+        free, taken = self._free, self._taken
+        n = min(max(want, 0), len(free))
+        got = free[:n]
+        del free[:n]
         for b in got:
             taken[b] = 1
         return np.array(got, dtype=np.int64)
@@ -103,28 +109,42 @@ class StagingPool:
     def give(self, blocks: Blocks) -> None:
         """Return blocks; one not taken is a bug in the caller."""
         items = blocks.tolist()
-        taken = self._taken
+        taken, free = self._taken, self._free
         if not all(taken[b] for b in items) or len(set(items)) != len(items):
             raise ValueError(f"staging blocks {items} were not taken")
         for b in items:
             taken[b] = 0
-            heapq.heappush(self._heap, b)
+        if len(items) <= 8:
+            for b in items:
+                bisect.insort(free, b)
+        else:
+            free.extend(items)
+            free.sort()  # two sorted runs: one merge
 
 
-def _runs(stage: Blocks, slots: Blocks) -> list[tuple[int, int, int]]:
-    """``(stage start, slot start, count)`` runs, in the given order: one
-    pass, no sort (coalescing a one-block pair cost 6 us)."""
-    if stage.size > 64:
-        return coalesce(stage, slots)
-    runs: list[tuple[int, int, int]] = []
-    for a, b in zip(stage.tolist(), slots.tolist(), strict=True):
-        if runs:
-            s0, d0, n = runs[-1]
-            if a == s0 + n and b == d0 + n:
-                runs[-1] = (s0, d0, n + 1)
-                continue
-        runs.append((a, b, 1))
-    return runs
+#: One copy out of staging: ``(stage start, slots)``, staging blocks
+#: ``start .. start + len(slots) - 1`` into those slots.
+Segment = tuple[int, Blocks]
+
+
+def _segments(stage: Blocks, slots: Blocks) -> list[Segment]:
+    """The copy cut where the staging blocks stop being one run. The pool
+    hands a piece its blocks lowest first, so a piece is mostly one
+    segment, whatever its slots, and each segment is one numpy assignment,
+    which releases the GIL for the whole copy. A copy that came back to
+    Python between blocks would need the GIL for each, and NIXL holds the
+    GIL while it posts a READ (on one host UCX's CMA copy runs inside the
+    post): the copy threads would stand still while the next piece's READ
+    ran, and a staged load would take the READ's time plus the copy's."""
+    if stage.size <= 1:
+        return [(int(stage[0]), slots)] if stage.size else []
+    first, last = int(stage[0]), int(stage[-1])
+    if last - first == stage.size - 1 and stage.tolist() == list(
+        range(first, last + 1)
+    ):
+        return [(first, slots)]  # one run (a fresh pool's take)
+    bounds = [0, *(np.flatnonzero(np.diff(stage) != 1) + 1).tolist(), int(stage.size)]
+    return [(int(stage[a]), slots[a:b]) for a, b in itertools.pairwise(bounds)]
 
 
 class StagingMemory:
@@ -183,16 +203,14 @@ class StagingMemory:
         done (on the GPU: finished) when this returns; else the copy runs on
         ``threads`` in stripes until the :class:`Copying` is done."""
         if isinstance(self._buf, np.ndarray):
-            # One memcpy a run: fancy indexing copied through a temporary
-            # (32 MiB in 10 ms here, against about 5 by runs).
-            runs = _runs(stage, slots)
+            segments = _segments(stage, slots)
             if threads is None or stage.size * self.block_bytes < INLINE_COPY_BYTES:
-                self._copy_runs(runs)
+                self._copy_segments(segments)
                 return None
             return threads.run(
                 [
-                    functools.partial(self._copy_runs, part)
-                    for part in _stripes(runs, threads.threads)
+                    functools.partial(self._copy_segments, part)
+                    for part in _stripes(segments, threads.threads)
                 ]
             )
         import torch
@@ -204,29 +222,35 @@ class StagingMemory:
         torch.cuda.current_stream(device).synchronize()
         return None
 
-    def _copy_runs(self, runs: list[tuple[int, int, int]]) -> None:
+    def _copy_segments(self, segments: list[Segment]) -> None:
         region, buf = self._region, self._buf
-        for src, dst, n in runs:
-            region[dst : dst + n] = buf[src : src + n]
+        for start, slots in segments:
+            n, first = int(slots.size), int(slots[0])
+            if n == 1 or (
+                int(slots[-1]) - first == n - 1 and bool((np.diff(slots) == 1).all())
+            ):
+                region[first : first + n] = buf[start : start + n]
+            else:
+                # Scattered slots: one gather-free assignment (the source
+                # is a slice, so no temporary), the GIL released throughout.
+                region[slots] = buf[start : start + n]
 
 
-def _stripes(
-    runs: list[tuple[int, int, int]], k: int
-) -> list[list[tuple[int, int, int]]]:
-    """``runs`` cut into at most ``k`` parts of about equal blocks (a run
-    may be split between two)."""
-    total = sum(n for _, _, n in runs)
+def _stripes(segments: list[Segment], k: int) -> list[list[Segment]]:
+    """``segments`` cut into at most ``k`` parts of about equal blocks (a
+    segment may be split between two)."""
+    total = sum(int(slots.size) for _, slots in segments)
     per = -(-total // max(1, k))
-    parts: list[list[tuple[int, int, int]]] = [[]]
+    parts: list[list[Segment]] = [[]]
     room = per
-    for src, dst, n in runs:
-        while n:
+    for start, slots in segments:
+        while slots.size:
             if not room:
                 parts.append([])
                 room = per
-            take = min(n, room)
-            parts[-1].append((src, dst, take))
-            src, dst, n, room = src + take, dst + take, n - take, room - take
+            take = min(int(slots.size), room)
+            parts[-1].append((start, slots[:take]))
+            start, slots, room = start + take, slots[take:], room - take
     return parts
 
 
@@ -242,6 +266,11 @@ PIECES_IN_FLIGHT = 4
 #: last piece, which nothing overlaps, stays short, and a piece copied
 #: right after it landed is still in the CPU's cache.
 PIECE_BYTES = 4 << 20
+#: The pieces shrink toward the end of a load, each at most half of what is
+#: left, down to this: the copy of the last piece runs after every READ has
+#: ended, so it is kept short (a load of 16 MiB in 4 MiB pieces spent a
+#: fifth of its time copying the last one).
+TAIL_PIECE_BYTES = 2 << 20
 
 #: One peer's staged READs, running or given up on, hold at most this share
 #: of the staging the other peers leave (pieces are this share over
@@ -362,6 +391,7 @@ class Staging:
         #: copies out of staging, off the caller's thread (see copy_out.py)
         self.copy_threads = CopyThreads()
         self._piece_blocks = max(1, PIECE_BYTES // self._block_bytes)
+        self._tail_blocks = max(1, TAIL_PIECE_BYTES // self._block_bytes)
 
     def _setup(self) -> None:
         """Staging beside the region, registered after the region's
@@ -452,6 +482,8 @@ class Staging:
             # two stalled peers with half each took all of it.
             share = max(1, int((pool.free + mine) * PEER_STAGING_SHARE))
             most = max(1, min(share // PIECES_IN_FLIGHT, self._piece_blocks))
+            # Taper: the last piece's copy is the one nothing overlaps.
+            most = min(most, max(self._tail_blocks, -(-left // 2)))
             stage = pool.take(min(left, most, share - mine))
             if not stage.size:
                 return "PROC"  # the peer's share or the pool is taken: wait
