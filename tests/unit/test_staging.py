@@ -4,6 +4,7 @@ agents in test_nixl_transfer)."""
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -191,3 +192,32 @@ def test_a_caller_that_waits_copies_the_stripes_no_thread_has_taken() -> None:
         assert busy.wait() is None
     finally:
         threads.close()
+
+
+def test_an_engine_pinned_to_one_core_copies_on_its_own_thread() -> None:
+    """Copy threads that share the engine's one core with the READ overlap
+    nothing and cost a wake-up a piece: a caller whose affinity is one core
+    gets none, and a large piece is copied before copy_out returns."""
+    bs = 64 * 1024
+    n = 2 * INLINE_COPY_BYTES // bs
+    region = np.zeros(2 * n * bs, dtype=np.uint8)
+    mem = StagingMemory(n, bs, region.ctypes.data, region.nbytes)
+    seen: dict[str, object] = {}
+
+    def pinned() -> None:
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+        threads = CopyThreads()
+        seen["usable"] = threads.usable()
+        seen["copying"] = mem.copy_out(
+            np.arange(n, dtype=np.int64),
+            np.arange(0, 2 * n, 2, dtype=np.int64),
+            threads,
+        )
+        threads.close()
+
+    t = threading.Thread(target=pinned)
+    t.start()
+    t.join(10)
+    assert seen == {"usable": 0, "copying": None}
+    cores = len(os.sched_getaffinity(0))
+    assert CopyThreads().usable() == (min(4, cores) if cores > 1 else 0)

@@ -30,9 +30,10 @@ from typing import Final
 
 __all__ = ["COPY_THREADS", "INLINE_COPY_BYTES", "CopyThreads", "Copying"]
 
-#: Threads that copy pieces out of staging (made at the first staged READ
-#: that needs them).
-COPY_THREADS: Final = max(1, min(4, os.cpu_count() or 1))
+#: At most this many threads copy pieces out of staging (made at the first
+#: staged READ that needs them), and no more than the cores the engine's
+#: thread may run on.
+COPY_THREADS: Final = 4
 #: A piece this small is copied on the caller's thread: handing it to a
 #: thread and hearing back costs about as much as the copy.
 INLINE_COPY_BYTES: Final = 1 << 20
@@ -73,16 +74,32 @@ class CopyThreads:
     hears of it at once."""
 
     def __init__(self, threads: int | None = None) -> None:
-        self.threads = threads or COPY_THREADS
+        #: None: one a core the caller may run on (:meth:`usable`).
+        self.threads = threads
         self.wake: Callable[[], None] | None = None
         self._work: queue.SimpleQueue[tuple[Callable[[], None], Future[None]] | None]
         self._work = queue.SimpleQueue()
         self._started: list[threading.Thread] = []
 
+    def usable(self) -> int:
+        """How many threads copy: as made, or one a core the calling thread
+        may run on, at most :data:`COPY_THREADS`, and none when it may run
+        on one core only: then pieces are copied on the caller's thread.
+        The affinity counts, not the machine's cores: an engine pinned to
+        one core gains nothing from threads that share it with the READ,
+        and pays a wake-up for every piece handed to one."""
+        if self.threads is None:
+            try:
+                cores = len(os.sched_getaffinity(0))
+            except (AttributeError, OSError):  # not Linux
+                cores = os.cpu_count() or 1
+            self.threads = min(COPY_THREADS, cores) if cores > 1 else 0
+        return self.threads
+
     def run(self, stripes: Sequence[Callable[[], None]]) -> Copying:
         """Start ``stripes`` (each copies its share of one piece)."""
         if not self._started:
-            for i in range(self.threads):
+            for i in range(max(1, self.usable())):
                 t = threading.Thread(
                     target=self._serve, name=f"p2p_kv-copy-{i}", daemon=True
                 )

@@ -204,13 +204,17 @@ class StagingMemory:
         ``threads`` in stripes until the :class:`Copying` is done."""
         if isinstance(self._buf, np.ndarray):
             segments = _segments(stage, slots)
-            if threads is None or stage.size * self.block_bytes < INLINE_COPY_BYTES:
+            if (
+                threads is None
+                or not threads.usable()
+                or stage.size * self.block_bytes < INLINE_COPY_BYTES
+            ):
                 self._copy_segments(segments)
                 return None
             return threads.run(
                 [
                     functools.partial(self._copy_segments, part)
-                    for part in _stripes(segments, threads.threads)
+                    for part in _stripes(segments, threads.usable())
                 ]
             )
         import torch
