@@ -863,6 +863,32 @@ def test_a_read_larger_than_staging_moves_in_pieces_and_waits_for_staging(
         assert cons.staging_blocks() == (3, 3, 0)
 
 
+def test_a_staged_read_that_lands_inside_its_posts_ends_in_one_pass() -> None:
+    """On one host UCX's CMA moves each piece inside its post. Once every
+    piece in flight has landed and is being copied out, the READ waits for
+    the oldest copy and goes on posting, rather than returning to wait for a
+    wake-up a piece: a READ of more pieces than may be in flight is reported
+    by the first poll after its post, every byte in its slot."""
+    from p2p_kv.data import NixlDataTransport, staged
+
+    bs, n = 256 * KIB, 160  # 40 MiB: ten 4 MiB pieces and the tapered tail
+    assert n * bs > staged.PIECES_IN_FLIGHT * staged.PIECE_BYTES
+    src = np.random.default_rng(11).integers(1, 256, n * bs, dtype=np.uint8)
+    dst = np.zeros(2 * n * bs, dtype=np.uint8)
+    with (
+        NixlDataTransport(src, bs, name="cma-prod", same_host=False) as prod,
+        NixlDataTransport(dst, bs, name="cma-cons", same_host=False) as cons,
+    ):
+        cons.add_peer(prod.local_region())
+        prod.add_peer(cons.local_region())
+        remote, local = list(range(n)), list(range(0, 2 * n, 2))
+        tid = cons.post_read(prod.agent_name, remote, local)
+        assert cons.poll_completions() == [(tid, True)]
+        got, want = dst.reshape(2 * n, bs), src.reshape(n, bs)
+        assert np.array_equal(got[local], want[remote])
+        assert not got[1::2].any()
+
+
 def test_a_staged_read_given_up_on_starts_no_more_pieces(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -479,8 +479,17 @@ class Staging:
                     if not self._copied(read, piece):
                         return "ERR"
                 continue
-            if not post or len(read.pieces) >= PIECES_IN_FLIGHT:
+            if not post:
                 return "PROC"
+            if len(read.pieces) >= PIECES_IN_FLIGHT:
+                if any(p.copying is None for p in read.pieces):
+                    return "PROC"  # UCX moves one: its end wakes us
+                # Every piece landed inside its post (UCX's CMA on one host)
+                # and is being copied: wait for the oldest copy here, at
+                # memory speed, rather than for a wake-up a piece.
+                if not self._copied(read, read.pieces[0]):
+                    return "ERR"
+                continue
             mine = self._held(read)
             # A share of what the other peers leave, not of the whole pool:
             # two stalled peers with half each took all of it.
