@@ -21,9 +21,8 @@ rest, one block at least each). A load moves in pieces of at most
 :data:`PIECE_BYTES` (and a quarter of the peer's share), up to
 :data:`PIECES_IN_FLIGHT` at once: each is copied out on the copy threads
 (:mod:`p2p_kv.data.copy_out`) as soon as it lands, while the next ones
-run, so the copy adds only the last piece's to the READ's time; the
-pieces shrink toward the end (:data:`TAIL_PIECE_BYTES`) to keep that
-short, and the caller copies beside the threads while it waits for it.
+run, so the copy adds only the last piece's to the READ's time (the
+caller copies beside the threads while it waits for that one).
 
 :class:`StagingPool` is the allocator (pure); :class:`StagingMemory` owns
 the bytes and the copy out of them; :class:`Staging` runs the READs
@@ -59,7 +58,6 @@ __all__ = [
     "PEER_STAGING_SHARE",
     "PIECES_IN_FLIGHT",
     "PIECE_BYTES",
-    "TAIL_PIECE_BYTES",
     "StagedRead",
     "Staging",
     "StagingMemory",
@@ -270,11 +268,6 @@ PIECES_IN_FLIGHT = 4
 #: last piece, which nothing overlaps, stays short, and a piece copied
 #: right after it landed is still in the CPU's cache.
 PIECE_BYTES = 4 << 20
-#: The pieces shrink toward the end of a load, each at most half of what is
-#: left, down to this: the copy of the last piece runs after every READ has
-#: ended, so it is kept short (a load of 16 MiB in 4 MiB pieces spent a
-#: fifth of its time copying the last one).
-TAIL_PIECE_BYTES = 2 << 20
 
 #: One peer's staged READs, running or given up on, hold at most this share
 #: of the staging the other peers leave (pieces are this share over
@@ -395,7 +388,6 @@ class Staging:
         #: copies out of staging, off the caller's thread (see copy_out.py)
         self.copy_threads = CopyThreads()
         self._piece_blocks = max(1, PIECE_BYTES // self._block_bytes)
-        self._tail_blocks = max(1, TAIL_PIECE_BYTES // self._block_bytes)
 
     def _setup(self) -> None:
         """Staging beside the region, registered after the region's
@@ -495,8 +487,6 @@ class Staging:
             # two stalled peers with half each took all of it.
             share = max(1, int((pool.free + mine) * PEER_STAGING_SHARE))
             most = max(1, min(share // PIECES_IN_FLIGHT, self._piece_blocks))
-            # Taper: the last piece's copy is the one nothing overlaps.
-            most = min(most, max(self._tail_blocks, -(-left // 2)))
             stage = pool.take(min(left, most, share - mine))
             if not stage.size:
                 return "PROC"  # the peer's share or the pool is taken: wait
