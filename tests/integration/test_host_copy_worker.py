@@ -13,6 +13,7 @@ import contextlib
 import os
 import uuid
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -128,15 +129,18 @@ def test_an_empty_group_is_skipped(rig: Rig) -> None:
     assert result.success and result.transfer_size == 2 * 64
 
 
-@pytest.mark.skipif(
-    not RELEASE.device_pointers,
-    reason=f"vLLM {RELEASE.version} hands block ids (GPULoadStoreSpec), not pointers",
-)
-def test_pointers_off_the_engines_rows_are_refused_not_copied(rig: Rig) -> None:
+def test_engine_blocks_it_cannot_place_are_refused_not_copied(rig: Rig) -> None:
     """The worker reads block ids back from 0.34's pointers; an address
     that is not a row of the tensor its layer names (another layout than
     this worker knows) must fail the job's submit, never copy bytes from
-    or to somewhere else."""
+    or to somewhere else. A release that hands block ids (0.32, 0.33) has
+    no pointers to check: there anything but its block ids is refused."""
+    if not RELEASE.device_pointers:
+        stray = SimpleNamespace(ptrs=[0], sizes=[64])
+        with pytest.raises(ValueError, match=r"block ids \(GPULoadStoreSpec\), not"):
+            rig.worker.submit_store(9, stray, CPULoadStoreSpec([2, 0, 3]))
+        assert rig.worker.get_finished() == []
+        return
     pointers = rig.engine_side(GPULoadStoreSpec([1, 2, 3, 5, 6], [3, 2], [1, 0]))
     pointers.ptrs = pointers.ptrs.copy()
     pointers.ptrs[0] += 1  # inside row 1, not its start

@@ -159,7 +159,11 @@ class HostCopyWorker(OffloadingWorker):
         with them (anything else is a layout this worker does not know,
         refused rather than copied wrong)."""
         if not RELEASE.device_pointers:
-            assert isinstance(spec, GPULoadStoreSpec)
+            if not isinstance(spec, GPULoadStoreSpec):
+                raise ValueError(
+                    f"vLLM {RELEASE.version} hands this worker block ids "
+                    f"(GPULoadStoreSpec), not a {type(spec).__name__}"
+                )
             return EngineBlocks(
                 spec.block_ids, tuple(spec.group_sizes), tuple(spec.block_indices)
             )
