@@ -156,40 +156,59 @@ def _summary(seconds: list[float]) -> dict[str, Any]:
     }
 
 
-class TcpRoundTrip:
-    """A bare socket here and its echo in another process."""
+class _Echoed:
+    """One end here (``_end``: anything with ``close``) and its echo, run by
+    ``body`` in another process."""
 
-    def __init__(self) -> None:
-        self._echo = ProducerProcess(_tcp_echo, timeout_s=_TIMEOUT_S)
-        (port,) = self._echo.ready
-        self._sock = socket.create_connection((producer_host(), port))
-        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    name = ""
 
-    def trip(self) -> float:
-        t0 = time.perf_counter()
-        self._sock.sendall(MESSAGE)
-        got = b""
-        while len(got) < len(MESSAGE):
-            chunk = self._sock.recv(len(MESSAGE) - len(got))
-            if not chunk:
-                raise RuntimeError("the TCP echo closed")
-            got += chunk
+    def __init__(self, body: Any) -> None:
+        self._echo = ProducerProcess(body, timeout_s=_TIMEOUT_S)
+        (self.port,) = self._echo.ready
+        self._end: Any = None
+
+    def _answered(self, got: bytes | None, t0: float) -> float:
+        """The trip's time, if the echo sent back what was sent."""
         if got != MESSAGE:
-            raise AssertionError("the TCP echo answered other bytes")
+            raise AssertionError(f"the {self.name} echo answered other bytes")
         return time.perf_counter() - t0
 
     def close(self) -> None:
-        self._sock.close()
+        if self._end is not None:
+            self._end.close()
         self._echo.close()
 
 
-class LeastPythonRoundTrip:
-    """The least-Python baseline here and its echo in another process."""
+class TcpRoundTrip(_Echoed):
+    """A bare socket here and its echo in another process."""
+
+    name = "TCP"
 
     def __init__(self) -> None:
-        self._echo = ProducerProcess(_least_python_echo, timeout_s=_TIMEOUT_S)
-        (port,) = self._echo.ready
-        sock = socket.create_connection((producer_host(), port))
+        super().__init__(_tcp_echo)
+        self._end = socket.create_connection((producer_host(), self.port))
+        self._end.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def trip(self) -> float:
+        t0 = time.perf_counter()
+        self._end.sendall(MESSAGE)
+        got = b""
+        while len(got) < len(MESSAGE):
+            chunk = self._end.recv(len(MESSAGE) - len(got))
+            if not chunk:
+                raise RuntimeError("the TCP echo closed")
+            got += chunk
+        return self._answered(got, t0)
+
+
+class LeastPythonRoundTrip(_Echoed):
+    """The least-Python baseline here and its echo in another process."""
+
+    name = "least-Python"
+
+    def __init__(self) -> None:
+        super().__init__(_least_python_echo)
+        sock = socket.create_connection((producer_host(), self.port))
         self._end = _LeastPython(sock, out=_KEY_A, into=_KEY_B)
 
     def trip(self) -> float:
@@ -198,51 +217,40 @@ class LeastPythonRoundTrip:
         got = None
         while got is None:
             got = self._end.recv(int(_TIMEOUT_S * 1000))
-        if got != MESSAGE:
-            raise AssertionError("the least-Python echo answered other bytes")
-        return time.perf_counter() - t0
-
-    def close(self) -> None:
-        self._end.close()
-        self._echo.close()
+        return self._answered(got, t0)
 
 
-class ControlRoundTrip:
+class ControlRoundTrip(_Echoed):
     """p2p_kv's transport here, sealing and opening as a session does, and
     its echo in another process."""
+
+    name = "control"
 
     def __init__(self) -> None:
         from p2p_kv import control, handshake
 
+        super().__init__(_control_echo)
         self._keys = handshake.FrameKeys(out=_KEY_A, into=_KEY_B)
-        self._echo = ProducerProcess(_control_echo, timeout_s=_TIMEOUT_S)
-        (port,) = self._echo.ready
-        self._t = control.ControlTransport("127.0.0.1", 0)
-        self._peer = f"{producer_host()}:{port}"
-        self._t.connect(self._peer)
+        self._end = control.ControlTransport("127.0.0.1", 0)
+        self._peer = f"{producer_host()}:{self.port}"
+        self._end.connect(self._peer)
         # The handshake, taken as done: a session trusts its connection once
         # the peer has proved itself, dialled or accepted (p2p_kv.frames).
-        self._t.trust(self._peer)
+        self._end.trust(self._peer)
 
     def trip(self) -> float:
         t0 = time.perf_counter()
-        why = self._t.send(self._peer, [self._keys.seal(MESSAGE)])
+        why = self._end.send(self._peer, [self._keys.seal(MESSAGE)])
         if why:
             raise RuntimeError(f"the control echo is gone: {why}")
         end = t0 + _TIMEOUT_S
         while time.perf_counter() < end:
-            for got in self._t.poll(_TIMEOUT_S):
+            for got in self._end.poll(_TIMEOUT_S):
                 if got.lost:
                     raise RuntimeError(f"the control echo is gone: {got.why}")
                 if got.frame:
-                    if self._keys.open(got.frame) != MESSAGE:
-                        raise AssertionError("the control echo answered other bytes")
-                    return time.perf_counter() - t0
+                    return self._answered(self._keys.open(got.frame), t0)
         raise RuntimeError("the control echo did not answer")
-
-    def close(self) -> None:
-        self._t.close()
-        self._echo.close()
 
 
 class RoundTrips:

@@ -250,12 +250,6 @@ class Conn:
         buffered, unread, until trust or the handshake deadline."""
         buf, pos, end, taken = self.rbuf, 0, len(self.rbuf), 0
         name, cap = self.name, self.cap
-        if end > HEADER and int.from_bytes(buf[:HEADER], "big") == end - HEADER <= cap:
-            # Exactly one whole frame buffered (the usual case: a request
-            # or its reply, read at once).
-            out.append(Inbound(name, bytes(buf[HEADER:])))
-            buf.clear()
-            return False
         try:
             while end - pos >= HEADER:
                 size = int.from_bytes(buf[pos : pos + HEADER], "big")

@@ -134,13 +134,8 @@ def _segments(stage: Blocks, slots: Blocks) -> list[Segment]:
     GIL while it posts a READ (on one host UCX's CMA copy runs inside the
     post): the copy threads would stand still while the next piece's READ
     ran, and a staged load would take the READ's time plus the copy's."""
-    if stage.size <= 1:
-        return [(int(stage[0]), slots)] if stage.size else []
-    first, last = int(stage[0]), int(stage[-1])
-    if last - first == stage.size - 1 and stage.tolist() == list(
-        range(first, last + 1)
-    ):
-        return [(first, slots)]  # one run (a fresh pool's take)
+    if not stage.size:
+        return []
     bounds = [0, *(np.flatnonzero(np.diff(stage) != 1) + 1).tolist(), int(stage.size)]
     return [(int(stage[a]), slots[a:b]) for a, b in itertools.pairwise(bounds)]
 
