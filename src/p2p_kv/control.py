@@ -331,9 +331,7 @@ class ControlTransport:
     def poll(self, timeout_s: float) -> list[Inbound]:
         """Everything that arrived, up to the per-poll bounds; waits up to
         ``timeout_s`` if nothing has."""
-        out: list[Inbound] = []
         listener = self._listener
-        listen_fd = -1 if listener is None else listener.fd
         wait_s = 0.0 if self._backlog or not self._resolved.empty() else timeout_s
         if listener is not None and listener.paused_until:
             now = self._clock()
@@ -342,8 +340,9 @@ class ControlTransport:
                 wait_s = min(wait_s, listener.paused_until - now)
         if self._lingering:
             wait_s = min(wait_s, CLOSE_LINGER_S)
+        wait_ms = math.ceil(wait_s * 1000)
         try:
-            ready = self._poller.poll(max(0, math.ceil(wait_s * 1000)))
+            ready = self._poller.poll(wait_ms if wait_ms > 0 else 0)
         except InterruptedError:
             ready = []
         if len(ready) == 1 and not self._lingering and not self._backlog:
@@ -355,6 +354,8 @@ class ControlTransport:
                 got = c.read_one(self._chunk)
                 if got is not None:
                     return [got]
+        out: list[Inbound] = []
+        listen_fd = -1 if listener is None else listener.fd
         if self._lingering:
             self._linger(ready)
         readable: dict[Conn, bool] = {}  # -> hung up
