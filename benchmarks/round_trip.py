@@ -18,6 +18,12 @@ producer is between lookups:
   a session with a secret seals every frame. The client here waits the way
   an engine's runtime does (``poll`` on the transport).
 
+The last two again **unsealed** (plain frames, as peers without a
+``secret`` on one host exchange them): the split of the ratio between the
+cipher and the rest. An AEAD call costs about 0.5 us in a hot loop, but a
+process woken from idle runs it with cold caches, where one seal or open
+took 8-9 us on the 2-core VM; four of them lie on every sealed round trip.
+
 All carry a 64-byte message, about a one-key Lookup. Between trips both
 sides sleep ``GAP_S`` so that each trip starts from idle, as a lookup does
 (a busy loop of trips keeps both processes awake and measures less than
@@ -70,10 +76,22 @@ def _tcp_echo(out: Any, stop: Any) -> None:
         listener.close()
 
 
-def _control_echo(out: Any, stop: Any) -> None:
+class _Plain:
+    """Frame "keys" of a session without a secret: frames pass as they are."""
+
+    @staticmethod
+    def seal(frame: bytes) -> bytes:
+        return frame
+
+    @staticmethod
+    def open(frame: bytes) -> bytes:
+        return frame
+
+
+def _control_echo(sealed: bool, out: Any, stop: Any) -> None:
     from p2p_kv import control, handshake
 
-    keys = handshake.FrameKeys(out=_KEY_B, into=_KEY_A)
+    keys = handshake.FrameKeys(out=_KEY_B, into=_KEY_A) if sealed else _Plain()
     transport = control.ControlTransport(producer_host(), 0)
     try:
         out.put(("ready", transport.port))
@@ -93,10 +111,13 @@ def _control_echo(out: Any, stop: Any) -> None:
 
 
 class _LeastPython:
-    """One end of the least-Python baseline: sealed, length-prefixed frames
-    over a non-blocking socket, one poll, one read and one write each."""
+    """One end of the least-Python baseline: sealed (or, ``sealed=False``,
+    plain) length-prefixed frames over a non-blocking socket, one poll, one
+    read and one write each."""
 
-    def __init__(self, sock: socket.socket, out: bytes, into: bytes) -> None:
+    def __init__(
+        self, sock: socket.socket, out: bytes, into: bytes, sealed: bool = True
+    ) -> None:
         from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -105,9 +126,13 @@ class _LeastPython:
         self._poll.register(sock, select.POLLIN)
         self._buf = memoryview(bytearray(65536))
         self._seal, self._open = AESGCM(out), AESGCM(into)
+        self._sealed = sealed
         self._sent = self._got = 0
 
     def send(self, message: bytes) -> None:
+        if not self._sealed:
+            self._sock.send(len(message).to_bytes(4, "big") + message)
+            return
         nonce = self._sent.to_bytes(12, "little")
         self._sent += 1
         frame = b"\xc1" + self._seal.encrypt(nonce, message, b"\xc1")
@@ -121,6 +146,8 @@ class _LeastPython:
         n = self._sock.recv_into(self._buf)
         if n == 0:
             raise EOFError
+        if not self._sealed:
+            return bytes(self._buf[4:n])
         nonce = self._got.to_bytes(12, "little")
         self._got += 1
         return self._open.decrypt(nonce, self._buf[5:n], b"\xc1")
@@ -129,12 +156,12 @@ class _LeastPython:
         self._sock.close()
 
 
-def _least_python_echo(out: Any, stop: Any) -> None:
+def _least_python_echo(sealed: bool, out: Any, stop: Any) -> None:
     listener = socket.create_server((producer_host(), 0))
     try:
         out.put(("ready", listener.getsockname()[1]))
         conn, _ = listener.accept()
-        end = _LeastPython(conn, out=_KEY_B, into=_KEY_A)
+        end = _LeastPython(conn, out=_KEY_B, into=_KEY_A, sealed=sealed)
         while not stop.is_set():
             got = end.recv(100)
             if got is not None:
@@ -162,8 +189,8 @@ class _Echoed:
 
     name = ""
 
-    def __init__(self, body: Any) -> None:
-        self._echo = ProducerProcess(body, timeout_s=_TIMEOUT_S)
+    def __init__(self, body: Any, *args: Any) -> None:
+        self._echo = ProducerProcess(body, *args, timeout_s=_TIMEOUT_S)
         (self.port,) = self._echo.ready
         self._end: Any = None
 
@@ -206,10 +233,10 @@ class LeastPythonRoundTrip(_Echoed):
 
     name = "least-Python"
 
-    def __init__(self) -> None:
-        super().__init__(_least_python_echo)
+    def __init__(self, sealed: bool = True) -> None:
+        super().__init__(_least_python_echo, sealed)
         sock = socket.create_connection((producer_host(), self.port))
-        self._end = _LeastPython(sock, out=_KEY_A, into=_KEY_B)
+        self._end = _LeastPython(sock, out=_KEY_A, into=_KEY_B, sealed=sealed)
 
     def trip(self) -> float:
         t0 = time.perf_counter()
@@ -226,11 +253,13 @@ class ControlRoundTrip(_Echoed):
 
     name = "control"
 
-    def __init__(self) -> None:
+    def __init__(self, sealed: bool = True) -> None:
         from p2p_kv import control, handshake
 
-        super().__init__(_control_echo)
-        self._keys = handshake.FrameKeys(out=_KEY_A, into=_KEY_B)
+        super().__init__(_control_echo, sealed)
+        self._keys: Any = (
+            handshake.FrameKeys(out=_KEY_A, into=_KEY_B) if sealed else _Plain()
+        )
         self._end = control.ControlTransport("127.0.0.1", 0)
         self._peer = f"{producer_host()}:{self.port}"
         self._end.connect(self._peer)
@@ -253,39 +282,44 @@ class ControlRoundTrip(_Echoed):
         raise RuntimeError("the control echo did not answer")
 
 
-class RoundTrips:
-    """The three round trips, each against its own echo process."""
+#: Each round trip by its name in the results.
+ENDS: dict[str, Any] = {
+    "tcp": TcpRoundTrip,
+    "python": LeastPythonRoundTrip,
+    "p2p_kv": ControlRoundTrip,
+    "python_plain": lambda: LeastPythonRoundTrip(sealed=False),
+    "p2p_kv_plain": lambda: ControlRoundTrip(sealed=False),
+}
 
-    def __init__(self) -> None:
+
+class RoundTrips:
+    """The round trips named (all of :data:`ENDS` unless told), each
+    against its own echo process."""
+
+    def __init__(self, names: tuple[str, ...] = tuple(ENDS)) -> None:
+        self.ends: dict[str, Any] = {}
         with contextlib.ExitStack() as undo:  # closes those made if one fails
-            self.tcp = TcpRoundTrip()
-            undo.callback(self.tcp.close)
-            self.python = LeastPythonRoundTrip()
-            undo.callback(self.python.close)
-            self.ours = ControlRoundTrip()
+            for name in names:
+                self.ends[name] = end = ENDS[name]()
+                undo.callback(end.close)
             undo.pop_all()
         for _ in range(5):  # warm-ups: the connections' first trips
-            self.tcp.trip()
-            self.python.trip()
-            self.ours.trip()
+            for end in self.ends.values():
+                end.trip()
 
     def measure(self, trips: int) -> dict[str, dict[str, Any]]:
         """``trips`` of each, interleaved trip by trip (the machine's noise
-        falls on both alike), each from idle."""
-        samples: dict[str, list[float]] = {"tcp": [], "python": [], "p2p_kv": []}
+        falls on all alike), each from idle."""
+        samples: dict[str, list[float]] = {name: [] for name in self.ends}
         for _ in range(trips):
-            time.sleep(GAP_S)
-            samples["tcp"].append(self.tcp.trip())
-            time.sleep(GAP_S)
-            samples["python"].append(self.python.trip())
-            time.sleep(GAP_S)
-            samples["p2p_kv"].append(self.ours.trip())
+            for name, end in self.ends.items():
+                time.sleep(GAP_S)
+                samples[name].append(end.trip())
         return {name: _summary(s) for name, s in samples.items()}
 
     def close(self) -> None:
-        self.tcp.close()
-        self.python.close()
-        self.ours.close()
+        for end in self.ends.values():
+            end.close()
 
 
 def measure(trips: int) -> dict[str, Any]:
@@ -295,12 +329,15 @@ def measure(trips: int) -> dict[str, Any]:
         out: dict[str, Any] = pair.measure(trips)
     finally:
         pair.close()
-    ratio = out["p2p_kv"]["median_us"] / out["tcp"]["median_us"]
+    tcp = out["tcp"]["median_us"]
+    ratio = out["p2p_kv"]["median_us"] / tcp
     return {
         **out,
         "ratio": ratio,
-        "python_x_tcp": out["python"]["median_us"] / out["tcp"]["median_us"],
+        "python_x_tcp": out["python"]["median_us"] / tcp,
         "x_python": out["p2p_kv"]["median_us"] / out["python"]["median_us"],
+        "plain_ratio": out["p2p_kv_plain"]["median_us"] / tcp,
+        "python_plain_x_tcp": out["python_plain"]["median_us"] / tcp,
         "target_x": TARGET_X,
         "met": ratio <= TARGET_X,
         "cpus": os.cpu_count(),
@@ -328,6 +365,16 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"p2p_kv control      median {ours['median_us']:7.1f}  p90 {ours['p90_us']:7.1f}"
         "  (sealed frames, poll-driven)"
+    )
+    plain, ours_plain = result["python_plain"], result["p2p_kv_plain"]
+    print(
+        f"least Python, plain median {plain['median_us']:7.1f}  p90 {plain['p90_us']:7.1f}"
+        f"  (unsealed: {result['python_plain_x_tcp']:.2f}x TCP)"
+    )
+    print(
+        f"p2p_kv, plain       median {ours_plain['median_us']:7.1f}  "
+        f"p90 {ours_plain['p90_us']:7.1f}  (unsealed, no secret: "
+        f"{result['plain_ratio']:.2f}x TCP)"
     )
     print(
         f"ratio {result['ratio']:.2f}x bare TCP (target <= {TARGET_X}x): "

@@ -442,7 +442,7 @@ def run(
             vllm_reason = f"{type(exc).__name__}: {exc}"
     trips: RoundTrips | None = None
     try:
-        trips = RoundTrips()
+        trips = RoundTrips(("tcp", "p2p_kv"))
         with RawNixlPair() as raw:
             for bs in dict.fromkeys(b for b, _ in cells):
                 counts = [n for b, n in cells if b == bs]

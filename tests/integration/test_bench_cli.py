@@ -138,6 +138,14 @@ def test_the_round_trip_benchmark_compares_with_a_bare_socket(tmp_path: Path) ->
     assert result["python_x_tcp"] == pytest.approx(
         result["python"]["median_us"] / result["tcp"]["median_us"]
     )
+    # The unsealed pair splits the ratio: the cipher's share, the rest's.
+    assert result["python_plain"]["trips"] == result["p2p_kv_plain"]["trips"] == 50
+    assert result["plain_ratio"] == pytest.approx(
+        result["p2p_kv_plain"]["median_us"] / result["tcp"]["median_us"]
+    )
+    assert result["python_plain_x_tcp"] == pytest.approx(
+        result["python_plain"]["median_us"] / result["tcp"]["median_us"]
+    )
 
 
 def test_the_cli_refuses_a_mistyped_flag_and_passes_help_to_a_benchmark() -> None:
