@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import pytest
 
 from p2p_kv.control import ControlTransport, Inbound
-from p2p_kv.control_conn import HEADER, RECV_CHUNK
+from p2p_kv.control_conn import HEADER, RECV_CHUNK, _frame
 
 
 def wire(frame: bytes) -> bytes:
@@ -92,6 +92,15 @@ def test_frames_arrive_whole_however_the_bytes_are_cut(
     # and the fast path again after all that
     raw.sendall(wire(frames[27]))
     assert [g.frame for g in collect(t, 1)] == [frames[27]]
+
+
+def test_a_frame_made_in_c_equals_the_named_tuple() -> None:
+    """The fast path makes its :class:`Inbound` with ``tuple.__new__``,
+    bypassing the named tuple's defaults: a field added or moved there
+    must be added here too, or frames would read as lost or new."""
+    made = _frame("in:1", b"frame")
+    assert made == Inbound("in:1", b"frame") and type(made) is Inbound
+    assert (made.new, made.lost, made.why, made.bad) == (False, False, "", False)
 
 
 def test_a_peer_that_closes_is_reported_lost_once(
