@@ -138,6 +138,9 @@ def test_the_round_trip_benchmark_compares_with_a_bare_socket(tmp_path: Path) ->
     assert result["python_x_tcp"] == pytest.approx(
         result["python"]["median_us"] / result["tcp"]["median_us"]
     )
+    # Every trip crosses the same two cores: the client's and the echoes'.
+    cores = sorted(os.sched_getaffinity(0))
+    assert result["cores"] == (cores[:2] if len(cores) >= 2 else None)
     # The unsealed pair splits the ratio: the cipher's share, the rest's.
     assert result["python_plain"]["trips"] == result["p2p_kv_plain"]["trips"] == 50
     assert result["plain_ratio"] == pytest.approx(
