@@ -151,6 +151,14 @@ def test_the_round_trip_benchmark_compares_with_a_bare_socket(tmp_path: Path) ->
     )
 
 
+def test_the_round_trip_benchmark_unpinned_leaves_placement_to_the_scheduler(
+    tmp_path: Path,
+) -> None:
+    result = _bench_json(tmp_path, "round_trip", "--trips", "20", "--unpinned")
+    assert result["cores"] is None
+    assert result["tcp"]["trips"] == result["p2p_kv_plain"]["trips"] == 20
+
+
 def test_the_cli_refuses_a_mistyped_flag_and_passes_help_to_a_benchmark() -> None:
     """``p2p-kv model --presets bench`` built the tiny model (exit 0);
     ``p2p-kv bench waker --help`` printed the bench command's usage, not
