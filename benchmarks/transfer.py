@@ -442,7 +442,9 @@ def run(
             vllm_reason = f"{type(exc).__name__}: {exc}"
     trips: RoundTrips | None = None
     try:
-        trips = RoundTrips(("tcp", "p2p_kv"))
+        # Left to the scheduler, as the fetches measured beside them are:
+        # the floor of a fetch must not cross cores its fetch did not.
+        trips = RoundTrips(("tcp", "p2p_kv"), pinned=False)
         with RawNixlPair() as raw:
             for bs in dict.fromkeys(b for b, _ in cells):
                 counts = [n for b, n in cells if b == bs]
