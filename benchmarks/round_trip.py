@@ -328,8 +328,8 @@ class RoundTrips:
         self, names: tuple[str, ...] = tuple(ENDS), pinned: bool = True
     ) -> None:
         self.ends: dict[str, Any] = {}
-        cores = _two_cores() if pinned else None
-        self._client_core = cores[0] if cores else None
+        #: (the client's core, the echoes' core), or None: unpinned
+        self.cores = cores = _two_cores() if pinned else None
         with contextlib.ExitStack() as undo:  # closes those made if one fails
             # The echoes inherit the affinity they are spawned with.
             with _on_core(cores[1] if cores else None):
@@ -337,7 +337,6 @@ class RoundTrips:
                     self.ends[name] = end = ENDS[name]()
                     undo.callback(end.close)
             undo.pop_all()
-        self.cores = cores
         for _ in range(5):  # warm-ups: the connections' first trips
             for end in self.ends.values():
                 end.trip()
@@ -346,7 +345,7 @@ class RoundTrips:
         """``trips`` of each, interleaved trip by trip (the machine's noise
         falls on all alike), each from idle, the client on its core."""
         samples: dict[str, list[float]] = {name: [] for name in self.ends}
-        with _on_core(self._client_core):
+        with _on_core(self.cores[0] if self.cores else None):
             for _ in range(trips):
                 for name, end in self.ends.items():
                     time.sleep(GAP_S)

@@ -340,9 +340,8 @@ class ControlTransport:
                 wait_s = min(wait_s, listener.paused_until - now)
         if self._lingering:
             wait_s = min(wait_s, CLOSE_LINGER_S)
-        wait_ms = math.ceil(wait_s * 1000)
         try:
-            ready = self._poller.poll(wait_ms if wait_ms > 0 else 0)
+            ready = self._poller.poll(max(0, math.ceil(wait_s * 1000)))
         except InterruptedError:
             ready = []
         if len(ready) == 1 and not self._lingering and not self._backlog:
