@@ -51,8 +51,8 @@ from benchmarks.raw_nixl import RawNixlPair
 from benchmarks.vs_intree import (
     engine_common,
     hit,
+    hit_phases,
     median,
-    phases,
     produce,
     producer_port,
     prompt,
@@ -219,11 +219,8 @@ def _intree_round(
 
 def _phases(hits: list[dict[str, Any]]) -> dict[str, float]:
     """Median time per phase of ``hits`` (engine B's timestamps), ms."""
-    keys = phases(hits[0]["phases"], hits[0]["ms"])
-    return {
-        k: round(median([phases(h["phases"], h["ms"]).get(k, 0) for h in hits]), 2)
-        for k in keys
-    }
+    keys = hit_phases(hits[0])
+    return {k: round(median([hit_phases(h).get(k, 0) for h in hits]), 2) for k in keys}
 
 
 def _row(length: int, s: _Samples) -> dict[str, Any]:

@@ -154,8 +154,18 @@ def hit(
     return out
 
 
-def phases(p: dict[str, list[float]], total_ms: float) -> dict[str, float]:
-    """A hit's time by phase, in ms, from the engine-side timestamps."""
+def phases(
+    p: dict[str, list[float]],
+    total_ms: float,
+    spans: dict[str, list[float]] | None = None,
+) -> dict[str, float]:
+    """A hit's time by phase, in ms, from the engine-side timestamps. The
+    fetch splits into ``in_submit`` (inside ``submit_load``: a READ on one
+    host, or a same-host copy, ends there) and ``to_result`` (until the
+    engine's step that sees the result); ``spans`` (the data plane's time
+    in each kind of work, summed) add ``read_posts`` (NIXL posts, UCX's
+    copy inside them on one host), ``staging_copy`` (out of read staging)
+    and ``same_host_copy``."""
 
     def first(name: str) -> float | None:
         return p[name][0] if name in p else None
@@ -172,12 +182,22 @@ def phases(p: dict[str, list[float]], total_ms: float) -> dict[str, float]:
         out["to_fetch"] = load - hit
     if load is not None and done is not None:
         out["fetch"] = done - load
+        if (submitted := first("submit_load_end")) is not None:
+            out["in_submit"] = submitted - load
+            out["to_result"] = done - submitted
+    for name, (ms, _calls) in (spans or {}).items():
+        out[name] = ms
     if "copy_in" in p and copy_end is not None:
         out["copy_in"] = copy_end - p["copy_in"][0]
     if copy_end is not None:
         out["after_copy"] = total_ms - copy_end
     out["steps"] = p.get("step", [0, 0, 0])[2]
     return out
+
+
+def hit_phases(hit: dict[str, Any]) -> dict[str, float]:
+    """:func:`phases` of one traced hit (as :func:`hit` returns it)."""
+    return phases(hit["phases"], hit["ms"], hit.get("spans"))
 
 
 def _idle(engines: dict[str, EngineProcess], seconds: float) -> dict[str, Any]:
@@ -294,11 +314,8 @@ def _tier_run(
                 "cached_tokens": int(median([h["cached"] for h in hits])),
                 "identical": identical,
                 "phases_ms": {
-                    k: round(
-                        median([phases(h["phases"], h["ms"]).get(k, 0) for h in hits]),
-                        2,
-                    )
-                    for k in phases(hits[0]["phases"], hits[0]["ms"])
+                    k: round(median([hit_phases(h).get(k, 0) for h in hits]), 2)
+                    for k in hit_phases(hits[0])
                 },
             }
         say(progress, f"{tier}: idle engines ({idle_s:.0f} s)")
@@ -316,9 +333,7 @@ def _tier_run(
         return {
             "ttft_ms": round(h["ms"], 1),
             "blocks": h["blocks"],
-            "phases_ms": {
-                k: round(v, 2) for k, v in phases(h["phases"], h["ms"]).items()
-            },
+            "phases_ms": {k: round(v, 2) for k, v in hit_phases(h).items()},
         }
 
     return {

@@ -71,6 +71,19 @@ def test_bench_floor_measures_every_path_against_its_floor(tmp_path: Path) -> No
     assert row["paths"]["same_host"]["same_host_reads"] > 0
     assert row["paths"]["nixl"]["cached_by_source"] == {"p2p": 256}
     assert result["targets"] == {"nixl": None, "same_host": None}
+    # The fetch phase split by the engine's own timestamps: the NIXL path
+    # READs (posts timed) into staging and copies out of it; the same-host
+    # path copies out of A's region and posts nothing.
+    nixl, same = (
+        row["paths"]["nixl"]["phases_ms"],
+        row["paths"]["same_host"]["phases_ms"],
+    )
+    for ph in (nixl, same):
+        assert ph["fetch"] > 0 and ph["in_submit"] > 0 and ph["to_result"] >= 0, ph
+        assert ph["in_submit"] <= ph["fetch"] + 0.01, ph
+    assert nixl["read_posts"] > 0 and nixl["staging_copy"] > 0, nixl
+    assert "same_host_copy" not in nixl, nixl
+    assert same["same_host_copy"] > 0 and "read_posts" not in same, same
 
     # The table prints the same result.
     from benchmarks.floor import print_table

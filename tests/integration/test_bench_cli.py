@@ -258,6 +258,46 @@ def test_vs_intree_says_a_target_of_lengths_not_run_was_not_measured() -> None:
     assert short["speedup_vs_intree_ge_5x_up_to_256"] is True
 
 
+def test_a_hits_fetch_phase_splits_into_its_submit_the_wait_and_the_copies() -> None:
+    """benchmarks/vs_intree.py's phases on made-up engine timestamps: the
+    fetch (``submit_load`` to the step that sees the result) is the time
+    inside ``submit_load`` plus the wait for that step, and the data
+    plane's spans (summed per kind of work) are reported as they came."""
+    from benchmarks.vs_intree import hit_phases
+
+    def at(ms: float, calls: int = 1) -> list[float]:
+        return [ms, ms, calls]
+
+    traced = {
+        "ms": 30.0,
+        "phases": {
+            "new_request": at(0.5),
+            "lookup_retry": at(1.0, 32),
+            "lookup_hit": at(3.0, 32),
+            "submit_load": at(4.0),
+            "submit_load_end": at(8.5),
+            "load_done": at(9.5),
+            "copy_in": at(10.0),
+            "copy_in_end": [10.0, 13.0, 2],
+            "step": at(0.6, 4),
+        },
+        "spans": {"read_posts": [2.4, 4], "staging_copy": [1.7, 4]},
+    }
+    ph = hit_phases(traced)
+    assert ph["fetch"] == pytest.approx(5.5)
+    assert ph["in_submit"] == pytest.approx(4.5)
+    assert ph["to_result"] == pytest.approx(1.0)
+    assert ph["in_submit"] + ph["to_result"] == pytest.approx(ph["fetch"])
+    assert ph["read_posts"] == 2.4 and ph["staging_copy"] == 1.7
+    assert ph["copy_in"] == pytest.approx(3.0) and ph["after_copy"] == 17.0
+    assert ph["lookup"] == pytest.approx(2.0) and ph["steps"] == 4
+    # A hit traced before the split existed (no end mark, no spans).
+    del traced["phases"]["submit_load_end"], traced["spans"]
+    old = hit_phases(traced)
+    assert "in_submit" not in old and "read_posts" not in old
+    assert old["fetch"] == pytest.approx(5.5)
+
+
 def test_floor_is_the_primary_hit_plus_the_bytes_at_the_raw_read_rate() -> None:
     """benchmarks/floor.py's arithmetic and verdicts on made-up samples:
     the floor, each path's ratio to it, the 1.2x target from 1,024 tokens

@@ -251,6 +251,8 @@ class _Child:
         self.steps = 0
         #: (event, perf_counter) while a generate runs with "trace" set
         self.events: list[tuple[str, float]] | None = None
+        #: label -> [seconds, calls] of the data plane's work, same window
+        self.spans: dict[str, list[float]] = {}
         if self.has_tier:
             self._install_trace()
 
@@ -259,11 +261,34 @@ class _Child:
         same way for any tier (ours or vLLM's in-tree one): the benchmarks
         compare where the time goes, not just the totals. Costs a branch per
         call while nothing is traced."""
+        from nixl._api import nixl_agent
+
         from p2p_kv.adapter.cpu_spec import HostCopyWorker
+        from p2p_kv.data.shm_copy import HostCopier
+        from p2p_kv.data.staged import StagingMemory
 
         def mark(name: str) -> None:
             if self.events is not None:
                 self.events.append((name, time.perf_counter()))
+
+        def span(owner: Any, name: str, label: str) -> None:
+            """Time every call of ``owner.name`` while a trace runs: the
+            fetch phase split into the data plane's copies and the rest."""
+            fn = getattr(owner, name)
+
+            @functools.wraps(fn)
+            def timed(*args: Any, **kwargs: Any) -> Any:
+                if self.events is None:
+                    return fn(*args, **kwargs)
+                t0 = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    total = self.spans.setdefault(label, [0.0, 0])
+                    total[0] += time.perf_counter() - t0
+                    total[1] += 1
+
+            setattr(owner, name, timed)
 
         loads: set[int] = set()
 
@@ -300,7 +325,7 @@ class _Child:
                 lambda *a: None,
                 lambda r: mark(f"lookup_{getattr(r, 'name', r)}".lower()),
             )
-            wrap(tier, "submit_load", on_load)
+            wrap(tier, "submit_load", on_load, lambda r: mark("submit_load_end"))
             fn = tier.get_finished_jobs
             tier.get_finished_jobs = lambda: on_results(fn())
         if not getattr(HostCopyWorker, "_p2p_kv_traced", False):
@@ -311,6 +336,10 @@ class _Child:
                 lambda r: mark("copy_in_end"),
             )
             HostCopyWorker._p2p_kv_traced = True  # type: ignore[attr-defined]
+            # One engine a process: the classes are timed once, for it.
+            span(nixl_agent, "transfer", "read_posts")  # UCX's CMA copies inside
+            span(StagingMemory, "copy_out", "staging_copy")
+            span(HostCopier, "copy", "same_host_copy")
         wrap(self.llm.llm_engine, "step", lambda *a: mark("step"))
 
     def tier(self) -> Any:
@@ -383,6 +412,7 @@ class _Child:
         )
         trace = bool(msg.get("trace")) and self.has_tier
         self.events = [] if trace else None
+        self.spans = {}
         t0 = time.perf_counter()
         prompts: Any = [{"prompt_token_ids": msg["ids"]}]
         (out,) = self.llm.generate(prompts, sp, use_tqdm=False)
@@ -401,6 +431,9 @@ class _Child:
                 first[1] = ms
                 first[2] += 1
             reply["phases"] = phases
+            reply["spans"] = {
+                k: [round(v[0] * 1000, 3), int(v[1])] for k, v in self.spans.items()
+            }
             self.events = None
         return reply
 
