@@ -338,3 +338,28 @@ def test_floor_is_the_primary_hit_plus_the_bytes_at_the_raw_read_rate() -> None:
     assert floor._targets([floor._row(512, s)]) == {"nixl": None, "same_host": None}
     s.proofs = [{"ok": True}, {"ok": False}, {"ok": True}]
     assert floor._row(1024, s)["checks"]["primary_hit_from_primary_tier"] is False
+
+
+def test_a_benchmarks_consumers_keep_their_sessions_while_another_path_runs() -> None:
+    """benchmarks/harness.py's FetchPair, with a real producer process: one
+    path's fetches running for longer than the producer's liveness
+    deadline (1.5 heartbeat intervals, 0.75 s) must not cost the other
+    paths' consumers their sessions. Left unstepped, a consumer was
+    dropped and its next fetch found no hits (``p2p-kv bench transfer
+    --netns`` failed so on a slow machine)."""
+    import time
+
+    from benchmarks.harness import key, scattered_mapping
+    from benchmarks.transfer import P2PPair
+
+    with P2PPair(64 << 10, 4) as pair:
+        src, dst = scattered_mapping(4)
+        keys = [key(s) for s in src]
+        for path in pair.paths:
+            pair.fetch(path, keys, dst)
+        end = time.monotonic() + 2.0
+        while time.monotonic() < end:
+            pair.fetch("read", keys, dst)
+        for path in pair.paths:
+            out = pair.fetch(path, keys, dst)
+            assert out.ok and out.hits == len(keys), (path, out)
