@@ -162,10 +162,11 @@ def phases(
     """A hit's time by phase, in ms, from the engine-side timestamps. The
     fetch splits into ``in_submit`` (inside ``submit_load``: a READ on one
     host, or a same-host copy, ends there) and ``to_result`` (until the
-    engine's step that sees the result); ``spans`` (the data plane's time
-    in each kind of work, summed) add ``read_posts`` (NIXL posts, UCX's
-    copy inside them on one host), ``staging_copy`` (out of read staging)
-    and ``same_host_copy``."""
+    engine's step that sees the result); ``spans`` (the engine thread's
+    time in each kind of data-plane work, summed) add ``read_posts`` (NIXL
+    posts, UCX's copy inside them on one host), ``staging_copy`` (out of
+    read staging: what copy threads do beside it is not counted) and
+    ``same_host_copy``."""
 
     def first(name: str) -> float | None:
         return p[name][0] if name in p else None
