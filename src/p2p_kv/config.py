@@ -4,6 +4,12 @@ Validated once, at engine start, so that a typo or a bad value stops the
 engine with one sentence naming the key and the fix, instead of a tier that
 silently never hits. Every key has an environment variable (read when the
 key is absent), named like vLLM's own: ``VLLM_P2P_KV_<KEY>``.
+
+Where vLLM's in-tree ``p2p`` tier names a setting that means the same as
+one of ours, its name is accepted too (:data:`KEY_ALIASES`,
+:data:`ENV_ALIASES`), so a deployment swaps that tier's entry for ours and
+changes nothing else. Both names given with different values are refused:
+either would silently lose.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from p2p_kv.membership import Entry, parse_peers
 from p2p_kv.peer import Timeouts
 
 ENV_PREFIX = "VLLM_P2P_KV_"
@@ -46,6 +53,20 @@ _TIMEOUT_RANGES: dict[str, tuple[float, float]] = {
     "parked_ttl_s": (TIMEOUT_S[0], TIMEOUT_S[1]),
 }
 _TIMEOUT_KEYS = tuple(_TIMEOUT_RANGES)
+#: How often ``peers``' names are resolved again (s): a pod's address in a
+#: headless Service is followed within this; more often than every 50 ms
+#: is a resolver storm, less often than hourly follows nothing.
+PEERS_REFRESH_S = (0.05, 3600.0)
+#: Keys of vLLM's in-tree ``p2p`` tier (its ``secondary_tiers`` entry, vLLM
+#: 0.32's ``P2PSecondaryTierManager``) that mean one of ours: our key ->
+#: theirs. ``host`` and ``port`` are spelled alike already.
+KEY_ALIASES = {"parked_ttl_s": "unbound_store_timeout_s"}
+#: Environment variables of vLLM's in-tree tier (``vllm.envs``) that mean
+#: one of our keys: our key -> theirs. Read after ours, before defaults.
+ENV_ALIASES = {
+    "host": "VLLM_P2P_SIDE_CHANNEL_HOST",
+    "port": "VLLM_P2P_SIDE_CHANNEL_PORT",
+}
 
 
 class ConfigError(ValueError):
@@ -88,6 +109,8 @@ class Key:
     low: float | None = None
     high: float | None = None
     unit: str = ""
+    #: the type as the docs' table shows it ("" : the field's own)
+    shown: str = ""
 
 
 def _key(
@@ -96,8 +119,9 @@ def _key(
     low: float | None = None,
     high: float | None = None,
     unit: str = "",
+    shown: str = "",
 ) -> Any:
-    return field(default=default, metadata={"key": Key(doc, low, high, unit)})
+    return field(default=default, metadata={"key": Key(doc, low, high, unit, shown)})
 
 
 @dataclass(frozen=True)
@@ -200,6 +224,21 @@ class TierConfig:
     max_inbound_peers: int = _key(
         512, "most peers connected to this engine at once", 1, MAX_PEERS * 16
     )
+    peers: tuple[Entry, ...] | None = _key(
+        None,
+        "the fleet, as `host:port` entries (the variable: separated by "
+        "commas); a name stands for every address it resolves to; set, only "
+        "members are dialled and a request naming another source recomputes; "
+        "unset, any source a request names is dialled",
+        shown="list of str",
+    )
+    peers_refresh_s: float = _key(
+        10.0,
+        "how often the names in `peers` are resolved again, off the engine's "
+        "thread (pods that come and go are followed)",
+        *PEERS_REFRESH_S,
+        "s",
+    )
 
     @classmethod
     def from_dict(
@@ -207,7 +246,8 @@ class TierConfig:
     ) -> TierConfig:
         env = os.environ if env is None else env
         known = {f.name: f for f in fields(cls)}
-        unknown = sorted(set(raw) - set(known))
+        accepted = set(known) | set(KEY_ALIASES.values())
+        unknown = sorted(set(raw) - accepted)
         if unknown:
             guesses = [
                 f"{k!r} -> {close[0]!r}"
@@ -230,18 +270,34 @@ class TierConfig:
         values: dict[str, Any] = {}
         sources: dict[str, str] = {}
         for name, f in known.items():
-            source = f"secondary_tiers[].{name}"
-            if name in raw:
-                value: Any = raw[name]
-            elif ENV_PREFIX + name.upper() in env:
-                source = ENV_PREFIX + name.upper()
-                value = env[source]
-            else:
+            # Each level in turn: the entry's keys, then the variables. A
+            # key wins over any variable (vLLM's in-tree tier does the same);
+            # two names of one level must agree.
+            keys = [k for k in (name, KEY_ALIASES.get(name)) if k and k in raw]
+            found = [
+                (at, _coerce(name, f.type, raw[k], at, False))
+                for k in keys
+                if (at := f"secondary_tiers[].{k}")
+            ]
+            if not found:
+                found = [
+                    (var, _coerce(name, f.type, env[var], var, True))
+                    for var in (ENV_PREFIX + name.upper(), ENV_ALIASES.get(name))
+                    if var and var in env
+                ]
+            if not found:
                 continue
-            sources[name] = source
-            values[name] = _coerce(
-                name, f.type, value, source, from_env=source.startswith(ENV_PREFIX)
-            )
+            (source, value), *others = found
+            for other, theirs in others:
+                if theirs != value:
+                    raise ConfigError(
+                        f"p2p_kv: {_named(source)} and {_named(other)} (vLLM's "
+                        f"in-tree p2p tier's name for {name!r}) disagree: "
+                        f"{_shown(name, value)} against {_shown(name, theirs)}; "
+                        "set one of them",
+                        env=other if not other.startswith("secondary_tiers") else "",
+                    )
+            sources[name], values[name] = source, value
         cfg = cls(**values)
         cfg._check(sources)
         return cfg
@@ -252,10 +308,10 @@ class TierConfig:
         which of the two to fix."""
 
         def bad(name: str, text: str) -> ConfigError:
-            env = (sources or {}).get(name, "")
-            if not env.startswith(ENV_PREFIX):
+            source = (sources or {}).get(name, "")
+            if not source or source.startswith("secondary_tiers"):
                 return ConfigError(f"p2p_kv: {name} {text}")
-            return ConfigError(f"p2p_kv: {name} (from {env}) {text}", env=env)
+            return ConfigError(f"p2p_kv: {name} (from {source}) {text}", env=source)
 
         for f in fields(self):
             key: Key | None = f.metadata.get("key")
@@ -352,9 +408,15 @@ def markdown_table() -> str:
     ]
     for f in fields(TierConfig):
         key: Key = f.metadata["key"]
-        kind = str(f.type).replace(" | None", "")
+        kind = key.shown or str(f.type).replace(" | None", "")
+        name = f"`{f.name}`"
+        if f.name in KEY_ALIASES:
+            name += f", `{KEY_ALIASES[f.name]}`"
+        variable = f"`{ENV_PREFIX}{f.name.upper()}`"
+        if f.name in ENV_ALIASES:
+            variable += f", `{ENV_ALIASES[f.name]}`"
         lines.append(
-            f"| `{f.name}` | `{ENV_PREFIX}{f.name.upper()}` | {kind} | "
+            f"| {name} | {variable} | {kind} | "
             f"{shown(f.default)} | {span(key)} | {key.doc} |"
         )
     return "\n".join(lines) + "\n"
@@ -404,7 +466,21 @@ def check_nixl() -> None:
         ) from None
 
 
-def _coerce(name: str, kind: Any, value: Any, source: str, *, from_env: bool) -> Any:
+def _named(source: str) -> str:
+    """A value's source as a message names it: the key, or the variable."""
+    return source.removeprefix("secondary_tiers[].")
+
+
+def _shown(name: str, value: Any) -> str:
+    """A value as a message may show it (never the secret's)."""
+    if name == "secret":
+        return "another secret"
+    if name == "peers" and value is not None:
+        return repr([str(e) for e in value])
+    return repr(value)
+
+
+def _coerce(name: str, kind: Any, value: Any, source: str, from_env: bool) -> Any:
     """The key's value as its type. A config file's JSON carries types, and
     a value of the wrong one is refused, not cast: ``"5800"`` for a port,
     ``2.9`` peers, ``true`` milliseconds, or ``false`` as the secret (cast,
@@ -412,6 +488,8 @@ def _coerce(name: str, kind: Any, value: Any, source: str, *, from_env: bool) ->
     is parsed."""
     kind = str(kind)
     what = kind if kind in ("int", "float", "bool") else "string"
+    if name == "peers":
+        return _coerce_peers(value, source, from_env)
     try:
         if from_env:
             if kind.startswith("str"):
@@ -451,3 +529,20 @@ def _coerce(name: str, kind: Any, value: Any, source: str, *, from_env: bool) ->
             f"p2p_kv: {shown} is not a valid {what} for {name!r}",
             env=source if from_env else "",
         ) from None
+
+
+def _coerce_peers(value: Any, source: str, from_env: bool) -> tuple[Entry, ...]:
+    """``peers``: a JSON list of ``host:port`` strings, or its variable's
+    entries separated by commas. A single string in the entry is refused:
+    JSON's types are kept, and a list says where each entry ends."""
+    if not from_env and (isinstance(value, str) or not isinstance(value, list)):
+        raise ConfigError(
+            f"p2p_kv: {source}={value!r} is not a list of 'host:port' strings "
+            'for \'peers\' (write ["10.0.0.5:5800", "p2p.fleet.svc:5800"])'
+        )
+    try:
+        return parse_peers(value)
+    except ValueError as exc:
+        if not from_env:
+            raise ConfigError(f"p2p_kv: {exc}") from None
+        raise ConfigError(f"p2p_kv: {exc} (from {source})", env=source) from None

@@ -27,6 +27,7 @@ make the other recompute.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -35,6 +36,7 @@ from p2p_kv.consumer_legs import Answer as Answer
 from p2p_kv.consumer_legs import Loads
 from p2p_kv.handshake import FrameRefused, Identity
 from p2p_kv.indexes import holders_of, residue_of, sizes_of
+from p2p_kv.membership import Membership
 from p2p_kv.parked import ParkedRegistry
 from p2p_kv.peer import (
     Limits,
@@ -92,6 +94,7 @@ class LoadManager:
         reads: bool = True,
         max_peers: int = 256,
         max_inbound: int = 512,
+        membership: Membership | None = None,
     ) -> None:
         # The engine's identity may be known only after start-up (vLLM seeds
         # its block hashes after the tier is built), so it can come lazily.
@@ -113,6 +116,8 @@ class LoadManager:
         self.requests = RequestTable()
         self.jobs = JobTable()
         self.loads = Loads(self, self.requests, self.jobs, self.peers, self._touch)
+        #: who may be dialled (the ``peers`` key; without it, anyone)
+        self.membership = membership or Membership()
 
     @property
     def me(self) -> Identity:
@@ -140,7 +145,15 @@ class LoadManager:
         first, as if finished (a finished request is never failed, and its
         loads are fenced by generation). The id's later finish cannot say
         which request it meant; it ends this one, which then recomputes:
-        never wrong bytes."""
+        never wrong bytes.
+
+        A source outside the membership is dropped here, before anything
+        could dial it: the request recomputes what it would have loaded
+        (its decoder leg stays), counted in ``membership.refused``."""
+        source = roles.source
+        if source is not None and not self.membership.admits(source.peer):
+            self.membership.refuse(source.peer)
+            roles = dataclasses.replace(roles, source=None)
         old = self.requests.pop(req_id)
         carried = False
         if old is not None:
@@ -475,7 +488,11 @@ class LoadManager:
 
     @property
     def limit_refusals(self) -> dict[str, int]:
-        return self.tallies.limit_refusals()
+        """Refusals no session counts, by reason (exported as ``refusals``,
+        peer ``unknown``): dials refused at ``max_peers``, connections at
+        ``max_inbound_peers``, and sources outside the membership
+        (``not_a_member``), whose address a client chose."""
+        return {**self.tallies.limit_refusals(), **self.membership.refused}
 
     def has_unsent(self) -> bool:
         """A session changed since the last pump and holds output for it."""

@@ -314,3 +314,139 @@ def test_every_key_has_a_line_and_a_variable() -> None:
             continue  # any text is a string
         with pytest.raises(ConfigError, match=f"VLLM_P2P_KV_{f.name.upper()}"):
             TierConfig.from_dict({}, env=env)
+
+
+# -- vLLM's in-tree p2p tier's names, and the fleet ---------------------------
+# vLLM 0.32's P2PSecondaryTierManager (vllm/v1/kv_offload/tiering/p2p/
+# manager.py) takes ``host``, ``port`` and ``unbound_store_timeout_s`` from
+# its entry and falls back to VLLM_P2P_SIDE_CHANNEL_HOST / _PORT (vllm/envs.py).
+
+
+def test_the_in_tree_tiers_names_are_taken() -> None:
+    """A deployment of vLLM's in-tree tier swaps its entry for ours and
+    keeps its variables and its parked-store timeout."""
+    cfg = TierConfig.from_dict(
+        {"unbound_store_timeout_s": 90},
+        env={
+            "VLLM_P2P_SIDE_CHANNEL_HOST": "127.0.0.2",
+            "VLLM_P2P_SIDE_CHANNEL_PORT": "7777",
+        },
+    )
+    assert (cfg.host, cfg.port, cfg.parked_ttl_s) == ("127.0.0.2", 7777, 90.0)
+    assert cfg.timeouts().parked_wait_s == 90.0
+
+
+def test_our_names_and_theirs_may_agree() -> None:
+    cfg = TierConfig.from_dict(
+        {"parked_ttl_s": 30, "unbound_store_timeout_s": 30.0},
+        env={"VLLM_P2P_KV_PORT": "7777", "VLLM_P2P_SIDE_CHANNEL_PORT": "7777"},
+    )
+    assert (cfg.parked_ttl_s, cfg.port) == (30.0, 7777)
+
+
+def test_a_key_wins_over_either_variable() -> None:
+    """As in vLLM's tier: the entry's key, then the variable."""
+    cfg = TierConfig.from_dict(
+        {"port": 7000, "host": "127.0.0.3"},
+        env={
+            "VLLM_P2P_SIDE_CHANNEL_PORT": "7777",
+            "VLLM_P2P_SIDE_CHANNEL_HOST": "10.0.0.9",
+        },
+    )
+    assert (cfg.host, cfg.port) == ("127.0.0.3", 7000)
+
+
+def test_two_names_of_one_setting_that_disagree_are_refused() -> None:
+    with pytest.raises(
+        ConfigError,
+        match=r"parked_ttl_s and unbound_store_timeout_s \(vLLM's in-tree p2p "
+        r"tier's name for 'parked_ttl_s'\) disagree: 30\.0 against 60\.0; set "
+        r"one of them",
+    ):
+        TierConfig.from_dict(
+            {"parked_ttl_s": 30, "unbound_store_timeout_s": 60}, env={}
+        )
+    with pytest.raises(
+        ConfigError,
+        match=r"VLLM_P2P_KV_PORT and VLLM_P2P_SIDE_CHANNEL_PORT .*disagree: "
+        r"6000 against 7777",
+    ) as err:
+        TierConfig.from_dict(
+            {},
+            env={"VLLM_P2P_KV_PORT": "6000", "VLLM_P2P_SIDE_CHANNEL_PORT": "7777"},
+        )
+    assert err.value.env == "VLLM_P2P_SIDE_CHANNEL_PORT"
+
+
+def test_a_bad_value_under_their_name_names_it() -> None:
+    with pytest.raises(
+        ConfigError, match=r"VLLM_P2P_SIDE_CHANNEL_PORT='x' is not a valid int"
+    ):
+        TierConfig.from_dict({}, env={"VLLM_P2P_SIDE_CHANNEL_PORT": "x"})
+    with pytest.raises(
+        ConfigError, match=r"port \(from VLLM_P2P_SIDE_CHANNEL_PORT\) 70000 is not in"
+    ):
+        TierConfig.from_dict({}, env={"VLLM_P2P_SIDE_CHANNEL_PORT": "70000"})
+    with pytest.raises(
+        ConfigError,
+        match=r"secondary_tiers\[\]\.unbound_store_timeout_s='60' is not a valid float",
+    ):
+        TierConfig.from_dict({"unbound_store_timeout_s": "60"}, env={})
+
+
+def test_peers_are_parsed_and_deduplicated() -> None:
+    from p2p_kv.membership import Entry
+
+    cfg = TierConfig.from_dict(
+        {"peers": ["10.0.0.5:5800", "P2P.fleet.svc.:5800", "[fd00::0001]:5801"]},
+        env={},
+    )
+    assert cfg.peers == (
+        Entry("10.0.0.5", 5800),
+        Entry("p2p.fleet.svc", 5800),
+        Entry("fd00::1", 5801),
+    )
+    assert [str(e) for e in cfg.peers] == [
+        "10.0.0.5:5800",
+        "p2p.fleet.svc:5800",
+        "[fd00::1]:5801",
+    ]
+    cfg = TierConfig.from_dict(
+        {},
+        env={"VLLM_P2P_KV_PEERS": "a:1, b:2,a:1", "VLLM_P2P_KV_PEERS_REFRESH_S": "2"},
+    )
+    assert cfg.peers == (Entry("a", 1), Entry("b", 2)) and cfg.peers_refresh_s == 2.0
+    assert TierConfig.from_dict({}, env={}).peers is None
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("a:1", r"secondary_tiers\[\]\.peers='a:1' is not a list of 'host:port'"),
+        ([], r"peers lists no entry"),
+        (["a"], r"peers entry 'a' is not 'host:port'"),
+        (["a:0"], r"peers entry 'a:0' is not 'host:port' with a port of 1-65535"),
+        (["fd00::1:5800"], r"an IPv6 address goes in brackets"),
+        (["a b:1"], r"peers entry 'a b:1'"),
+        ([5800], r"peers entry 5800 is not a string"),
+    ],
+)
+def test_a_bad_peers_entry_says_how_to_write_it(value: object, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        TierConfig.from_dict({"peers": value}, env={})
+
+
+def test_a_bad_peers_variable_is_named() -> None:
+    with pytest.raises(
+        ConfigError, match=r"peers entry 'x' .*\(from VLLM_P2P_KV_PEERS\)"
+    ) as err:
+        TierConfig.from_dict({}, env={"VLLM_P2P_KV_PEERS": "a:1,x"})
+    assert err.value.env == "VLLM_P2P_KV_PEERS"
+
+
+@pytest.mark.parametrize("value", [0.0, 0.01, 3601])
+def test_peers_refresh_is_bounded(value: float) -> None:
+    with pytest.raises(
+        ConfigError, match=r"peers_refresh_s .* is not in 0\.05\.\.3600 s"
+    ):
+        TierConfig.from_dict({"peers_refresh_s": value}, env={})
