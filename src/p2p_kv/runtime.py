@@ -51,6 +51,7 @@ from p2p_kv.peer.events import (
     RuntimeEvent,
 )
 from p2p_kv.ratelog import PeerLog
+from p2p_kv.resolver import Resolver
 from p2p_kv.roles import Roles
 from p2p_kv.transfers import Transfers
 from p2p_kv.waker import WAKER_IDLE_S, Waker
@@ -98,6 +99,7 @@ class TierRuntime:
         *,
         idle_wait_s: float = 0.2,
         clock: Callable[[], float] = time.monotonic,
+        resolver: Resolver | None = None,
     ) -> None:
         self.manager = manager
         self._control = control
@@ -126,6 +128,11 @@ class TierRuntime:
         #: set by the first close(): a second returns at once
         self._stop = threading.Event()
         self._closing = threading.Lock()
+        #: resolves the membership's names off the engine's thread (none
+        #: when ``peers`` lists no name)
+        self.resolver = resolver
+        if resolver is not None:
+            resolver.start()
 
     # ------------------------------------------------------------------
 
@@ -258,6 +265,7 @@ class TierRuntime:
         """Carry the manager's events out to the transports, in order, and
         send what every session has to say."""
         m, now = self.manager, self.clock()
+        self._follow_membership()
         m.tick(now)
         self._dials_log.warn(
             m.dials_refused,
@@ -364,7 +372,32 @@ class TierRuntime:
         once its id is reused. A count per call stayed one too high for
         good after each such reuse, and with it the engine never slept."""
         self._live.add(req_id)
-        return self.manager.on_new_request(req_id, roles, self.clock())
+        self._follow_membership()
+        replaced = self.manager.on_new_request(req_id, roles, self.clock())
+        for peer in self.manager.membership.take_reports():
+            self._peer_log.warning(
+                "not_a_member",
+                peer,
+                "a request named this address as its KV source, and it is not "
+                "in the tier's peers: not dialled, the request recomputes "
+                "(refusals reason=not_a_member counts each; list the address, "
+                "or a name resolving to it, in peers to load from it)",
+            )
+        return replaced
+
+    def _follow_membership(self) -> None:
+        """Hand the membership what the resolver found since the last call:
+        before a request is checked against it, and at every pump."""
+        if self.resolver is None:
+            return
+        membership = self.manager.membership
+        for entry, addresses in self.resolver.take().items():
+            if membership.update(entry, addresses):
+                log.info(
+                    "p2p_kv: peers entry %s now resolves to %s",
+                    entry,
+                    ", ".join(addresses) or "no address",
+                )
 
     def end_request(self, req_id: str) -> None:
         """A request of the engine's ended (idempotent, as the manager's
@@ -505,6 +538,8 @@ class TierRuntime:
                 return
             self._stop.set()
         self.waker.stop()
+        if self.resolver is not None:
+            self.resolver.stop()
         with self.lock:
             try:
                 self.manager.close_all("shutdown")

@@ -15,7 +15,7 @@ No vLLM here: only :mod:`p2p_kv.adapter` imports it.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import msgspec
 
@@ -24,7 +24,9 @@ from p2p_kv.data import NixlDataTransport, Region, drain_timeout_for
 from p2p_kv.data.staged import DEFAULT_READ_STAGING_BYTES
 from p2p_kv.handshake import Identity
 from p2p_kv.manager import LoadManager
+from p2p_kv.membership import Entry, Membership
 from p2p_kv.peer import Timeouts
+from p2p_kv.resolver import Resolve, Resolver, resolve_host
 from p2p_kv.runtime import TierRuntime, fresh_nonce
 
 #: What an engine states in its Hello, from its data plane and its control
@@ -67,10 +69,17 @@ def build_runtime(
     idle_wait_s: float = 0.2,
     clock: Callable[[], float] = time.monotonic,
     lazy_identity: bool = False,
+    peers: Sequence[Entry] | None = None,
+    peers_refresh_s: float = 10.0,
+    resolve: Resolve = resolve_host,
 ) -> TierRuntime:
     """One engine's p2p_kv over ``region`` (blocks of ``block_bytes``),
     its control socket bound to ``host:port`` (0: any free port) and its
     NIXL agent called ``name``.
+
+    ``peers``: the fleet it may dial (None: whatever a request names); its
+    names are resolved with ``resolve`` every ``peers_refresh_s``, on a
+    thread of the runtime's.
 
     The data plane's drain bound follows ``timeouts``' abort-ack deadline
     (:func:`~p2p_kv.data.drain_timeout_for`). A start that fails closes
@@ -90,6 +99,12 @@ def build_runtime(
         port,
     )
     address = control.address
+    membership = Membership(peers)
+    resolver = (
+        Resolver(membership.names, peers_refresh_s, resolve)
+        if membership.names
+        else None
+    )
     try:
         manager = LoadManager(
             (lambda: identity(data, address))
@@ -101,8 +116,16 @@ def build_runtime(
             reads=reads,
             max_peers=max_peers,
             max_inbound=max_inbound,
+            membership=membership,
         )
-        return TierRuntime(manager, control, data, idle_wait_s=idle_wait_s, clock=clock)
+        return TierRuntime(
+            manager,
+            control,
+            data,
+            idle_wait_s=idle_wait_s,
+            clock=clock,
+            resolver=resolver,
+        )
     except BaseException:
         control.close()
         data.close()

@@ -20,7 +20,9 @@ import numpy as np
 from p2p_kv.data.shm_copy import shared_region
 from p2p_kv.data.staged import DEFAULT_READ_STAGING_BYTES
 from p2p_kv.manager import Answer, JobResult, LoadManager
+from p2p_kv.membership import parse_peers
 from p2p_kv.peer import PinResult, Timeouts
+from p2p_kv.resolver import Resolve, resolve_host
 from p2p_kv.roles import Roles
 from p2p_kv.stack import build_runtime, stated_identity
 
@@ -81,6 +83,9 @@ class StandalonePeer:
         reads: bool = True,
         same_host: bool = True,
         read_staging_bytes: int = DEFAULT_READ_STAGING_BYTES,
+        peers: Sequence[str] | None = None,
+        peers_refresh_s: float = 10.0,
+        resolve: Resolve = resolve_host,
     ) -> None:
         self.region = (
             shared_region(num_blocks * block_bytes) if region is None else region
@@ -106,6 +111,9 @@ class StandalonePeer:
             read_staging_bytes=read_staging_bytes,
             reads=reads,
             idle_wait_s=idle_wait_s,
+            peers=None if peers is None else parse_peers(peers),
+            peers_refresh_s=peers_refresh_s,
+            resolve=resolve,
         )
         self.pinner = TablePinner()
         self.results: dict[int, JobResult] = {}

@@ -321,6 +321,8 @@ class P2PKVTier(SecondaryTierManager):
                 max_inbound=self.cfg.max_inbound_peers,
                 idle_wait_s=self.cfg.idle_wait_ms / 1000,
                 lazy_identity=True,
+                peers=self.cfg.peers,
+                peers_refresh_s=self.cfg.peers_refresh_s,
             )
         except BaseException as exc:
             # vLLM closes the primary region's mmap while it handles this
