@@ -189,6 +189,92 @@ def test_disaggregated_prefill_parks_then_serves(
     assert residue(a) == {} and residue(b) == {}
 
 
+# The dicts llm-d's routing sidecar injects, copied from its code
+# (llm-d/llm-d-router, pkg/sidecar/proxy/connector_p2p.go): p2pSourceParams
+# builds ``remote_kv_source`` as {kv_request_id: newUUID(), remote_host:
+# extractHost(endpoint), remote_port: p2pPortFor(endpoint)}, the port a Go
+# int (JSON number); decodeWithP2PSource sends it alone, and handleP2P (P/D
+# over the offloading connector) sends the prefill leg {remote_decoder:
+# {kv_request_id}} plus addP2PPullToPrefill's ``remote_kv_source``, then the
+# decode leg {remote_prefiller: {kv_request_id, remote_host, remote_port}}.
+
+
+def test_llm_d_sidecar_symmetric_form_loads_the_source_blocks(
+    pair: tuple[EngineProcess, EngineProcess, int], plain: EngineProcess
+) -> None:
+    """decodeWithP2PSource's body, as sent: B loads A's blocks, counts the
+    remote hit, and gives A's tokens."""
+    a, b, pa = pair
+    ids = prompt(40)
+    out_a = a.generate(ids)
+    settle(a)
+    before = b.state()["counters"]
+    params = {
+        "remote_kv_source": {
+            "kv_request_id": str(uuid.uuid4()),
+            "remote_host": "127.0.0.1",
+            "remote_port": pa,
+        }
+    }
+    out_b = b.generate(ids, params=params)
+    after = b.state()["counters"]
+    assert out_b["tokens"] == out_a["tokens"] == plain.generate(ids)["tokens"]
+    assert out_b["cached"] >= 128, out_b
+    assert after["hits"] > before.get("hits", 0), after
+    assert after["bytes_loaded"] > before.get("bytes_loaded", 0), after
+    settle(b)
+    settle(a)
+    assert residue(a) == {} and residue(b) == {}
+
+
+def test_llm_d_sidecar_pd_form_pulls_on_the_prefill_leg(
+    pair: tuple[EngineProcess, EngineProcess, int], plain: EngineProcess
+) -> None:
+    """handleP2P's two legs, in its order (prefill to completion, capped at
+    one token, then decode): B, the prefiller, pulls the prefix A holds
+    (``remote_kv_source``) and parks the prompt for its decoder
+    (``remote_decoder``); A, the decoder, loads from B the blocks it lacks
+    (``remote_prefiller``) and gives the tokens a plain engine gives."""
+    a, b, pa = pair
+    prefix, ids = prompt(41, 128), prompt(41, 128) + prompt(42, 96)
+    a.generate(prefix)  # A holds the prefix: the router's source
+    settle(a)
+    pb = b.tier_port
+    kv_request_id = str(uuid.uuid4())
+    prefill_leg = {
+        "remote_decoder": {"kv_request_id": kv_request_id},
+        "remote_kv_source": {
+            "kv_request_id": str(uuid.uuid4()),
+            "remote_host": "127.0.0.1",
+            "remote_port": pa,
+        },
+    }
+    decode_leg = {
+        "remote_prefiller": {
+            "kv_request_id": kv_request_id,
+            "remote_host": "127.0.0.1",
+            "remote_port": pb,
+        }
+    }
+    b_before, a_before = b.state()["counters"], a.state()["counters"]
+    out_prefill = b.generate(ids, params=prefill_leg, max_tokens=1)
+    settle(b)
+    b_after = b.state()
+    assert out_prefill["cached"] >= 128, out_prefill  # the prefix came from A
+    assert b_after["counters"]["bytes_loaded"] > b_before.get("bytes_loaded", 0)
+    assert b_after["report"]["parked_stores"] > 0, b_after["report"]
+    out_decode = a.generate(ids, params=decode_leg)
+    a_after = a.state()["counters"]
+    assert out_decode["tokens"] == plain.generate(ids)["tokens"]
+    assert out_decode["tokens"][0] == out_prefill["tokens"][0]
+    # A computed none of B's blocks: 128 tokens its own, the rest B's.
+    assert out_decode["cached"] > 128, out_decode
+    assert a_after["bytes_loaded"] > a_before.get("bytes_loaded", 0), a_after
+    settle(a)
+    settle(b)
+    assert residue(a) == {} and residue(b) == {}
+
+
 def test_idle_engine_with_tier_stays_idle(
     pair: tuple[EngineProcess, EngineProcess, int],
 ) -> None:
