@@ -450,3 +450,19 @@ def test_peers_refresh_is_bounded(value: float) -> None:
         ConfigError, match=r"peers_refresh_s .* is not in 0\.05\.\.3600 s"
     ):
         TierConfig.from_dict({"peers_refresh_s": value}, env={})
+
+
+def test_the_docs_peers_examples_parse_as_written() -> None:
+    """docs/configuration.md's ``peers`` key and variable, as shown."""
+    import json
+    import re
+    from pathlib import Path
+
+    docs = (Path(__file__).resolve().parents[2] / "docs/configuration.md").read_text()
+    key = re.search(r"`peers` lists the fleet: `(\[.*?\])`", docs)
+    var = re.search(r"`VLLM_P2P_KV_PEERS=([^`]+)`", docs)
+    assert key is not None and var is not None
+    by_key = TierConfig.from_dict({"peers": json.loads(key.group(1))}, env={})
+    by_var = TierConfig.from_dict({}, env={"VLLM_P2P_KV_PEERS": var.group(1)})
+    assert by_key.peers == by_var.peers and by_key.peers is not None
+    assert [str(e) for e in by_key.peers] == ["10.0.0.5:7777", "p2p-kv.fleet.svc:7777"]
