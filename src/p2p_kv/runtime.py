@@ -8,8 +8,11 @@ from. The adapter calls it from vLLM's scheduler thread. What happens on
 each side of the manager has a module of its own, each a part the runtime
 owns and drives under its lock: frames in and out
 (:class:`~p2p_kv.frames.Frames`), the data plane's agents and transfers
-(:class:`~p2p_kv.transfers.Transfers`), and the keep-alive thread that
-answers peers while the engine does not step (:class:`~p2p_kv.waker.Waker`).
+(:class:`~p2p_kv.transfers.Transfers`), the keep-alive thread that
+answers peers while the engine does not step (:class:`~p2p_kv.waker.Waker`),
+and, with ``peers`` naming hosts, the thread that resolves them
+(:class:`~p2p_kv.resolver.Resolver`), whose findings reach the manager's
+membership here, under the lock.
 Here stay the poll loop, the pump that carries the manager's events out,
 and the engine's entry points.
 

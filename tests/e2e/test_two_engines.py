@@ -275,6 +275,46 @@ def test_llm_d_sidecar_pd_form_pulls_on_the_prefill_leg(
     assert residue(a) == {} and residue(b) == {}
 
 
+def test_an_engine_with_peers_dials_only_members(
+    pair: tuple[EngineProcess, EngineProcess, int],
+) -> None:
+    """The ``peers`` key through vLLM's tier factory: C lists A only. A
+    request naming B (a live p2p_kv engine, not listed) recomputes and B
+    never hears from C; one naming A loads A's blocks (and A does hear)."""
+    a, b, pa = pair
+    pb = b.tier_port
+    model = str(ensure_model(TINY, REPO / ".cache"))
+    spec = EngineSpec(
+        model,
+        f"p2pkv-members-{uuid.uuid4().hex[:6]}",
+        tier={"heartbeat_ms": 200, "port": 0, "peers": [f"127.0.0.1:{pa}"]},
+    )
+    stranger, member = prompt(43), prompt(44)
+    b.generate(stranger)
+    a.generate(member)
+    settle(a)
+    settle(b)
+    with EngineProcess(spec) as c:
+        out = c.generate(stranger, params=source("kv-stranger", pb))
+        st = c.state()["counters"]
+        assert out["cached"] == 0, out
+        assert st["limit_refusals"] == {"not_a_member": 1}, st
+        assert st["lookups"] == 0 and st["peer_engines"] == [], st
+        out = c.generate(member, params=source("kv-member", pa))
+        assert out["cached"] >= 128, out
+        assert c.state()["counters"]["bytes_loaded"] > 0
+        settle(b)
+        settle(a)
+        # A peer names itself by its tier's address in its Hello.
+        me = f"127.0.0.1:{c.tier_port}/"
+        assert not any(e.startswith(me) for e in b.state()["counters"]["peer_engines"])
+        assert any(e.startswith(me) for e in a.state()["counters"]["peer_engines"])
+        settle(c)
+        assert residue(c) == {}
+    settle(a)
+    assert residue(a) == {}
+
+
 def test_idle_engine_with_tier_stays_idle(
     pair: tuple[EngineProcess, EngineProcess, int],
 ) -> None:

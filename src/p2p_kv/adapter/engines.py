@@ -498,6 +498,11 @@ def _counters(tier: Any) -> dict[str, Any]:
         "loads_fetched": sum(s.counters.loads_fetched for s in sessions),
         "loads_written": sum(s.counters.loads_written for s in sessions),
         "refusals": {f"{p}:{r}": n for (p, r), n in m.refusals.items()},
+        "limit_refusals": dict(m.limit_refusals),
+        # who each live session is with: its peer's engine id once known
+        "peer_engines": sorted(
+            s.peer_hello.engine_id if s.peer_hello else s.peer for s in sessions
+        ),
         "fallbacks": dict(m.fallbacks),
         "failures": [dict(s.counters.failures) for s in sessions],
         "protocol_errors": [dict(s.counters.protocol_errors) for s in sessions],
