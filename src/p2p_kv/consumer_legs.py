@@ -16,6 +16,7 @@ from enum import Enum
 from typing import Protocol
 
 from p2p_kv.handshake import Identity
+from p2p_kv.membership import Membership
 from p2p_kv.peer import Session
 from p2p_kv.peer.events import LoadResult
 from p2p_kv.peers import Peers
@@ -44,12 +45,14 @@ class Loads:
         jobs: JobTable,
         peers: Peers,
         touch: Callable[[Session], None],
+        membership: Membership,
     ) -> None:
         self._settings = settings
         self._requests = requests
         self._jobs = jobs
         self._peers = peers
         self._touch = touch
+        self._membership = membership
 
     def start(self, req_id: str, now: float) -> None:
         """A request with a consumer leg began: dial its peer now, so the
@@ -102,6 +105,14 @@ class Loads:
                 continue
             keys, consumer.unsent = consumer.unsent, []
             peer = consumer.source.peer
+            if peer not in self._peers.sessions and not self._membership.admits(peer):
+                # Its session lost, and its peer left the fleet since the
+                # request began: not dialled again; it misses from now on.
+                self._membership.refuse(peer)
+                consumer.refused = True
+                consumer.keys.update(dict.fromkeys(keys, False))
+                consumer.asked.difference_update(keys)
+                continue
             session = self._peers.session_for(peer, now, self._requests.by_peer)
             if session is None:
                 # Refused for max_peers, the request is counted once and

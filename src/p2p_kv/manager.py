@@ -115,9 +115,11 @@ class LoadManager:
         self.parked = ParkedRegistry(self, self.peers.sessions.get, self._touch)
         self.requests = RequestTable()
         self.jobs = JobTable()
-        self.loads = Loads(self, self.requests, self.jobs, self.peers, self._touch)
         #: who may be dialled (the ``peers`` key; without it, anyone)
         self.membership = membership or Membership()
+        self.loads = Loads(
+            self, self.requests, self.jobs, self.peers, self._touch, self.membership
+        )
 
     @property
     def me(self) -> Identity:
@@ -131,6 +133,7 @@ class LoadManager:
     fallbacks = FromTallies[dict[str, int]]()
     load_observations = FromTallies[deque[LoadObservation]]()
     retired_sessions = FromTallies[deque[Session]]()
+    dial_failures = FromTallies[dict[str, int]]()
     dials_refused = FromTallies[int]()
     double_results = FromTallies[int]()
 
@@ -294,6 +297,15 @@ class LoadManager:
         """Keys of every peer's Fetches waiting for stores we have yet to
         park (Limits.engine_waiting_fetch_keys)."""
         return self.peers.waiting_keys.keys
+
+    def on_dial_failed(self, peer: str, reason: str) -> None:
+        """Our dial to ``peer`` ended before its handshake, for ``reason``
+        (one of the control plane's codes): the requests naming it
+        recompute, and the count tells an operator which address a router
+        sends them to is wrong, and how."""
+        self.tallies.dial_failures[reason] = (
+            self.tallies.dial_failures.get(reason, 0) + 1
+        )
 
     def on_bad_frame(self, peer: str, reason: str) -> None:
         """A frame that did not decode: counted, the session goes on."""

@@ -143,3 +143,31 @@ def test_a_refused_source_is_exported_as_a_refusal_by_reason() -> None:
     exporter.collect(m, sink)
     exporter.collect(m, sink)  # increments, not totals
     assert sink.counters[(REFUSALS, ("unknown", NOT_A_MEMBER))] == 3
+
+
+def test_a_source_that_left_the_fleet_is_not_dialled_again() -> None:
+    """A request admitted while its source was a member, whose session is
+    then lost, is not re-dialled once the source has left the fleet."""
+    name = Entry("fleet.svc", 5800)
+    members = Membership([name])
+    members.update(name, ["10.0.0.7"])
+    m = _manager(members)
+    m.on_new_request("r", _roles("10.0.0.7", 5800), 0.0)
+    assert [p for p, _ in m.take_events()] == ["10.0.0.7:5800"]
+    assert m.lookup("r", b"a" * 16) is Answer.RETRY
+    m.on_disconnected("10.0.0.7:5800", "lost", 0.1)
+    m.take_events()
+    m.on_invalidated("10.0.0.7:5800", 0.1)
+    assert m.session("10.0.0.7:5800") is None
+    members.update(name, [])  # the pod is gone from the Service
+    assert m.lookup("r", b"b" * 16) is Answer.RETRY  # asked at the flush
+    m.flush(5.0)  # past the reconnect backoff: it would be dialled
+    assert [e for e in m.take_events() if type(e[1]).__name__ == "Dial"] == []
+    assert members.refused == {NOT_A_MEMBER: 1}
+    assert m.lookup("r", b"b" * 16) is Answer.MISS
+    assert m.lookup("r", b"c" * 16) is Answer.MISS
+    m.flush(6.0)
+    assert members.refused == {NOT_A_MEMBER: 1}  # once per request
+    m.on_request_finished("r", 7.0)
+    m.tick(7.0)
+    assert not any(m.state_report().values()), m.state_report()
