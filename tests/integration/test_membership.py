@@ -204,3 +204,34 @@ def test_a_real_name_resolves_to_each_of_its_addresses(producer: PeerProc) -> No
         assert out.hits == len(KEYS) and out.ok, out
     finally:
         c.close()
+
+
+def test_a_resolver_failure_keeps_the_last_members_and_a_gone_name_drops_them(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """DNS down (an error) is no reason to empty the fleet; a name that no
+    longer exists (no address) is."""
+    state = {"fail": False, "addresses": ["10.255.0.2"]}
+
+    def resolve(name: str, port: int) -> list[str]:
+        if state["fail"]:
+            raise OSError("Temporary failure in name resolution")
+        return list(state["addresses"])  # type: ignore[call-overload]
+
+    c = _consumer(
+        "c-dnsdown", peers=["fleet.test:7777"], peers_refresh_s=0.05, resolve=resolve
+    )
+    try:
+        _wait_rounds(c, 1)
+        assert "10.255.0.2:7777" in c.manager.membership.members
+        state["fail"] = True
+        with caplog.at_level("WARNING", logger="vllm.p2p_kv"):
+            _wait_rounds(c, 3)
+        assert "10.255.0.2:7777" in c.manager.membership.members
+        lines = [r for r in caplog.records if "could not resolve" in r.getMessage()]
+        assert len(lines) == 1, lines  # at a bounded rate, not once a round
+        state["fail"], state["addresses"] = False, []
+        _wait_rounds(c, 2)
+        assert c.manager.membership.members == {"fleet.test:7777"}
+    finally:
+        c.close()
