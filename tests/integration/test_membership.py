@@ -103,21 +103,26 @@ def _wait_rounds(peer: StandalonePeer, rounds: int) -> None:
 
 
 def test_a_non_member_is_never_dialled_and_the_request_recomputes_at_once(
-    producer: PeerProc, listener: Listener
+    producer: PeerProc, listener: Listener, caplog: pytest.LogCaptureFixture
 ) -> None:
     c = _consumer("c-members", peers=[producer.address])
     try:
         target = f"127.0.0.1:{listener.port}"
         t0 = time.monotonic()
-        out = c.fetch(target, "kv-stranger", KEYS, [0, 1, 2, 3], timeout_s=5)
-        elapsed = time.monotonic() - t0
-        assert out.hits == 0 and not out.job_done
+        with caplog.at_level("WARNING", logger="vllm.p2p_kv"):
+            out = c.fetch(target, "kv-stranger", KEYS, [0, 1, 2, 3], timeout_s=5)
+            elapsed = time.monotonic() - t0
+            again = c.fetch(target, "kv-stranger-2", KEYS, [0, 1, 2, 3])
+        assert out.hits == 0 and not out.job_done and again.hits == 0
         assert elapsed < 0.5, elapsed  # no lookup round, no dial, no wait
+        lines = [r.getMessage() for r in caplog.records]
+        named = [m for m in lines if "not in the tier's peers" in m]
+        assert len(named) == 1 and target in named[0], lines  # once an address
         for _ in range(20):  # engine steps: nothing may dial it later either
             c.step()
         time.sleep(0.2)
         assert listener.accepted == []
-        assert c.manager.limit_refusals == {NOT_A_MEMBER: 1}
+        assert c.manager.limit_refusals == {NOT_A_MEMBER: 2}
         assert list(c.manager.sessions()) == []
         # A member, in the same engine, loads.
         ok = c.fetch(producer.address, "kv-member", KEYS, [4, 5, 6, 7])
