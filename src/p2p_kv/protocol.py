@@ -337,6 +337,11 @@ def decode(frame: bytes | bytearray | memoryview, *, greeting: bool = False) -> 
         raise ProtocolError(
             f"lookup_resp {msg.req!r}: {len(msg.hits)} hits but {len(msg.slots)} slots"
         )
+    if isinstance(msg, Lookup) and len(set(msg.keys)) != len(msg.keys):
+        # A probe asks about each block once. Repeated, one held key made a
+        # Lookup of 63,000 pins, and a peer dropping and dialling again
+        # left each lost session's pins held to their deadline.
+        raise ProtocolError(f"lookup {msg.req!r}: duplicate keys", "duplicate_keys")
     if isinstance(msg, Fetch):
         if len(msg.keys) != len(msg.slots):
             raise ProtocolError(
@@ -348,5 +353,5 @@ def decode(frame: bytes | bytearray | memoryview, *, greeting: bool = False) -> 
             # A load asks for each block once. Repeated, one pinned key made
             # a Fetch of 65,536 entries (7 MiB kept per request, and a hold
             # as long as that many blocks' READ).
-            raise ProtocolError(f"fetch {msg.req!r}: duplicate keys")
+            raise ProtocolError(f"fetch {msg.req!r}: duplicate keys", "duplicate_keys")
     return msg

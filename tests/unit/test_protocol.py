@@ -124,7 +124,8 @@ def test_a_fetch_that_does_not_say_parked_may_wait_for_parked_stores() -> None:
 
 
 def test_largest_legal_lookup_fits_a_frame() -> None:
-    msg = Lookup(req="r" * 256, gen=1, seq=1, keys=[b"k" * 36] * MAX_KEYS)
+    keys = [i.to_bytes(4, "big") + b"k" * 32 for i in range(MAX_KEYS)]
+    msg = Lookup(req="r" * 256, gen=1, seq=1, keys=keys)
     assert decode(encode(msg)) == msg
 
 
@@ -276,6 +277,15 @@ def test_fetch_duplicate_slots() -> None:
     # key repeated 65,536 times made a Fetch whose keys (7 MiB a request)
     # and hold the producer kept
     refused(encode(Fetch(req="r", gen=1, job=1, keys=[K1, K1], slots=[4, 9])), "keys")
+
+
+def test_lookup_duplicate_keys() -> None:
+    # A probe asks about each block once: one held key repeated pinned a
+    # block per copy.
+    with pytest.raises(ProtocolError, match="duplicate keys") as info:
+        decode(encode(Lookup(req="r", gen=1, seq=1, keys=[K1, K2, K1])))
+    assert info.value.reason == "duplicate_keys"
+    assert decode(encode(Lookup(req="r", gen=1, seq=1, keys=[K1, K2]))).keys == [K1, K2]
 
 
 def test_encode_refuses_oversize_message() -> None:
