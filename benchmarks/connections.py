@@ -256,6 +256,7 @@ def over_sockets(n: int) -> dict[str, Any]:
         "connections": n,
         "accepted": counters["accepted"],
         "evicted_handshaking": counters["evicted_handshaking"],
+        "refused_handshaking": counters["refused_handshaking"],
         "engine_cpu_ms": 1e3 * cpu,
         "per_conn_us": 1e6 * cpu / n,
         "longest_step_ms": 1e3 * longest,
@@ -339,7 +340,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{r['longest_step_ms']:.1f} ms (the longest full garbage "
                 f"collection: {r['longest_full_gc_ms']:.1f} ms, "
                 f"{r['full_gc_passes']} passes), {r['evicted_handshaking']:,} "
-                "closed for newer ones"
+                f"closed for newer ones, {r['refused_handshaking']:,} closed as "
+                "accepted (their address at its bound)"
             )
     missed = not all(r.met for r in rows) or not all(
         r["met"] for r in meta.get("sockets", [])

@@ -22,20 +22,35 @@ What anyone who reaches the port can make us hold, and for how long:
 
 * **Connections still handshaking** (not yet :meth:`ControlTransport.trust`
   ed): at most :data:`MAX_HANDSHAKING` in all and
-  :data:`MAX_HANDSHAKING_PER_HOST` from one address; a new one past either
-  bound closes the oldest of them. The session's handshake deadline closes
-  any that stays silent. An accepted descriptor within
-  :data:`FD_RESERVE` of the process's limit is closed at once, so a flood
-  cannot take the descriptors the engine itself needs.
+  :data:`MAX_HANDSHAKING_PER_HOST` from one address. A new one from an
+  address at its bound is closed as it is accepted, before anything is
+  read or built for it; past the global bound, an address holding fewer
+  than the busiest takes the room of that one's oldest, and any other new
+  one is closed. So a flood takes only its own addresses' room, and a
+  member dialling from its own address gets in (``_admit``). The session's
+  handshake deadline closes any that stays silent. The kernel queues up to
+  :data:`~p2p_kv.control_listen.LISTEN_BACKLOG` connections for us to
+  accept, so a member's dial is not dropped while a flood fills the
+  queue. An accepted descriptor within :data:`FD_RESERVE` of the
+  process's limit is closed at once, so a flood cannot take the
+  descriptors the engine itself needs.
 * **Frames before trust** are read only up to :data:`MAX_UNTRUSTED_FRAME`
   bytes: a frame up to the largest greeting (a Region) waits unread until
   the connection is trusted or its handshake deadline passes, and a longer
-  one ends the connection. After trust a frame is at most
-  :data:`MAX_WIRE_FRAME`; a longer one ends the connection.
+  one ends the connection. At most :data:`MAX_FRAMES_BEFORE_TRUST` frames
+  come before trust (an honest handshake takes three), and one that does
+  not decode ends the connection (``frames.py``). After trust a frame is
+  at most :data:`MAX_WIRE_FRAME`; a longer one ends the connection.
 * **Per poll**: at most :data:`MAX_FRAMES_PER_POLL` frames from one
   connection and :data:`MAX_BYTES_PER_POLL` bytes over all, the peers we
   dialled read first, so a flood on the port cannot starve the replies our
-  own requests wait for; at most :data:`ACCEPTS_PER_POLL` accepts.
+  own requests wait for; at most :data:`ACCEPTS_PER_POLL` accepts, of
+  which at most :data:`ADMITS_PER_POLL` get a session, taken before the
+  reads so a new connection's Hello is answered in the poll that accepts
+  it.
+* **Closed connections** wait at most :data:`CLOSE_LINGER_S` for the
+  peer's end, at most :data:`MAX_LINGERING` at once, and what each still
+  sends is read only up to :data:`LINGER_READ_BYTES`: past it, it is cut.
 * **Output** queued for one peer is at most :data:`MAX_OUT_BYTES`: past
   it the send fails and the session ends (the peer stopped reading).
 
@@ -68,6 +83,7 @@ from typing import Final
 from p2p_kv.control_conn import (
     HEADER,
     LOST,
+    MAX_FRAMES_BEFORE_TRUST,
     MAX_FRAMES_PER_POLL,
     MAX_UNTRUSTED_FRAME,
     MAX_WIRE_FRAME,
@@ -89,11 +105,14 @@ from p2p_kv.control_listen import (
 __all__ = [
     "ACCEPTS_PER_POLL",
     "ACCEPT_PAUSE_S",
+    "ADMITS_PER_POLL",
     "CLOSE_LINGER_S",
     "FD_RESERVE",
     "HEADER",
+    "LINGER_READ_BYTES",
     "LOST",
     "MAX_BYTES_PER_POLL",
+    "MAX_FRAMES_BEFORE_TRUST",
     "MAX_FRAMES_PER_POLL",
     "MAX_HANDSHAKING",
     "MAX_HANDSHAKING_PER_HOST",
@@ -106,6 +125,7 @@ __all__ = [
     "ControlTransport",
     "FramingError",
     "Inbound",
+    "dial_failure",
     "parse_peer",
     "resolve_bind_host",
     "wait_readable",
@@ -114,6 +134,10 @@ __all__ = [
 #: Connections still handshaking, in all and from one address.
 MAX_HANDSHAKING: Final = 64
 MAX_HANDSHAKING_PER_HOST: Final = 8
+#: New connections given a session in one poll: each costs the engine's
+#: thread a session and a greeting's answer, so this bounds what a flood
+#: of connections adds to one step.
+ADMITS_PER_POLL: Final = 16
 #: Bytes read in one poll, over all connections; a dialled peer reads at
 #: most a quarter of it first.
 MAX_BYTES_PER_POLL: Final = 64 * 1024 * 1024
@@ -124,6 +148,10 @@ MAX_OUT_BYTES: Final = 64 * 1024 * 1024
 #: and could lose the Goodbye we just sent), and how many may wait.
 CLOSE_LINGER_S: Final = 1.0
 MAX_LINGERING: Final = 256
+#: What a closed connection may still send us before its descriptor goes
+#: at once: a Goodbye's answer is a few hundred bytes, and a party that
+#: writes on past our close is read no further.
+LINGER_READ_BYTES: Final = 64 * 1024
 
 _IN, _OUT = select.POLLIN, select.POLLOUT
 _GONE = select.POLLHUP | select.POLLERR | select.POLLNVAL
@@ -192,10 +220,14 @@ class ControlTransport:
         self.counters: dict[str, int] = {
             "accepted": 0,
             "evicted_handshaking": 0,
+            "refused_handshaking": 0,
             "refused_fd_reserve": 0,
             "accept_errors": 0,
             "framing_errors": 0,
+            "untrusted_frames_past_bound": 0,
             "send_overflows": 0,
+            "lingering_bytes": 0,
+            "lingering_cut": 0,
         }
         #: None once closed
         self._listener: Listener | None = Listener(
@@ -210,8 +242,9 @@ class ControlTransport:
         #: connections with complete frames still buffered, or lost ones
         #: not yet reported: the next poll does not wait
         self._backlog: set[Conn] = set()
-        #: closed by us, waiting for the peer's end: fd -> (socket, until)
-        self._lingering: dict[int, tuple[socket.socket, float]] = {}
+        #: closed by us, waiting for the peer's end: fd -> (socket, until,
+        #: bytes it may still send)
+        self._lingering: dict[int, tuple[socket.socket, float, int]] = {}
         self._resolver: ThreadPoolExecutor | None = None
         self._resolved: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         # A self-pipe lets another thread (an engine driver with new work,
@@ -389,6 +422,13 @@ class ControlTransport:
                 readable[c] = bool(ev & _GONE)  # _read registers its mask
             else:
                 self._update(c)
+        if accept and listener is not None:
+            # Before the reads: a connection's Hello usually came with it,
+            # and is answered in this poll, so a member's handshake does
+            # not wait a poll for every step (while newer connections
+            # queue behind it).
+            for c in self._accept(listener, out):
+                readable.setdefault(c, False)
         while not self._resolved.empty():
             peer, result = self._resolved.get_nowait()
             c = self._conns.get(peer)
@@ -414,8 +454,6 @@ class ControlTransport:
                 continue
             share = budget if c.inbound else min(budget, MAX_BYTES_PER_POLL // 4)
             budget -= self._read(c, share, readable[c], out)
-        if accept and listener is not None:
-            self._accept(listener, out)
         if self._backlog:
             for c in [c for c in self._backlog if c.dead]:
                 out.append(Inbound(c.name, b"", lost=True, why=c.dead, bad=c.bad))
@@ -432,7 +470,9 @@ class ControlTransport:
             more = c.frames(out)
         except FramingError as exc:
             self.counters["framing_errors"] += 1
-            self._kill(c, str(exc), bad=True)
+            if exc.reason == "frames_before_trust":
+                self.counters["untrusted_frames_past_bound"] += 1
+            self._kill(c, str(exc), bad=exc.reason)
             return used
         if more:
             self._backlog.add(c)
@@ -443,35 +483,60 @@ class ControlTransport:
             self._update(c)
         return used
 
-    def _accept(self, listener: Listener, out: list[Inbound]) -> None:
+    def _accept(self, listener: Listener, out: list[Inbound]) -> list[Conn]:
         """Take what the listener accepted as connections still
-        handshaking, making room for each under the bounds on those."""
+        handshaking, within the bounds on those (:meth:`_admit`); the new
+        connections (their first frames are read in this poll)."""
+        new = []
         for sock, host in listener.accept():
-            self._make_room(host, out)
+            if not self._admit(host, out):
+                # Closed before anything is read or built for it: a flood
+                # from one address costs us an accept and a close each.
+                self.counters["refused_handshaking"] += 1
+                sock.close()
+                continue
+            sock.setblocking(False)
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             c = Conn(f"in:{next(self._inbound_ids)}", inbound=True, host=host)
             c.sock, c.fd = sock, sock.fileno()
             self._conns[c.name] = c
             self._by_fd[c.fd] = c
             self._handshaking[c.name] = c
             self._update(c)
-            out.append(Inbound(c.name, b"", new=True))
+            out.append(Inbound(c.name, b"", new=True, why=host))
+            new.append(c)
+            if len(new) == ADMITS_PER_POLL:
+                break  # the rest wait in the kernel's queue for the next poll
+        return [c for c in new if not c.dead]
 
-    def _make_room(self, host: str, out: list[Inbound]) -> None:
-        """Before a new connection from ``host``: end the oldest still
-        handshaking from there past the per-address bound, and the oldest of
-        all past the global one."""
-        same = [c for c in self._handshaking.values() if c.host == host]
-        victims = []
-        if len(same) >= self.max_handshaking_per_host:
-            victims.append(same[0])
-        elif len(self._handshaking) >= self.max_handshaking:
-            victims.append(next(iter(self._handshaking.values())))
-        for c in victims:
-            self.counters["evicted_handshaking"] += 1
-            why = "closed: too many connections still handshaking"
-            self._kill(c, why)
-            self._backlog.discard(c)
-            out.append(Inbound(c.name, b"", lost=True, why=why))
+    def _admit(self, host: str, out: list[Inbound]) -> bool:
+        """Whether a new connection from ``host`` may handshake. An address
+        holding :attr:`max_handshaking_per_host` still handshaking gets no
+        more. Past the global bound, an address holding fewer than the
+        busiest one takes the room of that one's oldest; else the new one
+        is refused. So a flood takes the room of its own addresses only,
+        and a member dialling from its own address gets in and keeps its
+        connection through the handshake, however fast the flood comes."""
+        handshaking = self._handshaking
+        held: dict[str, list[Conn]] = {}
+        for c in handshaking.values():  # oldest first
+            held.setdefault(c.host, []).append(c)
+        mine = len(held.get(host, ()))
+        if mine >= self.max_handshaking_per_host:
+            return False
+        if len(handshaking) < self.max_handshaking:
+            return True
+        busiest = max(held.values(), key=len)
+        if len(busiest) <= mine + 1:
+            return False
+        victim = busiest[0]
+        self.counters["evicted_handshaking"] += 1
+        why = "closed: too many connections still handshaking"
+        self._kill(victim, why)
+        self._backlog.discard(victim)
+        out.append(Inbound(victim.name, b"", lost=True, why=why))
+        return True
 
     # -- state changes -------------------------------------------------------
 
@@ -488,7 +553,7 @@ class ControlTransport:
             self._backlog.add(c)  # a frame held back for this
         self._update(c)
 
-    def _kill(self, c: Conn, why: str, bad: bool = False) -> None:
+    def _kill(self, c: Conn, why: str, bad: str = "") -> None:
         """``c`` went down: reported by the next poll (once), closed by
         :meth:`close_conn`."""
         if c.dead:
@@ -588,7 +653,11 @@ class ControlTransport:
         except OSError:
             sock.close()
             return
-        self._lingering[c.fd] = (sock, self._clock() + CLOSE_LINGER_S)
+        self._lingering[c.fd] = (
+            sock,
+            self._clock() + CLOSE_LINGER_S,
+            LINGER_READ_BYTES,
+        )
         self._poller.register(c.fd, _IN)
 
     def _linger(self, ready: list[tuple[int, int]]) -> None:
@@ -596,15 +665,24 @@ class ControlTransport:
         the peer's end or its deadline."""
         now = self._clock()
         hit = {fd for fd, _ in ready if fd in self._lingering}
-        for fd, (sock, until) in list(self._lingering.items()):
+        for fd, (sock, until, left) in list(self._lingering.items()):
             done = now >= until
             if fd in hit and not done:
                 try:
-                    done = not sock.recv(RECV_CHUNK)
+                    got = sock.recv_into(self._chunk, left)
                 except (BlockingIOError, InterruptedError):
-                    pass
+                    got = -1
                 except OSError:
+                    got = 0
+                self.counters["lingering_bytes"] += max(0, got)
+                done = got == 0
+                if got >= left:
+                    # Still writing past our close: cut (a reset is all
+                    # such a party hears).
+                    self.counters["lingering_cut"] += 1
                     done = True
+                elif got > 0:
+                    self._lingering[fd] = (sock, until, left - got)
             if done:
                 del self._lingering[fd]
                 self._poller.unregister(fd)
@@ -617,7 +695,7 @@ class ControlTransport:
             return
         for name in list(self._conns):
             self.close_conn(name)
-        for sock, _ in self._lingering.values():
+        for sock, _, _ in self._lingering.values():
             sock.close()
         self._lingering.clear()
         self._listener.close()
@@ -638,6 +716,28 @@ def _resolve(host: str, port: int) -> tuple[str, int]:
         raise OSError(f"no address for {host!r}")
     addr = infos[0][4]
     return str(addr[0]), int(addr[1])
+
+
+#: Why a dial ended, as the metric's label, from the reasons this module
+#: gives (:data:`REFUSED`, ``cannot resolve``, ``answered as``, ``cannot
+#: reach``).
+_DIAL_FAILURES: Final = (
+    (REFUSED, "refused"),
+    ("cannot resolve", "unresolvable"),
+    ("answered as", "not_p2p_kv"),
+    ("cannot reach", "unreachable"),
+    ("a frame of", "framing"),
+)
+
+
+def dial_failure(why: str) -> str:
+    """The label of a failed dial's reason (``lost`` for anything else: the
+    peer closed or reset the connection before its handshake ended)."""
+    head = why[:200]
+    for start, label in _DIAL_FAILURES:
+        if start in head:
+            return label
+    return "lost"
 
 
 def _dial_error(err: int, peer: str) -> str:

@@ -38,6 +38,11 @@ MAX_UNTRUSTED_FRAME: Final = 16 * 1024
 #: Frames taken from one connection in one poll (the rest stay buffered
 #: for the next, which then does not wait).
 MAX_FRAMES_PER_POLL: Final = 4096
+#: Frames a connection may send before its handshake ends. An honest peer
+#: sends its Hello, its HelloAck and its Region, or a Goodbye saying why
+#: it refuses us: one more frame is a party that cannot prove the secret
+#: spending our thread, and ends the connection.
+MAX_FRAMES_BEFORE_TRUST: Final = 8
 #: Largest single read.
 RECV_CHUNK: Final = 1024 * 1024
 #: The largest greeting as it goes on the wire (sealed).
@@ -61,8 +66,9 @@ _IN, _OUT = select.POLLIN, select.POLLOUT
 class Inbound(NamedTuple):
     """What a poll saw on one connection: a frame; ``new``, an inbound
     connection accepted (no frame); or ``lost``, the connection went down
-    (no frame), ``why`` saying how, ``bad`` set when it was ended for
-    breaking the framing (a frame too large for its state). A named tuple:
+    (no frame), ``why`` saying how, ``bad`` the reason when it was ended
+    for breaking the framing (:class:`FramingError`); for ``new``, ``why``
+    is the far end's address. A named tuple:
     one is made per frame, and a frozen dataclass costs several times as
     much to make."""
 
@@ -71,18 +77,47 @@ class Inbound(NamedTuple):
     new: bool = False
     lost: bool = False
     why: str = ""
-    bad: bool = False
+    #: the metric's label when the connection broke the framing, else ""
+    bad: str = ""
 
 
 def _frame(conn: str, frame: bytes) -> Inbound:
     """An :class:`Inbound` holding a frame, made in C: a named tuple with
     defaults runs a Python ``__new__`` (about 0.3 us), and one is made for
     every frame on the round trip's hot path."""
-    return tuple.__new__(Inbound, (conn, frame, False, False, "", False))
+    return tuple.__new__(Inbound, (conn, frame, False, False, "", ""))
 
 
 class FramingError(Exception):
-    """A peer broke the framing: the connection ends."""
+    """A peer broke the framing: the connection ends. ``reason`` is the
+    metric's label: ``framing`` for a length no frame may have,
+    ``frames_before_trust`` for more frames than a handshake takes, and
+    ``not_p2p_kv`` for an answer in another protocol (HTTP, TLS): a
+    connection to a port that is not a p2p_kv tier's."""
+
+    def __init__(self, message: str, reason: str = "framing") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+#: How the first bytes of other protocols' answers read as a length
+#: prefix, and what the port then is (an engine's own API port named as
+#: the tier's is the usual mistake).
+_FOREIGN: Final = (
+    (b"HTTP", "an HTTP server"),
+    (b"\x16\x03", "a TLS server"),
+    (b"\x15\x03", "a TLS server"),
+    (b"SSH-", "an SSH server"),
+)
+
+
+def foreign_protocol(head: bytes | bytearray) -> str:
+    """What kind of server sent ``head`` (the first bytes read from a
+    connection), or "" if it may be a p2p_kv peer."""
+    for prefix, what in _FOREIGN:
+        if bytes(head[: len(prefix)]) == prefix:
+            return what
+    return ""
 
 
 def wire_size(frames: list[bytes]) -> int:
@@ -114,9 +149,14 @@ class Conn:
     #: our socket's inode once connected (outbound: the same-host proof)
     inode: str | None = None
     #: why it went down, once it did (reported once, then it waits for
-    #: close_conn), and whether for breaking the framing
+    #: close_conn), and the metric's label if for breaking the framing
     dead: str = ""
-    bad: bool = False
+    bad: str = ""
+    #: frames taken before trust (:data:`MAX_FRAMES_BEFORE_TRUST`)
+    untrusted_frames: int = 0
+    #: whether anything was read yet (the first bytes tell another
+    #: protocol's answer apart)
+    heard: bool = False
 
     @property
     def cap(self) -> int:
@@ -136,7 +176,7 @@ class Conn:
             mask |= _OUT
         return mask
 
-    def fail(self, why: str, bad: bool) -> None:
+    def fail(self, why: str, bad: str) -> None:
         """Mark it down for ``why``; what either buffer held is dropped (no
         frame of a dead connection is read or written)."""
         self.dead = why
@@ -264,6 +304,16 @@ class Conn:
         buffered, unread, until trust or the handshake deadline."""
         buf, pos, end, taken = self.rbuf, 0, len(self.rbuf), 0
         name, cap = self.name, self.cap
+        if not self.heard and end >= HEADER:
+            self.heard = True
+            what = foreign_protocol(buf[:HEADER])
+            if what and not self.inbound:
+                raise FramingError(
+                    f"{self.name} answered as {what}: that is not a p2p_kv "
+                    "port (did you name the engine's API port? name the "
+                    "tier's 'port')",
+                    "not_p2p_kv",
+                )
         try:
             while end - pos >= HEADER:
                 size = int.from_bytes(buf[pos : pos + HEADER], "big")
@@ -278,6 +328,14 @@ class Conn:
                     return False
                 if taken == MAX_FRAMES_PER_POLL:
                     return True
+                if not self.trusted:
+                    self.untrusted_frames += 1
+                    if self.untrusted_frames > MAX_FRAMES_BEFORE_TRUST:
+                        raise FramingError(
+                            f"more than {MAX_FRAMES_BEFORE_TRUST} frames before "
+                            "the handshake ended",
+                            "frames_before_trust",
+                        )
                 out.append(_frame(name, bytes(buf[pos + HEADER : pos + HEADER + size])))
                 pos += HEADER + size
                 taken += 1

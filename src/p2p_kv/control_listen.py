@@ -13,22 +13,31 @@ handshaking, its reads) is :class:`~p2p_kv.control.ControlTransport`'s.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import ipaddress
 import resource
 import select
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Final
 
 #: Descriptors kept free for the engine: an accepted connection whose
 #: descriptor number comes within this of ``RLIMIT_NOFILE`` is closed.
 FD_RESERVE: Final = 64
-#: Connections accepted in one poll.
-ACCEPTS_PER_POLL: Final = 64
+#: Connections accepted in one poll. Most of a flood's are closed as
+#: they are accepted (the bounds on connections still handshaking), at a
+#: few microseconds each: taking many a poll keeps the kernel's queue
+#: short, so a member's dial waits behind few others.
+ACCEPTS_PER_POLL: Final = 256
 #: How long accepting pauses after the process ran out of descriptors.
 ACCEPT_PAUSE_S: Final = 0.1
+#: Connections the kernel completes and queues for us to accept (it caps
+#: this at ``net.core.somaxconn``, 4096 by default). A queue that
+#: overflows drops the SYNs past it, and a dialler whose SYN was dropped
+#: tries again only after a second: during a flood of connections a
+#: member dialling in would wait that long. Queued connections cost the
+#: kernel's memory, not ours, until accepted.
+LISTEN_BACKLOG: Final = 4096
 
 _IN = select.POLLIN
 
@@ -95,7 +104,7 @@ class Listener:
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((bind_host, port))
-            sock.listen(128)
+            sock.listen(LISTEN_BACKLOG)
             sock.setblocking(False)
         except OSError as exc:
             sock.close()
@@ -122,10 +131,11 @@ class Listener:
             if self._sock is not None:
                 self._poller.register(self.fd, _IN)
 
-    def accept(self) -> list[tuple[socket.socket, str]]:
-        """Up to :data:`ACCEPTS_PER_POLL` new connections, non-blocking,
-        with Nagle off, each with the far end's address."""
-        got: list[tuple[socket.socket, str]] = []
+    def accept(self) -> Iterator[tuple[socket.socket, str]]:
+        """Up to :data:`ACCEPTS_PER_POLL` new connections, each with the far
+        end's address, accepted as the caller asks for the next (those it
+        does not ask for stay queued in the kernel). Blocking, as accepted:
+        the caller makes those it keeps non-blocking."""
         for _ in range(ACCEPTS_PER_POLL):
             if self._sock is None:
                 break
@@ -146,11 +156,7 @@ class Listener:
                 sock.close()
                 continue
             self._counters["accepted"] += 1
-            sock.setblocking(False)
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            got.append((sock, str(addr[0]) if isinstance(addr, tuple) else ""))
-        return got
+            yield sock, str(addr[0]) if isinstance(addr, tuple) else ""
 
     def close(self) -> None:
         """Stop listening; a second call does nothing."""

@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from p2p_kv.control import ControlTransport
+from p2p_kv.control import ControlTransport, dial_failure
 from p2p_kv.handshake import FrameRefused
 from p2p_kv.manager import LoadManager
 from p2p_kv.peer import is_inbound
@@ -81,10 +81,17 @@ class Frames:
             now = self._clock()
             conn = inbound.conn
             if inbound.lost:
-                if inbound.bad:
-                    m.on_bad_frame(conn, "framing")
+                if not is_inbound(conn):
+                    session = m.session(conn)
+                    if session is not None and not session.proven:
+                        # A source a request named that is no p2p_kv peer
+                        # (a wrong port, a dead pod, a name that does not
+                        # resolve): counted by what the operator must fix.
+                        m.on_dial_failed(conn, dial_failure(inbound.why))
+                elif inbound.bad:
+                    m.on_bad_frame(conn, inbound.bad)
                     self._peer_log.warning(
-                        "framing", conn, "connection ended: %s", inbound.why
+                        inbound.bad, conn, "connection ended: %s", inbound.why
                     )
                 m.on_disconnected(conn, inbound.why, now)
                 work = True
@@ -107,6 +114,21 @@ class Frames:
                 msg = session.open(inbound.frame)
             except ProtocolError as exc:
                 m.on_bad_frame(conn, exc.reason)
+                if not session.proven:
+                    # An honest peer's greeting always decodes: before its
+                    # proof, one that does not ends the connection, so a
+                    # stream of them costs its sender a new connection each.
+                    self._peer_log.warning(
+                        "bad_frame",
+                        conn,
+                        "closed: a bad frame before the handshake: %s",
+                        exc,
+                    )
+                    m.on_disconnected(
+                        conn, f"a bad frame before the handshake: {exc}", now
+                    )
+                    work = True
+                    continue
                 self._peer_log.warning(
                     "bad_frame", conn, "dropped a bad frame (protocol_errors): %s", exc
                 )

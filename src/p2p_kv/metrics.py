@@ -52,6 +52,7 @@ FALLBACK_TIME = PREFIX + "fallback_time_seconds"
 FAILURES = PREFIX + "failures"
 REFUSALS = PREFIX + "refusals"
 PROTOCOL_ERRORS = PREFIX + "protocol_errors"
+DIAL_FAILURES = PREFIX + "dial_failures"
 LIVE_REQUESTS = PREFIX + "live_requests"
 FAILED_IDS = PREFIX + "failed_ids"
 FENCED_SLOTS = PREFIX + "fenced_slots"
@@ -169,6 +170,14 @@ DEFINITIONS: dict[str, MetricDef] = {
     PROTOCOL_ERRORS: MetricDef(
         "counter", "Protocol errors, ours and the peer's, by code.", _PEER_REASON
     ),
+    DIAL_FAILURES: MetricDef(
+        "counter",
+        "Dials to a peer a request named that ended before a handshake, by "
+        "reason (refused: nothing listens; not_p2p_kv: another protocol "
+        "answered, such as the engine's API port; unresolvable; "
+        "unreachable; framing; lost: closed before the handshake).",
+        ("reason",),
+    ),
     LIVE_REQUESTS: MetricDef("gauge", "Engine requests live in the p2p tier."),
     FAILED_IDS: MetricDef(
         "gauge", "Live requests whose remote load failed (they recompute)."
@@ -271,6 +280,7 @@ class MetricsExporter:
         self._seen: dict[Session, SessionCounters] = {}
         self._manager_errors: dict[str, int] = {}
         self._limit_refusals: dict[str, int] = {}
+        self._dial_failures: dict[str, int] = {}
         self._same_host_reads = 0
         self._gauges: dict[tuple[str, tuple[str, ...]], float] = {}
 
@@ -375,13 +385,22 @@ class MetricsExporter:
         """What the manager counts outside any session, peer ``unknown``:
         frames that did not decode and malformed request parameters
         (protocol errors); peers refused at ``max_peers`` or
-        ``max_inbound_peers`` (refusals: the peer is a client's choice)."""
+        ``max_inbound_peers`` (refusals: the peer is a client's choice);
+        and, by reason alone, dials that failed before a handshake (the
+        address is a client's choice, so it is no label)."""
         self._manager_errors = self._table_deltas(
             manager.protocol_errors, self._manager_errors, PROTOCOL_ERRORS, sink
         )
         self._limit_refusals = self._table_deltas(
             manager.limit_refusals, self._limit_refusals, REFUSALS, sink
         )
+        failed = manager.dial_failures
+        if failed != self._dial_failures:
+            for reason, n in failed.items():
+                d = n - self._dial_failures.get(reason, 0)
+                if d > 0:  # our own codes: no label budget
+                    sink.increase_counter(DIAL_FAILURES, d, (reason,))
+            self._dial_failures = dict(failed)
 
     def _table_deltas(
         self, table: dict[str, int], seen: dict[str, int], metric: str, sink: StatsSink

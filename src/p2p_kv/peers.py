@@ -99,6 +99,9 @@ class Tallies:
     )
     #: ended sessions, for their last counts (metrics)
     retired_sessions: deque[Session] = field(default_factory=lambda: deque(maxlen=1024))
+    #: Dials that ended before a handshake, by reason
+    #: (:func:`p2p_kv.control.dial_failure`'s labels: our own codes).
+    dial_failures: dict[str, int] = field(default_factory=dict)
     #: Peers not dialled because max_peers were (the runtime logs it).
     dials_refused: int = 0
     double_results: int = 0

@@ -498,3 +498,58 @@ def test_an_ipv6_host_may_be_written_in_brackets() -> None:
         assert control.address == f"[::1]:{control.port}"
     finally:
         control.close()
+
+
+def test_a_source_that_is_no_p2p_kv_peer_recomputes_at_once_counted_by_why() -> None:
+    """A request naming a port nothing listens on, a port another protocol
+    serves (an engine's API port, the usual mistake), or a name that does
+    not resolve: each recomputes well inside ``lookup_timeout_s``, never
+    waiting for the client, and is counted by reason, so an alert sees a
+    router that sends requests to a wrong address. The one that answered in
+    HTTP is not taken for an attack."""
+    # What an engine's API server (uvicorn) answers to bytes that are no
+    # HTTP request: a 400 at once.
+    http_server = socket.create_server(("127.0.0.1", 0))
+
+    def answer() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = http_server.accept()
+                with conn:
+                    conn.recv(65536)
+                    conn.sendall(
+                        b"HTTP/1.1 400 Bad Request\r\ncontent-type: text/plain"
+                        b"\r\ncontent-length: 24\r\n\r\nInvalid HTTP request."
+                    )
+
+    threading.Thread(target=answer, daemon=True).start()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed_port = s.getsockname()[1]
+    lookup_s = 3.0
+    peer = StandalonePeer(
+        16,
+        BLOCK,
+        engine_id=f"misdial-{os.getpid()}",
+        timeouts=Timeouts(lookup_s=lookup_s),
+    )
+    sources = {
+        f"127.0.0.1:{closed_port}": "refused",
+        f"127.0.0.1:{http_server.getsockname()[1]}": "not_p2p_kv",
+        "no-such-host.invalid:5800": "unresolvable",
+    }
+    try:
+        for i, (source, reason) in enumerate(sources.items()):
+            t0 = time.monotonic()
+            out = peer.fetch(source, f"kv-{i}", [make_key(i)], [i], timeout_s=10.0)
+            took = time.monotonic() - t0
+            assert out.hits == 0 and not out.ok, out
+            assert took < lookup_s, (source, took)
+            assert peer.manager.dial_failures.get(reason) == 1, (
+                source,
+                peer.manager.dial_failures,
+            )
+        assert "framing" not in peer.manager.protocol_errors
+    finally:
+        peer.close()
+        http_server.close()

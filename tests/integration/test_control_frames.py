@@ -13,6 +13,7 @@ chosen, so a fast path that dropped, duplicated or reordered bytes fails.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 from collections.abc import Iterator
@@ -100,7 +101,7 @@ def test_a_frame_made_in_c_equals_the_named_tuple() -> None:
     must be added here too, or frames would read as lost or new."""
     made = _frame("in:1", b"frame")
     assert made == Inbound("in:1", b"frame") and type(made) is Inbound
-    assert (made.new, made.lost, made.why, made.bad) == (False, False, "", False)
+    assert (made.new, made.lost, made.why, made.bad) == (False, False, "", "")
 
 
 def test_a_peer_that_closes_is_reported_lost_once(
@@ -124,5 +125,148 @@ def test_a_zero_length_frame_breaks_the_framing(
     t, raw, name = link
     raw.sendall((0).to_bytes(HEADER, "big") + b"rest")
     got = collect(t, 1)
-    assert len(got) == 1 and got[0].lost and got[0].bad and got[0].conn == name
+    assert len(got) == 1 and got[0].lost and got[0].bad == "framing"
+    assert got[0].conn == name
     assert t.counters["framing_errors"] == 1
+
+
+def accepted(t: ControlTransport, raw: socket.socket) -> str:
+    """The name ``t`` gave the connection ``raw`` dialled (untrusted)."""
+    end = time.monotonic() + 10
+    while time.monotonic() < end:
+        for got in t.poll(0.1):
+            if got.new:
+                return got.conn
+    raise AssertionError("not accepted")
+
+
+def test_a_connection_sends_a_handful_of_frames_before_trust() -> None:
+    """An honest peer's handshake takes a few frames; the one past
+    MAX_FRAMES_BEFORE_TRUST ends the connection, and what came behind it
+    is never handed on, so a stream of tiny frames costs its sender a
+    connection, not our thread."""
+    from p2p_kv.control_conn import MAX_FRAMES_BEFORE_TRUST
+
+    t = ControlTransport("127.0.0.1", 0)
+    raw = socket.create_connection(("127.0.0.1", t.port))
+    try:
+        name = accepted(t, raw)
+        raw.sendall(wire(b"x") * 1000)
+        got = collect(t, MAX_FRAMES_BEFORE_TRUST + 1)
+        frames = [g for g in got if not g.lost]
+        lost = [g for g in got if g.lost]
+        assert len(frames) == MAX_FRAMES_BEFORE_TRUST
+        assert len(lost) == 1 and lost[0].bad == "frames_before_trust"
+        assert lost[0].conn == name
+        assert t.counters["untrusted_frames_past_bound"] == 1
+    finally:
+        raw.close()
+        t.close()
+
+
+def test_a_connection_accepted_has_its_first_frame_read_in_the_same_poll() -> None:
+    """A dialler's Hello usually arrives with its connection: the poll that
+    accepts it reads it too, so its handshake does not wait a poll more
+    while newer connections queue behind it. The accept says from where."""
+    t = ControlTransport("127.0.0.1", 0)
+    raw = socket.create_connection(("127.0.0.1", t.port))
+    raw.sendall(wire(b"hello"))
+    time.sleep(0.2)
+    try:
+        got = t.poll(1.0)
+        assert [(g.new, g.frame) for g in got] == [(True, b""), (False, b"hello")]
+        assert got[0].why == "127.0.0.1"
+    finally:
+        raw.close()
+        t.close()
+
+
+def test_room_among_handshaking_connections_goes_to_the_address_holding_least() -> None:
+    """An address at its bound gets no more (closed as accepted); past the
+    global bound an address holding fewer takes the room of the busiest
+    one's oldest. A member dialling from its own address keeps its
+    connection whatever other addresses open."""
+    t = ControlTransport("127.0.0.1", 0, max_handshaking=4, max_handshaking_per_host=3)
+    socks: list[socket.socket] = []
+    lost: set[str] = set()
+
+    def dial(source: str) -> str:
+        s = socket.create_connection(("127.0.0.1", t.port), source_address=(source, 0))
+        socks.append(s)
+        before = t.counters["accepted"]
+        name = ""
+        end = time.monotonic() + 5
+        while t.counters["accepted"] == before and time.monotonic() < end:
+            for got in t.poll(0.05):
+                lost.update([got.conn] if got.lost else [])
+                name = got.conn if got.new else name
+        return name
+
+    try:
+        first = dial("127.0.0.2")
+        dial("127.0.0.2")
+        dial("127.0.0.2")
+        assert dial("127.0.0.2") == ""  # its address is at its bound
+        member = dial("127.0.0.1")
+        assert dial("127.0.0.3")  # takes the busiest address's oldest
+        assert lost == {first}
+        assert dial("127.0.0.3") == ""  # it holds as many as the busiest, less one
+        assert dial("127.0.0.4")  # .2 still holds 2, .4 none
+        assert member and member not in lost
+        assert t.counters["evicted_handshaking"] == 2
+        assert t.counters["refused_handshaking"] == 2
+    finally:
+        for s in socks:
+            s.close()
+        t.close()
+
+
+def test_a_closed_connection_that_keeps_writing_is_cut() -> None:
+    """What a connection we closed still sends is read and dropped only up
+    to LINGER_READ_BYTES: past that its descriptor goes at once."""
+    from p2p_kv.control import LINGER_READ_BYTES
+
+    t = ControlTransport("127.0.0.1", 0)
+    raw = socket.create_connection(("127.0.0.1", t.port))
+    try:
+        name = accepted(t, raw)
+        t.close_conn(name)
+        raw.setblocking(False)
+        junk = b"\0" * (1 << 20)
+        end = time.monotonic() + 3
+        while not t.counters["lingering_cut"] and time.monotonic() < end:
+            with contextlib.suppress(
+                BlockingIOError, ConnectionResetError, BrokenPipeError
+            ):
+                raw.send(junk)
+            t.poll(0.01)
+        assert t.counters["lingering_cut"] == 1
+        assert t.counters["lingering_bytes"] <= LINGER_READ_BYTES
+    finally:
+        raw.close()
+        t.close()
+
+
+def test_a_port_that_answers_in_http_is_named_as_such() -> None:
+    """A dial to a port another protocol serves (an engine's API port
+    named as the tier's) ends with a reason that says so, not as a framing
+    attack."""
+    from p2p_kv.control import dial_failure
+
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    t = ControlTransport("127.0.0.1", 0)
+    try:
+        peer = f"127.0.0.1:{port}"
+        t.connect(peer)
+        t.send(peer, [b"hello"])
+        conn, _ = server.accept()
+        conn.sendall(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n\r\n")
+        got = collect(t, 1)
+        assert len(got) == 1 and got[0].lost and got[0].bad == "not_p2p_kv", got
+        assert "not a p2p_kv port" in got[0].why
+        assert dial_failure(got[0].why) == "not_p2p_kv"
+        conn.close()
+    finally:
+        server.close()
+        t.close()

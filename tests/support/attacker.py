@@ -23,6 +23,25 @@ through a Session, so it can send what no honest peer would. Attacks:
 ``garbage``
     ``n`` connections, each sending ``frames`` undecodable frames and
     frames whose seal cannot check.
+``tiny_frames``
+    For ``seconds``: ``conns`` connections at once, spread over ``addrs``
+    source addresses (127.0.0.2 on), each greeting with another secret,
+    then streaming 5-byte frames that do not decode until the victim
+    closes it; then another in its place.
+``churn``
+    For ``seconds``: ``threads`` loops, spread over ``addrs`` source
+    addresses, each opening connections as fast as the victim takes them
+    (a Hello with another secret on each, no pacing), keeping the newest
+    ``keep`` open.
+``lookup_churn``
+    A party that holds the secret: ``cycles`` times, a full handshake,
+    then ``lookups`` Lookups of ``copies`` copies of one key the victim
+    holds, then the connection dropped without a Goodbye and dialled
+    again.
+``linger``
+    For ``seconds``: ``n`` loops, each a handshake whose proof fails; once
+    the victim refused it and closed its end, the connection writes on as
+    fast as it can, then another.
 """
 
 from __future__ import annotations
@@ -32,6 +51,7 @@ import json
 import os
 import socket
 import sys
+import threading
 import time
 from typing import Any
 
@@ -45,10 +65,12 @@ def identity(name: str, block_bytes: int, secret: bytes | None) -> Identity:
     return standalone_identity(name, block_bytes, 8, secret)
 
 
-def _connect(target: str) -> socket.socket | None:
+def _connect(target: str, source: str | None = None) -> socket.socket | None:
     host, port = parse_peer(target)
     try:
-        sock = socket.create_connection((host, port), timeout=5)
+        sock = socket.create_connection(
+            (host, port), timeout=5, source_address=(source, 0) if source else None
+        )
     except OSError:
         return None
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -188,7 +210,205 @@ def garbage(cfg: dict[str, Any]) -> dict[str, Any]:
     return {"sent": sent}
 
 
+def _source(i: int, addrs: int) -> str:
+    """The i-th attacking connection's source address: 127.0.0.2 on (the
+    fleet member under test dials from 127.0.0.1)."""
+    return f"127.0.0.{2 + i % addrs}"
+
+
+def _wrong_hello(cfg: dict[str, Any]) -> bytes:
+    me = identity("intruder", cfg.get("block_bytes", 4096), b"not-the-secret")
+    return framed(encode(make_hello(me, os.urandom(16))))
+
+
+def tiny_frames(cfg: dict[str, Any]) -> dict[str, Any]:
+    hello, end = _wrong_hello(cfg), time.monotonic() + cfg["seconds"]
+    tiny = framed(b"\xc1") * 2048  # 5 bytes each, none decodes
+    counts = {"connections": 0, "bytes": 0}
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        while time.monotonic() < end:
+            sock = _connect(cfg["target"], _source(i, cfg.get("addrs", 1)))
+            if sock is None:
+                time.sleep(0.01)
+                continue
+            sent = 0
+            try:
+                sock.sendall(hello)
+                while time.monotonic() < end:
+                    sock.sendall(tiny)
+                    sent += len(tiny)
+            except OSError:
+                pass
+            finally:
+                sock.close()
+            with lock:
+                counts["connections"] += 1
+                counts["bytes"] += sent
+
+    threads = [
+        threading.Thread(target=one, args=(i,), daemon=True)
+        for i in range(cfg["conns"])
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(cfg["seconds"] + 10)
+    return counts
+
+
+def churn(cfg: dict[str, Any]) -> dict[str, Any]:
+    hello, end = _wrong_hello(cfg), time.monotonic() + cfg["seconds"]
+    host, port = parse_peer(cfg["target"])
+    keep = cfg.get("keep", 256)
+    counts = {"opened": 0, "failed": 0}
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        held: list[socket.socket] = []
+        source = _source(i, cfg.get("addrs", 1))
+        opened = failed = 0
+        while time.monotonic() < end:
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\1\0\0\0\0\0\0\0")
+            try:
+                sock.bind((source, 0))
+                sock.settimeout(0.2)
+                sock.connect((host, port))
+                sock.send(hello)
+            except OSError:
+                failed += 1
+                sock.close()
+                continue
+            opened += 1
+            held.append(sock)
+            if len(held) > keep:
+                held.pop(0).close()
+        for sock in held:
+            sock.close()
+        with lock:
+            counts["opened"] += opened
+            counts["failed"] += failed
+
+    threads = [
+        threading.Thread(target=one, args=(i,), daemon=True)
+        for i in range(cfg.get("threads", 4))
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(cfg["seconds"] + 10)
+    return counts
+
+
+def lookup_churn(cfg: dict[str, Any]) -> dict[str, Any]:
+    import msgspec
+
+    from p2p_kv.data import NixlDataTransport
+    from p2p_kv.data.shm_copy import shared_region
+    from p2p_kv.handshake import frame_keys, handshake_mac
+    from p2p_kv.protocol import Lookup
+    from p2p_kv.standalone import make_key
+
+    secret = bytes.fromhex(cfg["secret"])
+    block = cfg.get("block_bytes", 4096)
+    # A real region: the victim loads the NIXL metadata of a peer that
+    # proved the secret, and refuses the handshake over one it cannot.
+    plane = NixlDataTransport(shared_region(8 * block), block, name="churner")
+    me = identity("churner", block, secret)
+    me = Identity(
+        **{**me.__dict__, "region": msgspec.msgpack.encode(plane.local_region())}
+    )
+    keys = [make_key(cfg.get("key", 0))] * cfg["copies"]
+    cycles = sent = 0
+    for c in range(cfg["cycles"]):
+        try:
+            conn = RawConn(cfg["target"])
+        except OSError:
+            continue
+        try:
+            mine = make_hello(me, os.urandom(16))
+            conn.send(encode(mine))
+            theirs = next(
+                (m for f in conn.frames(5.0) if isinstance(m := decode(f), Hello)),
+                None,
+            )
+            if theirs is None:
+                continue
+            conn.send(encode(HelloAck(mac=handshake_mac(secret, mine, theirs))))
+            sealer = frame_keys(secret, mine, theirs)
+            assert sealer is not None
+            conn.send(sealer.seal(encode(Region(region=me.region))))
+            conn.frames(0.2, want=3)  # their HelloAck and Region
+            for j in range(cfg["lookups"]):
+                msg = Lookup(req=f"churn-{c}-{j}", gen=1, seq=1, keys=keys)
+                conn.send(sealer.seal(encode(msg)))
+                sent += 1
+            # Held until the victim read them (a reset drops what it has
+            # not read).
+            time.sleep(cfg.get("hold_s", 0.1))
+            cycles += 1
+        except OSError:
+            pass
+        finally:
+            conn.sock.setsockopt(
+                socket.SOL_SOCKET, socket.SO_LINGER, b"\1\0\0\0\0\0\0\0"
+            )
+            conn.close()  # a reset: no Goodbye
+    plane.close()
+    return {"cycles": cycles, "lookups": sent}
+
+
+def linger(cfg: dict[str, Any]) -> dict[str, Any]:
+    me = identity("intruder", cfg.get("block_bytes", 4096), b"not-the-secret")
+    end = time.monotonic() + cfg["seconds"]
+    junk = b"\0" * (1 << 20)
+    counts = {"bytes": 0, "refused": 0}
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        sent = refused = 0
+        while time.monotonic() < end:
+            try:
+                conn = RawConn(cfg["target"])
+            except OSError:
+                time.sleep(0.01)
+                continue
+            try:
+                mine = make_hello(me, os.urandom(16))
+                conn.send(encode(mine))
+                if not any(isinstance(decode(f), Hello) for f in conn.frames(5.0)):
+                    continue
+                conn.send(encode(HelloAck(mac=b"\0" * 32)))  # a proof that fails
+                if not conn.closed_by_peer(5.0):  # refused: Goodbye, then its end
+                    continue
+                refused += 1
+                while time.monotonic() < end:
+                    sent += conn.sock.send(junk)
+            except OSError:
+                pass
+            finally:
+                conn.close()
+        with lock:
+            counts["bytes"] += sent
+            counts["refused"] += refused
+
+    threads = [
+        threading.Thread(target=one, args=(i,), daemon=True) for i in range(cfg["n"])
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(cfg["seconds"] + 10)
+    return counts
+
+
 ATTACKS = {
+    "tiny_frames": tiny_frames,
+    "churn": churn,
+    "lookup_churn": lookup_churn,
+    "linger": linger,
     "flood": flood,
     "half_open": half_open,
     "oversize": oversize,

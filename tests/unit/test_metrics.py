@@ -115,7 +115,7 @@ def probe_and_load(net: Net, req: str, slots: list[int]) -> int:
 
 
 def test_definitions_are_prometheus_names_with_bounded_labels() -> None:
-    assert len(DEFINITIONS) == 21
+    assert len(DEFINITIONS) == 22
     for name, d in DEFINITIONS.items():
         assert name.startswith(PREFIX) and name.startswith("vllm:kv_offload")
         assert not name.endswith("_total")  # prometheus_client adds it
@@ -375,3 +375,20 @@ def test_an_inbound_peer_is_named_by_its_hello_only_once_proven() -> None:
     for msg in other.take_outbox(0.0):
         s.receive(msg, 0.0)  # theirs
     assert s.proven and session_peer(s) == "b"
+
+
+def test_failed_dials_are_exported_by_reason_alone() -> None:
+    """A request naming an address where nothing listens, or another
+    protocol answers, changes a counter an alert can see; the address is a
+    client's choice, so it is no label."""
+    from p2p_kv.metrics import DIAL_FAILURES
+
+    net = make_net()
+    m = net.engines["b"].manager
+    m.on_dial_failed("10.0.0.9:5555", "refused")
+    m.on_dial_failed("10.0.0.9:5555", "refused")
+    m.on_dial_failed("10.0.0.9:8000", "not_p2p_kv")
+    exp = MetricsExporter()
+    sink = collect(exp, net, "b")
+    assert sink.counters[DIAL_FAILURES] == {("refused",): 2, ("not_p2p_kv",): 1}
+    assert DIAL_FAILURES not in collect(exp, net, "b").counters  # nothing new
