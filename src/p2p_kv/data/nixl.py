@@ -22,11 +22,13 @@ measured best on one host. A CMA write is done inside the post call, so
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import uuid
+import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from p2p_kv.data.agent import (
     DEFAULT_UCX_ERROR_HANDLING_MODE,
@@ -79,6 +81,17 @@ class NixlDataTransport:
     to it (success, NIXL error, :meth:`cancel`, :meth:`remove_peer`), so a
     caller that keys state by transfer id never leaks it. Only :meth:`close`
     drops pending reports.
+
+    The owner calls :meth:`close`. A transport dropped without it is closed
+    when it is freed (``__del__``), in the same order: its parts hold no
+    reference back to it, so that happens as the last reference goes, and
+    when the owner's own objects keep it in a reference cycle, the
+    collector runs ``__del__`` before it clears anything in the cycle, so
+    the agent, its handles and the memory it registered are all still
+    there. Left to the collector's clearing instead, NIXL objects are freed
+    in any order, and a NIXL agent is torn down at whatever moment a
+    collection runs, on whichever thread triggers it (see
+    ``tests/unit/test_transport_teardown.py``).
     """
 
     def __init__(
@@ -138,7 +151,8 @@ class NixlDataTransport:
         # No more staging than the region: one peer's READs use half of it
         # at most, and an operator's ``read_staging_mib`` larger than the
         # KV cache (a typo, GiB for MiB) failed every staged READ at its
-        # first allocation instead.
+        # first allocation instead. Its parts call back into it weakly
+        # (see the class docstring).
         self._staging = Staging(
             lists=self._lists,
             span=span,
@@ -146,7 +160,7 @@ class NixlDataTransport:
             nbytes=min(read_staging_bytes, span.nbytes),
             plog=self._plog,
             fault=fault,
-            prepare=lambda peer: self._peers.prepare(peer),
+            prepare=_weakly(self._prepare),
         )
         self._peers = Peers(
             name=self._name,
@@ -156,7 +170,7 @@ class NixlDataTransport:
             plog=self._plog,
             local=self._local,
             staging=self._staging,
-            fence=self._fence,
+            fence=_weakly(self._fence),
             fault=fault,
         )
 
@@ -284,6 +298,9 @@ class NixlDataTransport:
         """Give up the peer's transfers and wait for them (bounded)."""
         ledger = self._ledger
         ledger.give_up(ledger.of_peer(agent_name), True, self._drain_timeout_s)
+
+    def _prepare(self, peer: Peer) -> tuple[Any, Any] | None:
+        return self._peers.prepare(peer)
 
     # -- transfers ----------------------------------------------------------
 
@@ -554,6 +571,14 @@ class NixlDataTransport:
                 self._agent = self._lists.agent = None
                 self._region_obj = None
 
+    def __del__(self) -> None:
+        # Dropped without close(): released here, in close()'s order (see
+        # the class docstring). Nothing may escape a finalizer; a transport
+        # whose __init__ failed part way has nothing more to release.
+        if not getattr(self, "_closed", True):
+            with contextlib.suppress(Exception):
+                self.close()
+
     def __enter__(self) -> NixlDataTransport:
         return self
 
@@ -563,6 +588,23 @@ class NixlDataTransport:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("NixlDataTransport is closed")
+
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+
+
+def _weakly(method: Callable[[_T], _R]) -> Callable[[_T], _R | None]:
+    """A bound ``method`` called through a weak reference to its object
+    (None once that is gone): a part of the transport that calls back into
+    it must not keep it alive (see :class:`NixlDataTransport`)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(arg: _T) -> _R | None:
+        bound = ref()
+        return None if bound is None else bound(arg)
+
+    return call
 
 
 def _checked(
