@@ -665,6 +665,22 @@ def _tcp_pair(
         yield prod, cons, src.reshape(n, bs), dst.reshape(n, bs)
 
 
+@contextlib.contextmanager
+def _patched(agent: Any, name: str, fn: Callable[..., Any]) -> Iterator[None]:
+    """A real NIXL agent's method ``name`` replaced by ``fn`` for the block,
+    then deleted so that the class's method shows again. Not
+    ``monkeypatch``: it restores by setting the bound method on the
+    instance, a reference cycle through the agent, which then outlives
+    its transport's close() and is torn down by the collector later, at
+    whatever moment a collection happens to run (in the middle of a later
+    test, with other agents alive)."""
+    setattr(agent, name, fn)
+    try:
+        yield
+    finally:
+        delattr(agent, name)
+
+
 def _completions(prod: Any, cons: Any) -> list[tuple[int, bool]]:
     """The consumer's first completions, the producer progressing."""
     end = time.monotonic() + STEP_TIMEOUT_S
@@ -1025,11 +1041,10 @@ def test_a_piece_whose_post_fails_keeps_its_staging_until_its_peer_goes(
             real(handle)  # some descriptors went out...
             raise RuntimeError("NIXL_ERR_BACKEND: posting a descriptor failed")
 
-        monkeypatch.setattr(agent, "transfer", posted_in_part)
-        for _ in range(2):
-            tid = cons.post_read(prod.agent_name, [0, 1], [2, 3])
-            assert cons.poll_completions() == [(tid, False)]
-        monkeypatch.setattr(agent, "transfer", real)
+        with _patched(agent, "transfer", posted_in_part):
+            for _ in range(2):
+                tid = cons.post_read(prod.agent_name, [0, 1], [2, 3])
+                assert cons.poll_completions() == [(tid, False)]
         # Their first pieces, a block each: the peer's whole share (half),
         # yet not charged to it (they stop nothing now).
         assert cons.staging_blocks() == (4, 2, 2)
@@ -1060,9 +1075,8 @@ def test_a_write_whose_post_fails_is_reported_unstopped(
             real(handle)
             raise RuntimeError("NIXL_ERR_BACKEND: posting a descriptor failed")
 
-        monkeypatch.setattr(agent, "transfer", posted_in_part)
-        tid = prod.post_write(cons.agent_name, [0, 1], [2, 3], b"w")
-        monkeypatch.setattr(agent, "transfer", real)
+        with _patched(agent, "transfer", posted_in_part):
+            tid = prod.post_write(cons.agent_name, [0, 1], [2, 3], b"w")
         assert prod.poll_completions() == [(tid, False)]
         assert prod.take_unstopped() == {tid}
         assert prod.take_faulted() == {cons.agent_name}
@@ -1081,14 +1095,13 @@ def test_a_read_that_cannot_be_checked_does_not_stop_its_peers_reads(
         tid = cons.post_read(prod.agent_name, [0, 1], [2, 3])  # prod stalls
         cons.cancel(tid)
         assert cons.poll_completions() == [(tid, False)]
-        agent, real = cons._agent, cons._agent.check_xfer_state
+        agent = cons._agent
 
         def unreadable(handle: Any) -> Any:
             raise RuntimeError("NIXL_ERR_BACKEND")
 
-        monkeypatch.setattr(agent, "check_xfer_state", unreadable)
-        cons.poll_completions()
-        monkeypatch.setattr(agent, "check_xfer_state", real)
+        with _patched(agent, "check_xfer_state", unreadable):
+            cons.poll_completions()
         assert cons.staging_blocks() == (4, 2, 2)
         tid = cons.post_read(prod.agent_name, [5, 6], [9, 10])
         assert _completions(prod, cons) == [(tid, True)]
