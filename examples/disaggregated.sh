@@ -15,7 +15,7 @@ P_TIER=${P_TIER:-5811} D_TIER=${D_TIER:-5812}
 LOGS=$(mktemp -d)
 MODEL=$(p2p-kv model)
 export PYTHONHASHSEED=0
-export VLLM_P2P_KV_SECRET=${VLLM_P2P_KV_SECRET:-change-me-fleet-secret}
+export P2P_KV_SECRET=${P2P_KV_SECRET:-change-me-fleet-secret}
 . "$HERE/engines.sh"
 
 PIDS=$(serve prefiller "$P_PORT" "$P_TIER" P2PKVConnector)

@@ -17,7 +17,7 @@ A_TIER=${A_TIER:-5801} B_TIER=${B_TIER:-5802}
 LOGS=$(mktemp -d)
 MODEL=$(p2p-kv model)              # the generated test model's directory
 export PYTHONHASHSEED=0            # every engine of a fleet hashes prompts alike
-export VLLM_P2P_KV_SECRET=${VLLM_P2P_KV_SECRET:-change-me-fleet-secret}
+export P2P_KV_SECRET=${P2P_KV_SECRET:-change-me-fleet-secret}
 . "$HERE/engines.sh"
 
 PIDS=$(serve a "$A_PORT" "$A_TIER" OffloadingConnector)

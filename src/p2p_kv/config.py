@@ -3,7 +3,14 @@
 Validated once, at engine start, so that a typo or a bad value stops the
 engine with one sentence naming the key and the fix, instead of a tier that
 silently never hits. Every key has an environment variable (read when the
-key is absent), named like vLLM's own: ``VLLM_P2P_KV_<KEY>``.
+key is absent): ``P2P_KV_<KEY>``. Not ``VLLM_*``: vLLM warns at start on
+every ``VLLM_*`` variable its own table does not list
+(``Platform.validate_environ``), so a fleet configured as documented would
+warn on every start. The earlier names, ``VLLM_P2P_KV_<KEY>``, are still
+read, with one deprecation line each. A variable in either namespace that
+names no key is refused at start, as an unknown key is: a misspelt
+``P2P_KV_LOOKUP_TIMOUT_S`` would otherwise leave the default in force
+without a word.
 
 Where vLLM's in-tree ``p2p`` tier names a setting that means the same as
 one of ours, its name is accepted too (:data:`KEY_ALIASES`,
@@ -16,6 +23,7 @@ from __future__ import annotations
 
 import difflib
 import ipaddress
+import logging
 import math
 import os
 import socket
@@ -26,8 +34,25 @@ from typing import Any
 from p2p_kv.membership import Entry, parse_peers
 from p2p_kv.peer import Timeouts
 
-ENV_PREFIX = "VLLM_P2P_KV_"
+ENV_PREFIX = "P2P_KV_"
+#: The variables' earlier prefix, read after :data:`ENV_PREFIX` with a
+#: deprecation line (vLLM warns on every ``VLLM_*`` name it does not know).
+LEGACY_ENV_PREFIX = "VLLM_P2P_KV_"
+#: Variables in our namespace that are not tier keys, so not refused: the
+#: generated model's cache, and knobs of the test suite and benchmarks.
+OTHER_VARIABLES = frozenset(
+    {
+        "P2P_KV_CACHE_DIR",
+        "P2P_KV_BENCH_PRODUCER_HOST",
+        "P2P_KV_BENCH_PRODUCER_NETNS",
+        "P2P_KV_FUZZ_EXAMPLES",
+        "P2P_KV_SOAK_REQUESTS",
+    }
+)
 _CORE = Timeouts()
+log = logging.getLogger("vllm.p2p_kv")
+#: Deprecated variables already named in a log line (one line each).
+_WARNED: set[str] = set()
 #: Most peers one engine may dial: each dial holds one descriptor, and the
 #: engine needs the rest of its limit for its own files.
 MAX_PEERS = 4096
@@ -259,11 +284,13 @@ class TierConfig:
                 f"p2p_kv: unknown tier config key(s) {unknown}{meant}; known "
                 f"keys: {sorted(known)}"
             )
-        if raw.get("secret", "") is None and ENV_PREFIX + "SECRET" in env:
+        _check_variables(env, known)
+        secret_vars = [v for v in _variables("secret") if v in env]
+        if raw.get("secret", "") is None and secret_vars:
             # The key wins over the variable: the fleet's secret, set for
             # this engine, was silently dropped and the tier ran open.
             raise ConfigError(
-                f"p2p_kv: secret is null in the tier's entry but {ENV_PREFIX}SECRET "
+                f"p2p_kv: secret is null in the tier's entry but {secret_vars[0]} "
                 "is set: remove the key to use the variable, or unset the "
                 "variable for no secret"
             )
@@ -282,8 +309,8 @@ class TierConfig:
             if not found:
                 found = [
                     (var, _coerce(name, f.type, env[var], var, True))
-                    for var in (ENV_PREFIX + name.upper(), ENV_ALIASES.get(name))
-                    if var and var in env
+                    for var in _variables(name)
+                    if var in env
                 ]
             if not found:
                 continue
@@ -291,11 +318,20 @@ class TierConfig:
             for other, theirs in others:
                 if theirs != value:
                     raise ConfigError(
-                        f"p2p_kv: {_named(source)} and {_named(other)} (vLLM's "
-                        f"in-tree p2p tier's name for {name!r}) disagree: "
+                        f"p2p_kv: {_named(source)} and {_named(other)} "
+                        f"({_what_name(other, name)}) disagree: "
                         f"{_shown(name, value)} against {_shown(name, theirs)}; "
                         "set one of them",
                         env=other if not other.startswith("secondary_tiers") else "",
+                    )
+            for var, _ in found:
+                if var.startswith(LEGACY_ENV_PREFIX) and var not in _WARNED:
+                    _WARNED.add(var)
+                    log.warning(
+                        "p2p_kv: %s is deprecated (vLLM warns on every VLLM_* "
+                        "variable it does not know): rename it %s",
+                        var,
+                        ENV_PREFIX + name.upper(),
                     )
             sources[name], values[name] = source, value
         cfg = cls(**values)
@@ -546,3 +582,41 @@ def _coerce_peers(value: Any, source: str, from_env: bool) -> tuple[Entry, ...]:
         if not from_env:
             raise ConfigError(f"p2p_kv: {exc}") from None
         raise ConfigError(f"p2p_kv: {exc} (from {source})", env=source) from None
+
+
+def _variables(name: str) -> list[str]:
+    """The variables that set key ``name``, in the order they are read:
+    ours, its deprecated name, then vLLM's in-tree tier's."""
+    found = [ENV_PREFIX + name.upper(), LEGACY_ENV_PREFIX + name.upper()]
+    if name in ENV_ALIASES:
+        found.append(ENV_ALIASES[name])
+    return found
+
+
+def _what_name(variable: str, name: str) -> str:
+    """What a second name of key ``name`` is, for a message."""
+    if variable.startswith("secondary_tiers") or variable in ENV_ALIASES.values():
+        return f"vLLM's in-tree p2p tier's name for {name!r}"
+    return f"the deprecated name of {ENV_PREFIX + name.upper()}"
+
+
+def _check_variables(env: Mapping[str, str], known: Mapping[str, Any]) -> None:
+    """Refuse a variable of our namespaces that names no key: misspelt, it
+    would leave the key's default in force without a word."""
+    names = {ENV_PREFIX + k.upper(): k for k in known}
+    for var in sorted(env):
+        if var.startswith(LEGACY_ENV_PREFIX):
+            meant = ENV_PREFIX + var.removeprefix(LEGACY_ENV_PREFIX)
+        elif var.startswith(ENV_PREFIX):
+            meant = var
+        else:
+            continue
+        if meant in names or var in OTHER_VARIABLES:
+            continue
+        close = difflib.get_close_matches(meant, list(names), n=1)
+        guess = f" (did you mean {close[0]}?)" if close else ""
+        raise ConfigError(
+            f"p2p_kv: unknown environment variable {var}{guess}: it sets no "
+            f"tier key. Unset it, or use one of {sorted(names)}",
+            env=var,
+        )

@@ -253,13 +253,13 @@ def test_bad_config_json_and_env() -> None:
     config = next(r for r in results if r.name == "config")
     assert not config.ok
     assert "not a JSON object" in config.summary
-    result, _ = check_config({}, env={"VLLM_P2P_KV_HEARTBEAT_MS": "-1"})
+    result, _ = check_config({}, env={"P2P_KV_HEARTBEAT_MS": "-1"})
     assert not result.ok
     assert (
-        "heartbeat_ms (from VLLM_P2P_KV_HEARTBEAT_MS) -1.0 is not in 20..600000"
+        "heartbeat_ms (from P2P_KV_HEARTBEAT_MS) -1.0 is not in 20..600000"
         in result.summary
     )
-    assert result.fix.startswith("fix VLLM_P2P_KV_HEARTBEAT_MS")
+    assert result.fix.startswith("fix P2P_KV_HEARTBEAT_MS")
 
 
 # ---------------------------------------------------------------------------
@@ -402,11 +402,11 @@ def test_engine_canonical_hashes_follow_vllms_recipe() -> None:
 @pytest.mark.parametrize(
     ("change", "timeout", "says"),
     [
-        ({"secret": ""}, 5.0, "--secret (or VLLM_P2P_KV_SECRET) is empty"),
+        ({"secret": ""}, 5.0, "--secret (or P2P_KV_SECRET) is empty"),
         (
             {"secret": "s\udcff"},
             5.0,
-            "--secret (or VLLM_P2P_KV_SECRET) is not valid UTF-8",
+            "--secret (or P2P_KV_SECRET) is not valid UTF-8",
         ),
         ({"block_bytes": 1 << 47}, 5.0, "--block-bytes must be in 1.."),
         ({}, -3.0, "--timeout must be in 0.001..3600 s, got -3"),
@@ -515,14 +515,16 @@ def test_the_identity_line_carries_what_the_command_needs(
     )
     assert SECRET not in line and "=0" not in line
     command, notes = doctor.peer_command(ident)
-    assert shlex.split(command.removesuffix(' --secret "$VLLM_P2P_KV_SECRET"')) == [
+    assert shlex.split(command) == [
         *("p2p-kv", "doctor", "--peer", address, "--layout", ENGINE_LAYOUT),
         *("--block-bytes", str(ENGINE_BLOCK), "--block-tokens", str(ENGINE_TOKENS)),
         *("--hash-algo", "sha256", "--seed-digest", seed_digest("0").hex()[:16]),
     ]
-    assert command.endswith(' --secret "$VLLM_P2P_KV_SECRET"')
+    # The secret never goes on the command line, where ps shows it: the
+    # doctor reads P2P_KV_SECRET itself, and the note says so.
+    assert "secret" not in command.lower()
     assert any("PYTHONHASHSEED" in n for n in notes)
-    assert any("VLLM_P2P_KV_SECRET" in n for n in notes)
+    assert any("P2P_KV_SECRET holds it" in n for n in notes)
 
 
 def test_from_log_prints_a_command_that_passes_and_tells_a_wrong_secret(
@@ -531,7 +533,8 @@ def test_from_log_prints_a_command_that_passes_and_tells_a_wrong_secret(
     """The printed command, run as printed (through the CLI, with the
     engine's seed and secret exported): READY. With another secret it
     fails as an auth refusal with its fix; with another seed it fails
-    before dialing; with no secret exported, on the empty --secret."""
+    before dialing; with no secret exported, as an auth refusal too. The
+    secret is read from the environment: it is in no process's arguments."""
     _, line = engine_like
     log = tmp_path / "engine.log"
     log.write_text(f"INFO starting\n{line}\nINFO serving\n")
@@ -544,7 +547,7 @@ def test_from_log_prints_a_command_that_passes_and_tells_a_wrong_secret(
     assert command.startswith("p2p-kv doctor --peer ") and "\n" not in command
     assert "# the engine has a secret" in printed.stderr
     runnable = shlex.join(cli) + command.removeprefix("p2p-kv doctor") + " --port 0"
-    base = {k: v for k, v in os.environ.items() if k != "VLLM_P2P_KV_SECRET"}
+    base = {k: v for k, v in os.environ.items() if k != "P2P_KV_SECRET"}
     runs = {
         name: subprocess.Popen(
             ["bash", "-c", runnable],
@@ -554,9 +557,9 @@ def test_from_log_prints_a_command_that_passes_and_tells_a_wrong_secret(
             text=True,
         )
         for name, extra in {
-            "good": {"PYTHONHASHSEED": "0", "VLLM_P2P_KV_SECRET": SECRET},
-            "secret": {"PYTHONHASHSEED": "0", "VLLM_P2P_KV_SECRET": "not-it"},
-            "seed": {"PYTHONHASHSEED": "1", "VLLM_P2P_KV_SECRET": SECRET},
+            "good": {"PYTHONHASHSEED": "0", "P2P_KV_SECRET": SECRET},
+            "secret": {"PYTHONHASHSEED": "0", "P2P_KV_SECRET": "not-it"},
+            "seed": {"PYTHONHASHSEED": "1", "P2P_KV_SECRET": SECRET},
             "unset": {"PYTHONHASHSEED": "0"},
         }.items()
     }
@@ -574,7 +577,9 @@ def test_from_log_prints_a_command_that_passes_and_tells_a_wrong_secret(
     assert summary.startswith("FAIL peer") and "auth:" in summary, out["secret"]
     assert fix.split("fix: ", 1)[1] == doctor._REFUSAL_FIXES["auth"]
     assert "is not the engine's" in peer_line("seed")[0], out["seed"]
-    assert "--secret (or VLLM_P2P_KV_SECRET) is empty" in peer_line("unset")[0]
+    summary, fix = peer_line("unset")
+    assert summary.startswith("FAIL peer") and "auth:" in summary, out["unset"]
+    assert "set P2P_KV_SECRET here" in fix
 
 
 def test_the_layout_string_gives_the_block_size(engine_like: tuple[str, str]) -> None:

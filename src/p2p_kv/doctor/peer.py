@@ -63,8 +63,9 @@ _REFUSAL_FIXES = {
         "the same model, dtype, block size and parallelism"
     ),
     "auth": (
-        "pass the tier's 'secret' as --secret (or VLLM_P2P_KV_SECRET); both "
-        "sides must set the same secret, or neither"
+        "set P2P_KV_SECRET here to the engine's secret (the doctor reads "
+        "it; --secret would show it in ps); both sides must set the same "
+        "secret, or neither"
     ),
     "replay": "retry: the peer echoed our nonce",
     "max_inbound_peers": (
@@ -319,10 +320,13 @@ def peer_command(ident: LoggedIdentity) -> tuple[str, list[str]]:
     words += ["--seed-digest", ident.seed_digest]
     line = shlex.join(words)
     if ident.secret:
-        line += ' --secret "$VLLM_P2P_KV_SECRET"'
+        # Not ``--secret "$P2P_KV_SECRET"``: an argument is in every
+        # process listing (``ps``) while the check runs; the doctor reads
+        # the variable itself.
         notes.append(
-            "the engine has a secret: export it as VLLM_P2P_KV_SECRET first "
-            "(it is never logged)"
+            "the engine has a secret: run this where P2P_KV_SECRET holds it "
+            "(the doctor reads the variable; never pass it as --secret, "
+            "which any user sees in ps)"
         )
     return line, notes
 
@@ -394,7 +398,7 @@ def check_peer(peer: str, spec: PeerSpec, timeout_s: float = 5.0) -> CheckResult
         return CheckResult(
             name,
             False,
-            f"--secret (or VLLM_P2P_KV_SECRET) {why}",
+            f"--secret (or P2P_KV_SECRET) {why}",
             "pass the tier's 'secret' as it is set there, or none if it has none",
             details,
         )
