@@ -1,8 +1,9 @@
 """Several "hosts" on one machine: network namespaces on a bridge.
 
 Layout: a hub namespace holds a bridge; each host namespace has one veth
-(``veth0``, address ``10.213.0.<i+1>/24``) whose other end sits on the
-bridge. Nothing is created in the root namespace, so the tests touch no
+(``veth0``, address ``10.213.0.<i+1>/24``; both can be chosen, as the
+two-host walkthrough's ``eth0`` at ``10.0.0.5`` and ``10.0.0.6``) whose
+other end sits on the bridge. Nothing is created in the root namespace, so the tests touch no
 address of the machine's own. Partition a host with :meth:`Hosts.down`
 (its hub-side link goes down: packets vanish, no RST, exactly what a pulled
 cable looks like), slow its link with :meth:`Hosts.shape` (token bucket).
@@ -44,12 +45,18 @@ def require_ip() -> None:
 class Hosts:
     """``n`` namespaces on one bridge; :meth:`close` removes everything."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(
+        self, n: int, subnet: str = SUBNET, first: int = 1, ifname: str = "veth0"
+    ) -> None:
+        """``n`` hosts at ``subnet.first`` onwards, each with its link named
+        ``ifname``. The addresses exist only inside the namespaces, so any
+        subnet is safe to use, the machine's own included."""
         require_ip()
         self.tag = uuid.uuid4().hex[:6]
         self.hub = f"p2pkv-{self.tag}-hub"
         self.names = [f"p2pkv-{self.tag}-{i}" for i in range(n)]
-        self.addrs = [f"{SUBNET}.{i + 1}" for i in range(n)]
+        self.addrs = [f"{subnet}.{first + i}" for i in range(n)]
+        self.ifname = ifname
         self._hub_if = [f"pk{self.tag}{i}h" for i in range(n)]
         self._made: list[str] = []
         try:
@@ -71,9 +78,9 @@ class Hosts:
             tmp = f"pk{self.tag}{ns[-1]}n"
             ip(*hub, "link", "add", hub_if, "type", "veth", "peer", "name", tmp)
             ip(*hub, "link", "set", tmp, "netns", ns)
-            ip("-n", ns, "link", "set", tmp, "name", "veth0")
-            ip("-n", ns, "addr", "add", f"{addr}/24", "dev", "veth0")
-            ip("-n", ns, "link", "set", "veth0", "up")
+            ip("-n", ns, "link", "set", tmp, "name", self.ifname)
+            ip("-n", ns, "addr", "add", f"{addr}/24", "dev", self.ifname)
+            ip("-n", ns, "link", "set", self.ifname, "up")
             ip("-n", ns, "link", "set", "lo", "up")
             ip(*hub, "link", "set", hub_if, "master", "br0")
             ip(*hub, "link", "set", hub_if, "up")
@@ -87,7 +94,7 @@ class Hosts:
 
     def shape(self, i: int, rate: str = "20mbit") -> None:
         """Token-bucket both directions of host ``i``'s link."""
-        for ns, dev in ((self.hub, self._hub_if[i]), (self.names[i], "veth0")):
+        for ns, dev in ((self.hub, self._hub_if[i]), (self.names[i], self.ifname)):
             subprocess.run(
                 [
                     *("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root"),
@@ -98,7 +105,7 @@ class Hosts:
             )
 
     def unshape(self, i: int) -> None:
-        for ns, dev in ((self.hub, self._hub_if[i]), (self.names[i], "veth0")):
+        for ns, dev in ((self.hub, self._hub_if[i]), (self.names[i], self.ifname)):
             subprocess.run(
                 ["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"],
                 check=False,
