@@ -196,6 +196,20 @@ def test_alert_rules_are_complete_and_each_has_a_promtool_test() -> None:
     assert "observability.md" in (REPO / "mkdocs.yml").read_text()
 
 
+def test_every_alert_has_a_runbook_section_in_operations() -> None:
+    """Each alert's runbook_url names a section of docs/operations.md
+    that exists, headed by the alert's name (mkdocs' anchor for it)."""
+    operations = (REPO / "docs" / "operations.md").read_text()
+    headings = set(re.findall(r"^### (\w+)$", operations, re.M))
+    for rule in alert_rules():
+        name = rule["alert"]
+        assert rule["annotations"]["runbook_url"] == (
+            f"docs/operations.md#{name.lower()}"
+        ), name
+        assert name in headings, f"docs/operations.md has no '### {name}'"
+    assert "A failed outbound dial is not an" in operations
+
+
 def promtool() -> str:
     """promtool: `make test` puts Debian's beside the venv's python."""
     found = shutil.which("promtool", path=str(Path(sys.executable).parent))
