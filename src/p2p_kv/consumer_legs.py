@@ -21,7 +21,7 @@ from p2p_kv.peer import Session
 from p2p_kv.peer.events import LoadResult
 from p2p_kv.peers import Peers
 from p2p_kv.protocol import MAX_KEYS
-from p2p_kv.requests import JobTable, RequestTable
+from p2p_kv.requests import Consumer, JobTable, RequestTable
 
 
 class Answer(Enum):
@@ -159,6 +159,18 @@ class Loads:
                 LoadResult(job_id, consumer.gen, False, "second_load")
             )
             return
+        self.fetch(job_id, consumer, keys, slots, now)
+
+    def fetch(
+        self,
+        job_id: int,
+        consumer: Consumer,
+        keys: Sequence[bytes],
+        slots: Sequence[int],
+        now: float,
+    ) -> None:
+        """Load ``keys`` of a registered job from the leg's peer: a READ of
+        what its lookup offered, or a Fetch."""
         session = self._peers.sessions.get(consumer.source.peer)
         if session is None or session.closed:
             self._jobs.results.append(

@@ -34,6 +34,8 @@ from collections.abc import Callable, Iterable, Sequence
 
 from p2p_kv.consumer_legs import Answer as Answer
 from p2p_kv.consumer_legs import Loads
+from p2p_kv.directory import fingerprint
+from p2p_kv.finder import Finder
 from p2p_kv.handshake import FrameRefused, Identity
 from p2p_kv.indexes import holders_of, residue_of, sizes_of
 from p2p_kv.membership import Membership
@@ -51,7 +53,9 @@ from p2p_kv.peer.events import (
     Cancel,
     Closed,
     Dial,
+    HoldingsHeard,
     LoadDone,
+    LoadResult,
     Orphaned,
     PinJob,
     PostRead,
@@ -61,14 +65,15 @@ from p2p_kv.peer.events import (
     RuntimeEvent,
     StoreDone,
     StoreResult,
+    Subscribed,
     WantsParked,
 )
 from p2p_kv.peers import FromTallies, Peers, SessionWork, Tallies
-from p2p_kv.protocol import Hello, Message
+from p2p_kv.protocol import Hello, Message, Subscribe
+from p2p_kv.requests import Job, JobTable, Request, RequestTable
 from p2p_kv.requests import JobResult as JobResult
-from p2p_kv.requests import JobTable, Request, RequestTable
 from p2p_kv.requests import LoadObservation as LoadObservation
-from p2p_kv.roles import Roles
+from p2p_kv.roles import Roles, Source
 
 #: The longest a cache reset's drain waits (an offered READ of 1 TB is held
 #: about 45 minutes at the default deadlines).
@@ -120,6 +125,9 @@ class LoadManager:
         self.loads = Loads(
             self, self.requests, self.jobs, self.peers, self._touch, self.membership
         )
+        #: the directory, for requests that name no source: on with a
+        #: ``peers`` key (the fleet it covers)
+        self.finder = Finder() if self.membership.entries is not None else None
 
     @property
     def me(self) -> Identity:
@@ -157,6 +165,8 @@ class LoadManager:
         if source is not None and not self.membership.admits(source.peer):
             self.membership.refuse(source.peer)
             roles = dataclasses.replace(roles, source=None)
+        if self.finder is not None:
+            self.finder.forget(req_id)
         old = self.requests.pop(req_id)
         carried = False
         if old is not None:
@@ -177,6 +187,8 @@ class LoadManager:
 
     def on_request_finished(self, req_id: str, now: float) -> None:
         """Finish both legs of a request. Idempotent for unknown ids."""
+        if self.finder is not None:
+            self.finder.forget(req_id)
         req = self.requests.pop(req_id)
         if req is not None:
             self._finish(req, now)
@@ -195,6 +207,9 @@ class LoadManager:
             self.parked.producer_ended(req.dest_kv_id, now)
 
     def lookup(self, req_id: str, key: bytes) -> Answer:
+        if self.finder is not None and req_id not in self.requests.by_id:
+            # No source named: the directory answers, from memory.
+            return Answer.HIT if self.finder.lookup(req_id, key) else Answer.MISS
         return self.loads.lookup(req_id, key)
 
     def flush(self, now: float) -> None:
@@ -209,7 +224,108 @@ class LoadManager:
         slots: Sequence[int],
         now: float,
     ) -> None:
-        self.loads.submit_load(job_id, req_id, keys, slots, now)
+        finder = self.finder
+        if finder is None or req_id in self.requests.by_id:
+            self.loads.submit_load(job_id, req_id, keys, slots, now)
+            job = self.jobs.jobs.get(job_id)
+            if finder is not None and job is not None:
+                job.keys = list(keys)
+            return
+        job = self.jobs.register(job_id, "load", req_id)
+        job.submitted = now
+        job.keys = list(keys)
+        member = finder.choose(req_id, map(fingerprint, keys), self._loads_by_peer())
+        if not keys or not member:
+            ok = not keys
+            self.jobs.results.append(LoadResult(job_id, -1, ok, "" if ok else "miss"))
+            return
+        self._load_found(job_id, job, member, list(keys), list(slots), now)
+
+    def _load_found(
+        self,
+        job_id: int,
+        job: Job,
+        member: str,
+        keys: list[bytes],
+        slots: list[int],
+        now: float,
+    ) -> None:
+        """Load a request that named no source from ``member``, which the
+        directory says holds ``keys``: a leg as a ``remote_kv_source`` one,
+        its lookup sent now (the pins come from the member, not from the
+        directory), its load once every key is answered
+        (:meth:`_advance_found`)."""
+        req = self.requests.add(job.req_id, Source(job.req_id, member, True), None)
+        consumer = req.consumer
+        assert consumer is not None
+        consumer.found = (job_id, keys, slots)
+        job.peer, job.gen, job.kv_id = member, consumer.gen, job.req_id
+        consumer.asked.update(keys)
+        consumer.unsent = list(keys)
+        self.requests.unsent.add(job.req_id)
+        self.loads.start(job.req_id, now)
+        self.loads.flush(now)
+        self._advance_found(req, now)
+
+    def _advance_found(self, req: Request, now: float) -> None:
+        """A found leg's lookup answered (or failed): load what its member
+        pinned, or move to the next holder."""
+        consumer, finder = req.consumer, self.finder
+        if consumer is None or consumer.found is None or finder is None:
+            return
+        job_id, keys, slots = consumer.found
+        if consumer.fetched or any(k in consumer.asked for k in keys):
+            return  # loading already, or answers still to come
+        missing = [k for k in keys if not consumer.keys.get(k)]
+        if not missing:
+            self.loads.fetch(job_id, consumer, keys, slots, now)
+            return
+        session = self.peers.sessions.get(consumer.source.peer)
+        # Answered misses are stale entries; a lost session's are not.
+        stale = [] if session is None or session.closed else missing
+        self._fail_over(req, stale, "directory_stale" if stale else "peer_down", now)
+
+    def _fail_over(
+        self, req: Request, stale: list[bytes], why: str, now: float
+    ) -> None:
+        """The found leg's member could not serve its load: the load moves
+        to the next member said to hold all of it, while the request's
+        lookup deadline allows; else it fails, and the request recomputes."""
+        consumer, finder = req.consumer, self.finder
+        assert (
+            consumer is not None and consumer.found is not None and finder is not None
+        )
+        job_id, keys, slots = consumer.found
+        member = consumer.source.peer
+        finder.failed(req.req_id, member, map(fingerprint, stale))
+        job = self.jobs.jobs.get(job_id)
+        nxt = ""
+        if job is not None and now - job.submitted < self.timeouts.lookup_s:
+            nxt = finder.choose(
+                req.req_id, map(fingerprint, keys), self._loads_by_peer()
+            )
+        if not nxt:
+            consumer.found = None
+            self.jobs.results.append(LoadResult(job_id, consumer.gen, False, why))
+            return
+        # The member's pins for this generation go; the request starts a
+        # new generation with the next member.
+        finder.failovers += 1
+        self.requests.pop(req.req_id)
+        session = self.peers.sessions.get(member)
+        if session is not None:
+            session.finish_gen(consumer.gen, consumer.source.kv_id, now)
+            self._touch(session)
+        assert job is not None
+        self._load_found(job_id, job, nxt, keys, slots, now)
+
+    def _loads_by_peer(self) -> dict[str, int]:
+        """Load jobs in flight, by the peer they load from."""
+        counts: dict[str, int] = {}
+        for job in self.jobs.jobs.values():
+            if job.kind == "load" and job.peer:
+                counts[job.peer] = counts.get(job.peer, 0) + 1
+        return counts
 
     def submit_store(
         self,
@@ -226,6 +342,8 @@ class LoadManager:
         req = self.requests.by_id.get(req_id)
         kv_id = req.dest_kv_id if req is not None else None
         if kv_id is None:
+            if self.finder is not None:
+                self.finder.stored(keys, self.me.num_blocks)
             self.jobs.results.append(StoreResult(job_id, True))
             return False
         store = ParkedStore(job_id, kv_id, keys, slots, now + self.parked_ttl_s)
@@ -282,12 +400,31 @@ class LoadManager:
             # one session. (Not a Goodbye's end: its connection closes next,
             # and each remembered would push a refused one out of the list.)
             self.peers.remember_refused(peer)
+        if (
+            ended
+            and self.finder is not None
+            and session.refusal is not None
+            and session.refusal.reason == "self"
+            and not is_inbound(peer)
+        ):
+            # The peers key names every engine, this one too, and the
+            # address we listen on was not the one listed: never again.
+            self.finder.myself.add(peer)
         if greeting and session.ready and is_inbound(peer):
             self.peers.on_ready(session)
+        elif greeting and session.ready and self.finder is not None:
+            self._member_ready(session)
         self._touch(session)
         if session.has_lookups_to_serve:
             self.work.to_serve.add(peer)
         self._bind_parked(now)
+
+    def _member_ready(self, session: Session) -> None:
+        """A member we dialled is ready: ask what it holds."""
+        finder, hello = self.finder, session.link.peer_hello
+        assert finder is not None and hello is not None
+        finder.directory.join(session.peer, hello.num_blocks)
+        session.link.send(Subscribe())
 
     def pending_lookup_keys(self) -> int:
         """Lookup keys every peer together has queued for our engine."""
@@ -412,6 +549,39 @@ class LoadManager:
         self.jobs.results.extend(self.parked.tick(now))
         self.jobs.results.extend(self.work.expire_orphans(now))
         self.peers.tick(now)
+        if self.finder is not None:
+            self._tick_finder(now)
+
+    def _tick_finder(self, now: float) -> None:
+        """The directory's work of a step: failed found loads move on, our
+        news goes to every subscriber, members without a session are
+        dialled (at most once a second)."""
+        finder = self.finder
+        assert finder is not None
+        answered, finder.answered = finder.answered, set()
+        for gen in answered:
+            req = self.requests.by_gen.get(gen)
+            if req is not None:
+                self._advance_found(req, now)
+        retry, finder.retry = finder.retry, []
+        for result in retry:
+            req = self.requests.by_gen.get(result.gen)
+            if req is None or req.consumer is None or req.consumer.found is None:
+                self.jobs.results.append(result)
+            else:
+                self._fail_over(req, [], result.reason, now)
+        updates = finder.updates()
+        for peer in list(finder.subscribers) if updates else ():
+            session = self.peers.sessions.get(peer)
+            if session is None or session.closed:
+                finder.subscribers.discard(peer)
+                continue
+            for msg in updates:
+                session.link.send(msg)
+            self._touch(session)
+        targets = self.membership.dial_targets()
+        for member in finder.to_dial(targets, self.peers.sessions, now):
+            self.peers.session_for(member, now, self.requests.by_peer)
 
     def next_deadline(self) -> float:
         return min(self.work.next_deadline(), self.parked.next_deadline())
@@ -441,7 +611,16 @@ class LoadManager:
                 case ProbeAnswered(answer):
                     self._apply_answer(answer)
                 case LoadDone(result):
+                    if self._found_load_failed(result):
+                        self.finder.retry.append(result)  # type: ignore[union-attr]
+                        continue
                     self.jobs.results.append(result)
+                    if result.success and self.finder is not None:
+                        # What we loaded is in our primary tier now: the
+                        # fleet may find it here too.
+                        job = self.jobs.jobs.get(result.job_id)
+                        if job is not None and job.keys:
+                            self.finder.stored(job.keys, self.me.num_blocks)
                 case StoreDone(result):
                     self.jobs.results.append(result)
                 case PinJob(job_id):
@@ -450,7 +629,19 @@ class LoadManager:
                     work.wants.append((session, serve))
                 case Orphaned(serve):
                     work.adopt(serve)
-                case PostRead() | PostWrite() | Cancel() | Closed():
+                case HoldingsHeard(add, drop):
+                    if self.finder is not None and not is_inbound(peer):
+                        self.finder.heard(peer, add, drop)
+                case Subscribed():
+                    if self.finder is not None and is_inbound(peer):
+                        self.finder.subscribers.add(peer)
+                        for msg in self.finder.snapshot():
+                            session.link.send(msg)
+                case Closed():
+                    if self.finder is not None:
+                        self.finder.left(peer)
+                    work.out.append((peer, event))
+                case PostRead() | PostWrite() | Cancel():
                     work.out.append((peer, event))
 
     def _apply_answer(self, answer: ProbeAnswer) -> None:
@@ -463,6 +654,20 @@ class LoadManager:
         else:
             consumer.keys.update(zip(answer.keys, answer.hits, strict=True))
         consumer.asked.difference_update(answer.keys)
+        if consumer.found is not None and self.finder is not None:
+            self.finder.answered.add(answer.gen)  # at the next tick
+
+    def _found_load_failed(self, result: LoadResult) -> bool:
+        """Whether ``result`` is a failed load of a found leg whose request
+        is live: it may move to another holder."""
+        if result.success or result.request_finished or self.finder is None:
+            return False
+        req = self.requests.by_gen.get(result.gen)
+        return (
+            req is not None
+            and req.consumer is not None
+            and (req.consumer.found is not None)
+        )
 
     def _bind_parked(self, now: float) -> None:
         """Register the Fetches for parked stores that arrived (WantsParked)

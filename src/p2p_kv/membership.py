@@ -162,6 +162,20 @@ class Membership:
         }
         self._members = frozenset(listed | resolved)
 
+    def dial_targets(self) -> list[str]:
+        """The members to keep a session with, for the directory: each
+        address an entry lists or a name resolved to (a name itself is not
+        dialled: its addresses are). Sorted, so every engine dials in the
+        same order."""
+        entries = self.entries or ()
+        listed = {str(e) for e in entries if not e.is_name}
+        resolved = {
+            format_peer(address, e.port)
+            for e, addresses in self._resolved.items()
+            for address in addresses
+        }
+        return sorted(listed | resolved)
+
     def admits(self, peer: str) -> bool:
         """Whether a request may have ``peer`` (``host:port``) dialled."""
         return self.entries is None or _key(peer) in self._members

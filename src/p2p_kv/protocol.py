@@ -241,6 +241,27 @@ class Error(_Msg, tag="error", frozen=True):
     gen: int = -1
 
 
+#: Most fingerprints one Holdings message lists (8 bytes each: 2 MiB).
+MAX_FINGERPRINTS: Final = 1 << 18
+
+
+class Subscribe(_Msg, tag="subscribe", frozen=True):
+    """Consumer asks the producer to tell it what its primary tier holds
+    (``Holdings``): the producer answers with all it holds, then what it
+    stores, once per step. Sent by an engine whose ``peers`` key lists the
+    fleet, to each member it dials."""
+
+
+class Holdings(_Msg, tag="holdings", frozen=True):
+    """What the producer's primary tier stored (``add``) and no longer
+    holds (``drop``), as packed little-endian 8-byte block fingerprints
+    (:func:`p2p_kv.directory.fingerprint`). A hint: the consumer still asks
+    for pins before it reads."""
+
+    add: Annotated[bytes, msgspec.Meta(max_length=8 * MAX_FINGERPRINTS)] = b""
+    drop: Annotated[bytes, msgspec.Meta(max_length=8 * MAX_FINGERPRINTS)] = b""
+
+
 Message = (
     Hello
     | HelloAck
@@ -258,6 +279,8 @@ Message = (
     | Heartbeat
     | Goodbye
     | Error
+    | Subscribe
+    | Holdings
 )
 
 #: What a peer may send before its session is ready. Anything else is
@@ -337,6 +360,8 @@ def decode(frame: bytes | bytearray | memoryview, *, greeting: bool = False) -> 
         raise ProtocolError(
             f"lookup_resp {msg.req!r}: {len(msg.hits)} hits but {len(msg.slots)} slots"
         )
+    if isinstance(msg, Holdings) and (len(msg.add) % 8 or len(msg.drop) % 8):
+        raise ProtocolError("holdings: a fingerprint list not in 8-byte words")
     if isinstance(msg, Lookup) and len(set(msg.keys)) != len(msg.keys):
         # A probe asks about each block once. Repeated, one held key made a
         # Lookup of 63,000 pins, and a peer dropping and dialling again

@@ -70,6 +70,10 @@ class Consumer:
     #: its peer was past ``max_peers`` when it began: it recomputes (asked
     #: again, it would only be refused again)
     refused: bool = False
+    #: a leg the directory found (the request named no source): its load
+    #: job, keys and slots, from submit_load until the job's result, so a
+    #: load the member could not serve moves to another holder
+    found: tuple[int, list[bytes], list[int]] | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -182,6 +186,9 @@ class Job:
     submitted: float = 0.0
     gen: int = -1  # load jobs: the request's generation when submitted
     kv_id: str = ""  # load jobs: the leg's kv_request_id
+    #: load jobs: what they load, once loaded part of our primary tier (the
+    #: directory tells subscribers; empty without a ``peers`` key)
+    keys: list[bytes] = field(default_factory=list)
 
 
 class JobTable:

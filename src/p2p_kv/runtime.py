@@ -107,6 +107,9 @@ class TierRuntime:
         self.manager = manager
         self._control = control
         self._data = data
+        if manager.finder is not None:
+            # The peers key names this engine too: not a member to dial.
+            manager.finder.myself.add(control.address)
         self.idle_wait_s = idle_wait_s
         self.busy_wait_s = min(idle_wait_s, 0.02)
         self.clock = clock

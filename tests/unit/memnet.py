@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from p2p_kv.handshake import Identity
 from p2p_kv.manager import JobResult, LoadManager
+from p2p_kv.membership import Membership, parse_peers
 from p2p_kv.peer import Limits, PinResult, Timeouts
 from p2p_kv.peer.events import Cancel, Closed, Dial, Direction, PostRead, PostWrite
 from p2p_kv.protocol import Message, decode, encode
@@ -161,7 +162,10 @@ class Net:
         limits: Limits | None = None,
         identities: dict[str, Identity] | None = None,
         reads: bool = True,
+        fleet: bool = False,
     ) -> None:
+        """``fleet``: every engine's ``peers`` key lists them all (the
+        directory is on)."""
         self.now = 0.0
         self._nonces = itertools.count(1)
         self.engines: dict[str, Engine] = {}
@@ -173,6 +177,7 @@ class Net:
                 timeouts=timeouts,
                 limits=limits,
                 reads=reads,
+                membership=self._fleet(names) if fleet else None,
             )
             self.engines[n] = Engine(n, mgr)
         self.links: list[Link] = []
@@ -188,6 +193,14 @@ class Net:
 
     def addr(self, name: str) -> str:
         return f"{name}:1"
+
+    def _fleet(self, names: Sequence[str]) -> Membership:
+        """A ``peers`` key naming every engine, each name resolved to
+        itself (as the runtime's resolver hands addresses in)."""
+        membership = Membership(parse_peers([self.addr(n) for n in names]))
+        for entry in membership.names:
+            membership.update(entry, [entry.host])
+        return membership
 
     def roles(self, src: str, kv_id: str, probe: bool = True) -> Roles:
         leg = "remote_kv_source" if probe else "remote_prefiller"

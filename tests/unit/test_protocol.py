@@ -26,6 +26,7 @@ from p2p_kv.protocol import (
     Heartbeat,
     Hello,
     HelloAck,
+    Holdings,
     Lookup,
     LookupResp,
     Message,
@@ -33,6 +34,7 @@ from p2p_kv.protocol import (
     Region,
     Release,
     Revoke,
+    Subscribe,
     TransferDone,
     decode,
     encode,
@@ -79,6 +81,9 @@ SAMPLES: list[Any] = [
     Goodbye(reason="shutdown"),
     Error(code="illegal", detail="no", req="req-1", gen=3),
     Error(code="x"),
+    Subscribe(),
+    Holdings(add=b"\x01" * 16, drop=b"\x02" * 8),
+    Holdings(),
 ]
 
 

@@ -504,6 +504,11 @@ def _counters(tier: Any) -> dict[str, Any]:
             s.peer_hello.engine_id if s.peer_hello else s.peer for s in sessions
         ),
         "fallbacks": dict(m.fallbacks),
+        # the directory (with a peers key): entries by member, loads moved
+        "directory": {}
+        if m.finder is None
+        else {p: len(b) for p, b in m.finder.directory.members.items()},
+        "failovers": 0 if m.finder is None else m.finder.failovers,
         "failures": [dict(s.counters.failures) for s in sessions],
         "protocol_errors": [dict(s.counters.protocol_errors) for s in sessions],
     }

@@ -155,6 +155,20 @@ class Closed:
 
 
 @dataclass(frozen=True, slots=True)
+class HoldingsHeard:
+    """The peer told us what its primary tier stored (``add``) and no
+    longer holds (``drop``): packed fingerprints, for the directory."""
+
+    add: bytes
+    drop: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Subscribed:
+    """The peer asked to hear what our primary tier holds."""
+
+
+@dataclass(frozen=True, slots=True)
 class Dial:
     """Open a connection to the peer (a session we started waits on it)."""
 
@@ -170,6 +184,8 @@ SessionEvent: TypeAlias = (
     | WantsParked
     | Orphaned
     | Closed
+    | HoldingsHeard
+    | Subscribed
 )
 
 #: What the manager hands the runtime, each with its peer: the session

@@ -27,9 +27,11 @@ from p2p_kv.lifecycle import Event, IllegalTransition, Machine
 from p2p_kv.peer.consumer import ConsumerSide
 from p2p_kv.peer.events import (
     Closed,
+    HoldingsHeard,
     PostRead,
     PostWrite,
     SessionEvent,
+    Subscribed,
 )
 from p2p_kv.peer.link import Link, LinkState, Loss
 from p2p_kv.peer.producer import ProducerSide
@@ -56,12 +58,14 @@ from p2p_kv.protocol import (
     Heartbeat,
     Hello,
     HelloAck,
+    Holdings,
     Lookup,
     LookupResp,
     Message,
     Region,
     Release,
     Revoke,
+    Subscribe,
     TransferDone,
 )
 
@@ -289,6 +293,12 @@ class Session:
                     producer.on_abort(msg)
                 case AbortAck():
                     consumer.on_abort_ack(msg, now)
+                case Holdings():
+                    # The directory's feed: no request's state, so the
+                    # session only hands it on.
+                    link.emit(HoldingsHeard(msg.add, msg.drop))
+                case Subscribe():
+                    link.emit(Subscribed())
         except IllegalTransition as exc:
             req = getattr(msg, "req", "")
             gen = getattr(msg, "gen", -1)
