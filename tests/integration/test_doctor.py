@@ -60,6 +60,8 @@ PEERS = {
     "bbytes": ("0", LAYOUT, 2 * BLOCK, SECRET),
     "nosecret": ("0", LAYOUT, BLOCK, None),
     "badsecret": ("0", LAYOUT, BLOCK, "not-it"),
+    "layout+secret": ("0", "other", BLOCK, "not-it"),
+    "bbytes+secret": ("0", LAYOUT, 2 * BLOCK, "not-it"),
 }
 
 
@@ -296,6 +298,32 @@ def test_mismatched_peer_is_refused_naming_the_field(
     assert result.details["reason"] == reason
     assert text in result.summary
     assert result.fix == doctor._REFUSAL_FIXES[reason]
+
+
+@pytest.mark.parametrize(
+    ("peer", "text"),
+    [
+        ("layout+secret", "'other' differs from ours"),
+        ("bbytes+secret", f"block is {2 * BLOCK} bytes, ours {BLOCK}"),
+    ],
+)
+def test_a_wrong_secret_is_reported_beside_a_layout_refusal(
+    peers: dict[str, str], peer: str, text: str
+) -> None:
+    """The handshake compares layouts before the secret's proof, so a
+    peer with another layout and another secret was reported as a layout
+    error only (issue 41): fixing the layout then failed on the secret.
+    Both are reported, the secret's fix first."""
+    result = check_peer(peers[peer], GOOD, timeout_s=5)
+    assert not result.ok and result.details["reason"] == "layout", result
+    assert text in result.summary
+    assert "and the secret differs: " in result.summary, result
+    assert result.details["secret"] == "differs"
+    assert result.details["also"]["reason"] == "auth"
+    assert result.fix.startswith(f"first the secret: {doctor._REFUSAL_FIXES['auth']}")
+    # The same layout refusal with the right secret says nothing of it.
+    alone = check_peer(peers["layout"], GOOD, timeout_s=5)
+    assert "secret" not in alone.summary and alone.details["secret"] == "matches"
 
 
 def test_a_port_nothing_listens_on_is_named_refused() -> None:

@@ -18,7 +18,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from p2p_kv.config import (
@@ -406,7 +406,60 @@ def check_peer(peer: str, spec: PeerSpec, timeout_s: float = 5.0) -> CheckResult
         failed = _seed_digest_problem(spec.hash_seed, spec.seed_digest, details)
         if failed is not None:
             return failed
-    return _handshake(peer, host, port, spec, canon, timeout_s, details)
+    result = _handshake(peer, host, port, spec, canon, timeout_s, details)
+    if details.get("reason") == "layout" and spec.secret is not None:
+        result = _secret_too(result, peer, host, port, spec, canon, timeout_s)
+    return result
+
+
+#: A layout refusal's detail, as handshake.check_hello words it: the
+#: refusing side's peer's value first, its own second.
+_LAYOUT_DETAIL = re.compile(r"peer's KV layout (.+) differs from ours (.+)$")
+_BLOCK_DETAIL = re.compile(r"peer's block is (\d+) bytes, ours (\d+)$")
+
+
+def _secret_too(
+    result: CheckResult,
+    peer: str,
+    host: str,
+    port: int,
+    spec: PeerSpec,
+    canon: tuple[bytes, ...],
+    timeout_s: float,
+) -> CheckResult:
+    """A layout refusal hides whether the secrets match: the handshake
+    compares layouts before the secret's proof. Shake hands again stating
+    the peer's own layout, so the proof is checked, and report a wrong
+    secret beside the layout (the first thing to fix: nothing passes
+    without it)."""
+    details = result.details
+    detail, by = str(details.get("detail", "")), details.get("by")
+    theirs_first = by == "us"  # we refused: "peer's" is the peer's value
+    probe = None
+    if m := _LAYOUT_DETAIL.search(detail):
+        try:
+            layout = ast.literal_eval(m.group(1 if theirs_first else 2))
+        except (ValueError, SyntaxError):
+            return result
+        probe = replace(spec, layout=str(layout))
+    elif m := _BLOCK_DETAIL.search(detail):
+        probe = replace(spec, block_bytes=int(m.group(1 if theirs_first else 2)))
+    if probe is None:
+        return result
+    again: dict[str, Any] = {"peer": peer, "state": "error"}
+    _handshake(peer, host, port, probe, canon, timeout_s, again)
+    if again.get("reason") != "auth":
+        details["secret"] = "matches" if again.get("state") == "READY" else "unknown"
+        return result
+    details["secret"] = "differs"
+    details["also"] = {"reason": "auth", "detail": again.get("detail")}
+    return CheckResult(
+        "peer",
+        False,
+        f"{result.summary}; and the secret differs: {_shown(str(again.get('detail')))}",
+        f"first the secret: {_REFUSAL_FIXES['auth']}; then the layout: {result.fix}",
+        details,
+    )
 
 
 def _seed_digest_problem(
