@@ -168,9 +168,9 @@ class TierConfig:
     )
     secret: str | None = _key(
         None,
-        "the fleet's shared secret: peers prove it, every frame is sealed "
-        "under keys derived from it (set it as the variable: vLLM logs its "
-        "config)",
+        "the fleet's shared secret: peers prove it, control frames are "
+        "sealed under keys derived from it; KV blocks cross NIXL/UCX "
+        "unencrypted (set it as the variable: vLLM logs its config)",
     )
     allow_unauthenticated: bool = _key(
         False,
