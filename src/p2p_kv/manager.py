@@ -198,6 +198,19 @@ class LoadManager:
         leg's results and session, its producer leg's parked entry."""
         consumer = req.consumer
         if consumer is not None:
+            if consumer.found is not None and not consumer.fetched:
+                # A found leg's load waits on its lookup: nothing of it
+                # reached the data plane, so it ends here.
+                self.jobs.results.append(
+                    LoadResult(
+                        consumer.found[0],
+                        consumer.gen,
+                        False,
+                        "abort",
+                        request_finished=True,
+                    )
+                )
+                consumer.found = None
             self.jobs.request_finished(consumer.gen)
             session = self.peers.sessions.get(consumer.source.peer)
             if session is not None:

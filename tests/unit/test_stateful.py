@@ -1,7 +1,8 @@
 """Hypothesis drives three managers through random interleavings.
 
 Rules: new request (symmetric or disaggregated, ids drawn from a small pool
-so they get reused), lookups, lookup responses (delivery), submit load and
+so they get reused; with the directory on, requests that name no source,
+primary-tier stores that feed it and evictions that make it stale), lookups, lookup responses (delivery), submit load and
 store, fetch/transfer completion or failure, held writes, aborts (request
 finished mid-flight), deadlines (clock advances), peer death (link cut),
 session close, drain. After every step the invariants below are checked;
@@ -10,8 +11,10 @@ structure anywhere holds anything.
 
 Examples x steps: ``SETTINGS`` (1,000 examples of up to 60 steps, about
 60,000 rule applications); CI runs them all on every ``make test``. The test
-was checked against two planted bugs (failed-ID leak, unfenced abort): each
-makes it fail.
+was checked against planted bugs (failed-ID leak, unfenced abort, a
+directory prefix kept past its request's end): each makes it fail. It
+found a found leg's load left without a result when its request finished
+before the member answered its lookup.
 """
 
 from __future__ import annotations
@@ -45,10 +48,12 @@ SETTINGS = settings(
 
 
 class Fleet(RuleBasedStateMachine):
-    @initialize(reads=st.booleans())
-    def start(self, reads: bool) -> None:
-        # Both load paths: one-sided READs of offered pins, and Fetch/WRITE.
-        self.net = Net(ENGINES, timeouts=TIMEOUTS, reads=reads)
+    @initialize(reads=st.booleans(), fleet=st.booleans())
+    def start(self, reads: bool, fleet: bool = False) -> None:
+        # Both load paths: one-sided READs of offered pins, and Fetch/WRITE;
+        # with ``fleet``, a peers key lists every engine: the directory is
+        # on, and requests that name no source load what it finds.
+        self.net = Net(ENGINES, timeouts=TIMEOUTS, reads=reads, fleet=fleet)
         # Writes land only when a rule says so, so that finishes, aborts,
         # deadlines and cuts regularly hit a write in flight.
         self.net.hold_writes = True
@@ -60,6 +65,10 @@ class Fleet(RuleBasedStateMachine):
         self.live: dict[str, dict[str, str]] = {n: {} for n in ENGINES}
         self.producers: dict[str, set[str]] = {n: set() for n in ENGINES}
         self.counter = 0
+        if fleet:
+            self.net.hold_writes = False
+            self.net.run(6)  # each dials the others and subscribes
+            self.net.hold_writes = True
 
     # -- requests ---------------------------------------------------------
 
@@ -97,6 +106,63 @@ class Fleet(RuleBasedStateMachine):
         self.producers[me].add(req)
         job = eng.new_job()
         eng.store(job, req, KEYS[:n], [50 + 2 * i for i in range(n)], self.net.now)
+
+    @rule(
+        me=st.sampled_from(ENGINES),
+        req=st.sampled_from(["n1", "n2", "n3"]),
+        keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=4, unique=True),
+    )
+    def request_naming_no_source(self, me: str, req: str, keys: list[bytes]) -> None:
+        """What a router that knows nothing of KV sends: the directory (if
+        on) answers its lookups."""
+        if req in self.live[me] or req in self.producers[me]:
+            return
+        m = self.net.engines[me].manager
+        m.on_new_request(req, Roles(), self.net.now)
+        self.live[me][req] = ""
+        for k in keys:
+            m.lookup(req, k)
+
+    @rule(me=st.sampled_from(ENGINES), n=st.integers(1, 4))
+    def primary_stores(self, me: str, n: int) -> None:
+        """The engine's primary tier stored blocks it holds: vLLM cascades
+        them to the tier as a store job (the directory's feed)."""
+        eng = self.net.engines[me]
+        self.counter += 1
+        job = eng.new_job()
+        eng.store(
+            job,
+            f"s{self.counter}",
+            KEYS[:n],
+            [50 + 2 * i for i in range(n)],
+            self.net.now,
+        )
+
+    @rule(
+        data=st.data(),
+        me=st.sampled_from(ENGINES),
+        src=st.sampled_from(ENGINES),
+        req=st.sampled_from(["n1", "n2", "n3"]),
+    )
+    def found_request_then_load(
+        self, data: st.DataObject, me: str, src: str, req: str
+    ) -> None:
+        """The directory's common path in one rule: a member stores, the
+        news spreads, a request naming no source looks up and loads."""
+        if me == src or req in self.live[me] or req in self.producers[me]:
+            return
+        self.primary_stores(src, 4)
+        self.step(3)
+        self.request_naming_no_source(me, req, KEYS[:4])
+        self.submit_load(data, me, req)
+
+    @rule(me=st.sampled_from(ENGINES), n=st.integers(0, 4))
+    def primary_evicts(self, me: str, n: int) -> None:
+        """The engine's primary tier evicts blocks without telling anyone:
+        directory entries naming them go stale."""
+        eng = self.net.engines[me]
+        for k in KEYS[n:4]:
+            eng.primary.pop(k, None)
 
     @rule(data=st.data(), me=st.sampled_from(ENGINES))
     def lookup_again(self, data: st.DataObject, me: str) -> None:
