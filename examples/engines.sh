@@ -41,11 +41,20 @@ wait_ready() {
   exit 1
 }
 
-# On any exit: stop every pid in PIDS cleanly; on failure show the logs.
+# On any exit: stop every pid in PIDS cleanly, and return only once each
+# has exited (its ports free, its files closed); on failure show the logs.
+# The engines are not this shell's children (each started inside $(...)),
+# so `wait` would return at once: poll each, up to 60 s, then kill it.
 stop() {
-  local status=$?
+  local status=$? pid
   kill -TERM $PIDS 2>/dev/null || true
-  wait
+  for pid in $PIDS; do
+    for _ in $(seq 600); do
+      kill -0 "$pid" 2>/dev/null || break
+      sleep 0.1
+    done
+    kill -KILL "$pid" 2>/dev/null || true
+  done
   [ "$status" = 0 ] || tail -n 30 "$LOGS"/*.log
   rm -rf "$LOGS"
 }

@@ -4,6 +4,7 @@ from the repository root, exactly as a reader would type it."""
 from __future__ import annotations
 
 import re
+import socket
 import subprocess
 from pathlib import Path
 
@@ -36,6 +37,35 @@ def test_every_recipe_runs_a_script_that_exists() -> None:
             assert (REPO / path).is_file(), f"{cmd!r}: {path} is not in the repository"
 
 
+def engines_left(*engine_ids: str) -> list[str]:
+    """Processes still running whose command line names one of the
+    scripts' engines (their kv-transfer-config carries the engine id)."""
+    left = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "vllm" in cmdline and any(f'"{e}"' in cmdline for e in engine_ids):
+            left.append(f"{proc.name}: {cmdline[:120]}")
+    return left
+
+
+def ports_listening(*ports: int) -> list[int]:
+    """Those of ``ports`` something still listens on (127.0.0.1)."""
+    taken = []
+    for port in ports:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                taken.append(port)
+    return taken
+
+
 def run(cmd: str, timeout_s: float = 900) -> str:
     out = subprocess.run(
         ["bash", "-c", cmd],
@@ -58,6 +88,10 @@ def test_two_engines_on_one_host_share_a_prompts_kv() -> None:
     assert said.keys() == {"A", "B"}, out
     assert said["A"] == said["B"], out  # B loaded A's KV, generated the same
     assert re.search(r'kv_offload_p2p_\w+\{.*peer="127\.0\.0\.1:5801"', out), out
+    # The script returned only once its engines had exited: a test run
+    # right after finds every port free (it used to find them taken).
+    assert engines_left("engine-a", "engine-b") == []
+    assert ports_listening(8100, 8101, 5801, 5802) == []
 
 
 def test_disaggregated_prefill_behind_the_proxy() -> None:
@@ -67,3 +101,5 @@ def test_disaggregated_prefill_behind_the_proxy() -> None:
     out = run(cmd)
     assert re.search(r"^Through the proxy .*: \".+\"$", out, re.M), out
     assert re.search(r'kv_offload_p2p_\w+\{.*peer="127\.0\.0\.1:5811"', out), out
+    assert engines_left("engine-prefiller", "engine-decoder") == []
+    assert ports_listening(8110, 8111, 8200, 5811, 5812) == []
