@@ -23,8 +23,11 @@ bytes at the machine's raw NIXL READ rate. So per prompt length, in one run:
   p2p_kv's *NIXL path* (B with ``same_host_copy: false``: NIXL READ, read
   staging, slots; proven by B's ``same_host_reads`` staying 0), its
   *same-host path* (the default: a copy out of A's shared region; proven by
-  ``same_host_reads`` growing) and, beside them, vLLM's in-tree ``p2p``
-  tier.
+  ``same_host_reads`` growing), its *directory* path (B names no source:
+  A and B list each other in ``peers``, and B's directory answers every
+  lookup at once, where a named source answers RETRY first and costs an
+  engine step; then the NIXL path's READ) and, beside them, vLLM's
+  in-tree ``p2p`` tier.
 
 Rounds interleave the paths (the NIXL and same-host B swap order each
 round), so the machine's noise falls on all of them alike; each number is
@@ -61,7 +64,7 @@ from benchmarks.vs_intree import (
     tier_metric,
     tier_spec,
 )
-from p2p_kv.adapter.engines import EngineProcess
+from p2p_kv.adapter.engines import ENGINE_BLOCK, EngineProcess, free_port
 from p2p_kv.tiny_model import BENCH, TINY, ensure_model
 
 LENGTHS = "1024,2048,4096"
@@ -72,9 +75,20 @@ TARGET_RATIO, TARGET_FROM_TOKENS = 1.2, 1024
 P2P_PATHS: dict[str, dict[str, Any]] = {
     "nixl": {"same_host_copy": False},
     "same_host": {},
+    # No source named: B finds A's blocks in its directory (A and B list
+    # each other in ``peers``), then READs them as the NIXL path does.
+    "directory": {"same_host_copy": False},
 }
 PATHS = (*P2P_PATHS, "intree")
-LABELS = {"nixl": "NIXL path", "same_host": "same-host", "intree": "in-tree"}
+LABELS = {
+    "nixl": "NIXL path",
+    "same_host": "same-host",
+    "directory": "directory",
+    "intree": "in-tree",
+}
+#: How long a directory hit waits for B to hear of A's new blocks (A sends
+#: them at its next step, B takes them at its next poll).
+DIRECTORY_WAIT_S = 5.0
 #: timed READs per raw measurement (after two warm-ups)
 RAW_REPEATS = 10
 
@@ -154,10 +168,15 @@ def _p2p_round(
         for path in order:
             b = consumers[path]
             kv_id = f"floor-{path}-{length}-{round_no}-{uuid.uuid4().hex[:6]}"
-            remote = hit(b, ids, remote_source(kv_id, port))
+            if path == "directory":
+                heard(b, a, length // ENGINE_BLOCK - 1)
+                remote = hit(b, ids, None)
+            else:
+                remote = hit(b, ids, remote_source(kv_id, port))
             reads = _metric(remote["metrics"], SAME_HOST_READS)
+            same_host = P2P_PATHS[path].get("same_host_copy", True)
             s.path_proven &= remote["blocks"] > 0 and (
-                reads == 0 if path == "nixl" else reads > 0
+                reads > 0 if same_host else reads == 0
             )
             s.identical &= remote["tokens"] == a_tokens
             s.hits[path].append(remote)
@@ -172,6 +191,20 @@ def _p2p_round(
             s.raw.append(
                 raw.measure(first["bytes"] // blocks, blocks, RAW_REPEATS, op="READ")
             )
+
+
+def heard(b: EngineProcess, a: EngineProcess, blocks: int) -> None:
+    """Wait (outside any timing) until B's directory lists at least
+    ``blocks`` more of A's blocks than A's last prompt left there."""
+    member = f"127.0.0.1:{a.tier_port}"
+    want = getattr(b, "_floor_heard", 0) + blocks
+    end = time.monotonic() + DIRECTORY_WAIT_S
+    while True:
+        b.call({"cmd": "idle", "seconds": 0.02})
+        got = int(b.state()["counters"]["directory"].get(member, 0))
+        if got >= want or time.monotonic() > end:
+            b._floor_heard = got  # type: ignore[attr-defined]
+            return
 
 
 def warm_prompt(vocab: int, lengths: list[int]) -> list[int]:
@@ -302,11 +335,26 @@ def run(
     engines: list[EngineProcess] = []
     with RawNixlPair() as raw:
         try:
-            a = EngineProcess(tier_spec("p2p_kv", model, f"floor-a-{tag}", 0, common))
+            # A and the directory's B list each other in ``peers``.
+            fleet = {"a": free_port(), "directory": free_port()}
+            peers = {"peers": [f"127.0.0.1:{p}" for p in fleet.values()]}
+            a = EngineProcess(
+                tier_spec(
+                    "p2p_kv",
+                    model,
+                    f"floor-a-{tag}",
+                    0,
+                    common,
+                    port=fleet["a"],
+                    **peers,
+                )
+            )
             engines.append(a)
             consumers: dict[str, EngineProcess] = {}
             for path, options in P2P_PATHS.items():
                 name = f"floor-b-{path}-{tag}"
+                if path == "directory":
+                    options = {**options, "port": fleet["directory"], **peers}
                 consumers[path] = EngineProcess(
                     tier_spec("p2p_kv", model, name, 1, common, **options)
                 )
@@ -316,6 +364,10 @@ def run(
             warm = warm_prompt(spec.vocab_size, lengths)
             produce(a, warm)
             for path, b in consumers.items():
+                if path == "directory":
+                    heard(b, a, len(warm) // ENGINE_BLOCK - 1)
+                    hit(b, warm, None)
+                    continue
                 hit(
                     b, warm, remote_source(f"floor-warm-{path}-{tag}", producer_port(a))
                 )

@@ -22,7 +22,7 @@ import pytest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-PATHS = ("nixl", "same_host", "intree")
+PATHS = ("nixl", "same_host", "directory", "intree")
 
 
 def test_bench_floor_measures_every_path_against_its_floor(tmp_path: Path) -> None:
@@ -70,7 +70,7 @@ def test_bench_floor_measures_every_path_against_its_floor(tmp_path: Path) -> No
     assert row["paths"]["nixl"]["same_host_reads"] == 0
     assert row["paths"]["same_host"]["same_host_reads"] > 0
     assert row["paths"]["nixl"]["cached_by_source"] == {"p2p": 256}
-    assert result["targets"] == {"nixl": None, "same_host": None}
+    assert result["targets"] == {"nixl": None, "same_host": None, "directory": None}
     # The fetch phase split by the engine's own timestamps: the NIXL path
     # READs (posts timed) into staging and copies out of it; the same-host
     # path copies out of A's region and posts nothing.
@@ -84,6 +84,13 @@ def test_bench_floor_measures_every_path_against_its_floor(tmp_path: Path) -> No
     assert nixl["read_posts"] > 0 and nixl["staging_copy"] > 0, nixl
     assert "same_host_copy" not in nixl, nixl
     assert same["same_host_copy"] > 0 and "read_posts" not in same, same
+    # A request naming no source is answered from the directory: no lookup
+    # answered RETRY (a named source's first answer is), so no step waits
+    # on a round trip before vLLM allocates the hit's slots.
+    found = row["paths"]["directory"]["phases_ms"]
+    assert "lookup" in nixl and "lookup" not in found, (nixl, found)
+    assert row["paths"]["directory"]["same_host_reads"] == 0
+    assert row["paths"]["directory"]["cached_by_source"] == {"p2p": 256}
 
     # The table prints the same result.
     from benchmarks.floor import print_table
