@@ -21,6 +21,7 @@ BENCHES = (
     "ttft",
     "vs_intree",
     "floor",
+    "directory",
     "fallback",
     "gpu",
     "waker",

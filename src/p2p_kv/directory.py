@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
@@ -79,51 +78,134 @@ def _without(arr: Fingerprints, values: Fingerprints) -> Fingerprints:
     )
 
 
-@dataclass(slots=True, eq=False)
-class MemberBlocks:
-    """What one member said it holds: its fingerprints in arrival order and
-    sorted, at most ``cap`` of them."""
+#: Entries a member's small sorted arrays (new ones, removed ones) hold
+#: before they are merged into its large one: a step's few blocks cost a
+#: copy of a few thousand entries, not of the member's 100,000.
+MERGE_AT = 4096
 
-    cap: int
-    order: Fingerprints = field(default_factory=lambda: np.empty(0, np.uint64))
-    ordered: Fingerprints = field(default_factory=lambda: np.empty(0, np.uint64))
+
+def _merge(arr: Fingerprints, values: Fingerprints) -> Fingerprints:
+    """The sorted ``arr`` with the sorted ``values`` (none in it): one copy."""
+    return np.insert(arr, np.searchsorted(arr, values), values) if len(values) else arr
+
+
+class MemberBlocks:
+    """What one member said it holds, at most ``cap`` fingerprints.
+
+    Looked up in a large sorted array, plus two small sorted ones that
+    absorb each step's change: ``fresh`` (added since the last merge) and
+    ``gone`` (removed since: tombstones). A ring keeps the arrival order, so
+    past ``cap`` the oldest go; an entry dropped before it ages out stays in
+    the ring as a ghost until then (or until ghosts are most of it)."""
+
+    __slots__ = ("_base", "_count", "_fresh", "_gone", "_ring", "_start", "cap")
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self._base: Fingerprints = np.empty(0, np.uint64)
+        self._fresh: Fingerprints = np.empty(0, np.uint64)
+        self._gone: Fingerprints = np.empty(0, np.uint64)
+        self._ring: Fingerprints = np.empty(min(cap, 1024), np.uint64)
+        self._start = 0
+        self._count = 0
 
     def __len__(self) -> int:
-        return len(self.ordered)
+        return len(self._base) + len(self._fresh) - len(self._gone)
+
+    def _held(self, fps: Fingerprints) -> npt.NDArray[np.bool_]:
+        inside = _contains(self._base, fps) | _contains(self._fresh, fps)
+        return np.asarray(inside & ~_contains(self._gone, fps))
 
     def holds(self, fp: int) -> bool:
-        arr = self.ordered
-        i = int(np.searchsorted(arr, np.uint64(fp)))
-        return i < len(arr) and int(arr[i]) == fp
+        """One fingerprint, as vLLM asks per block: three bisections, no
+        array built (a lookup checks every member)."""
+        f = np.uint64(fp)
+        gone = self._gone
+        if len(gone):
+            i = gone.searchsorted(f)
+            if i < len(gone) and gone[i] == f:
+                return False
+        for arr in (self._fresh, self._base):
+            i = arr.searchsorted(f)
+            if i < len(arr) and arr[i] == f:
+                return True
+        return False
+
+    @property
+    def order(self) -> Fingerprints:
+        """Every fingerprint in the ring, oldest first (ghosts included)."""
+        n = len(self._ring)
+        idx = (self._start + np.arange(self._count)) % n if n else np.arange(0)
+        return np.asarray(self._ring[idx], dtype=np.uint64)
+
+    def held_in_order(self) -> Fingerprints:
+        """What the member holds, oldest first."""
+        order = self.order
+        return order[self._held(order)]
 
     def add(self, fps: Fingerprints) -> None:
         """Fingerprints the member stored; past ``cap`` its oldest go."""
         _, first = np.unique(fps, return_index=True)
         new = fps[np.sort(first)]  # once each, in the order they came
-        new = new[~_contains(self.ordered, new)]
+        new = new[~self._held(new)]
         if not len(new):
             return
-        self.order = np.concatenate((self.order, new))
         up = np.sort(new)
-        self.ordered = np.insert(self.ordered, np.searchsorted(self.ordered, up), up)
-        excess = len(self.order) - self.cap
-        if excess > 0:
-            old, self.order = self.order[:excess], self.order[excess:]
-            self.ordered = _without(self.ordered, old)
+        revived = _contains(self._gone, up)
+        self._gone = _without(self._gone, up[revived])
+        back = _contains(self._base, up) | _contains(self._fresh, up)
+        self._fresh = _merge(self._fresh, up[~back])
+        self._append(new)
+        self._compact()
 
     def drop(self, fps: Fingerprints) -> None:
         """Fingerprints the member no longer holds (it said so, or its
-        lookup missed them). The arrival order keeps them until they age
-        out, or until they are most of it: only the sorted array answers
-        lookups."""
-        if len(fps):
-            self.ordered = _without(self.ordered, fps)
-        if len(self.order) > 2 * max(len(self.ordered), 1024):
-            self.order = self.order[_contains(self.ordered, self.order)]
+        lookup missed them)."""
+        gone = np.unique(fps)
+        gone = gone[self._held(gone)]
+        self._gone = _merge(self._gone, gone)
+        self._compact()
+
+    def _append(self, new: Fingerprints) -> None:
+        need = self._count + len(new)
+        if need > len(self._ring) and len(self._ring) < self.cap:
+            grown = np.empty(min(self.cap, max(need, 2 * len(self._ring))), np.uint64)
+            grown[: self._count] = self.order
+            self._ring, self._start = grown, 0
+        n = len(self._ring)
+        if len(new) >= n:  # more than the member can hold: the newest stay
+            self.drop(self.order)
+            new = new[-n:]
+            self._start, self._count = 0, 0
+        excess = self._count + len(new) - n
+        if excess > 0:
+            idx = (self._start + np.arange(excess)) % n
+            old = self._ring[idx]
+            self._start = (self._start + excess) % n
+            self._count -= excess
+            self.drop(old)
+        at = (self._start + self._count + np.arange(len(new))) % n
+        self._ring[at] = new
+        self._count += len(new)
+
+    def _compact(self) -> None:
+        """Merge the small arrays into the large one once either is large,
+        and rebuild the ring once ghosts are most of it."""
+        if len(self._fresh) > MERGE_AT or len(self._gone) > MERGE_AT:
+            self._fresh = _without(self._fresh, self._gone)
+            self._base = _merge(_without(self._base, self._gone), self._fresh)
+            self._fresh = np.empty(0, np.uint64)
+            self._gone = np.empty(0, np.uint64)
+        if self._count > 2 * len(self) + MERGE_AT:
+            kept = self.held_in_order()
+            self._ring = np.empty(max(len(kept), min(self.cap, 1024)), np.uint64)
+            self._ring[: len(kept)] = kept
+            self._start, self._count = 0, len(kept)
 
     @property
     def nbytes(self) -> int:
-        return int(self.order.nbytes + self.ordered.nbytes)
+        arrays = (self._base, self._fresh, self._gone, self._ring)
+        return int(sum(a.nbytes for a in arrays))
 
 
 class Directory:
@@ -200,10 +282,9 @@ class OwnHoldings:
         self._pending = []
         _, first = np.unique(new, return_index=True)
         new = new[np.sort(first)]
-        new = new[~_contains(self.blocks.ordered, new)]
+        new = new[~self.blocks._held(new)]
         self.blocks.add(new)
         return new
 
     def snapshot(self) -> Fingerprints:
-        order = self.blocks.order
-        return order[_contains(self.blocks.ordered, order)]
+        return self.blocks.held_in_order()

@@ -363,3 +363,42 @@ def test_a_benchmarks_consumers_keep_their_sessions_while_another_path_runs() ->
         for path in pair.paths:
             out = pair.fetch(path, keys, dst)
             assert out.ok and out.hits == len(keys), (path, out)
+
+
+def test_the_directory_benchmark_reports_memory_traffic_and_the_fleet(
+    tmp_path: Path,
+) -> None:
+    """``p2p-kv bench directory``: bytes per (block, member) entry within
+    the bound, update traffic per stored block batched per step (a frame's
+    overhead shared by the step's blocks), and a projection per fleet size
+    that grows with the fleet."""
+    exe = Path(sys.executable).with_name("p2p-kv")
+    out = subprocess.run(
+        [
+            str(exe),
+            "bench",
+            "directory",
+            "--members",
+            "3",
+            "--blocks",
+            "20000",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["met"] and r["bytes_per_entry"] <= 16, r
+    per_block = r["update_bytes_per_block"]
+    assert per_block["1"] > per_block["32"] > per_block["1000"] >= 8, per_block
+    assert r["snapshot_bytes"] >= 8 * r["blocks_per_member"], r
+    fleet = r["fleet"]
+    assert [f["engines"] for f in fleet] == [8, 64, 1000]
+    assert (
+        fleet[0]["directory_mib"]
+        < fleet[1]["directory_mib"]
+        < fleet[2]["directory_mib"]
+    )

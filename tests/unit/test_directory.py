@@ -36,7 +36,7 @@ def test_a_member_holds_at_most_its_size_the_oldest_going_first() -> None:
     blocks.add(fps(1, 2))
     blocks.add(fps(2, 3, 4))  # 2 again: no second entry
     assert [blocks.holds(int(f)) for f in fps(1, 2, 3, 4)] == [False, True, True, True]
-    assert len(blocks) == 3 and blocks.nbytes == 6 * 8
+    assert len(blocks) == 3
 
 
 def test_dropped_entries_are_not_found_and_their_memory_comes_back() -> None:
@@ -44,7 +44,19 @@ def test_dropped_entries_are_not_found_and_their_memory_comes_back() -> None:
     blocks.add(fps(*range(5000)))
     blocks.drop(fps(*range(4000)))
     assert not blocks.holds(int(fps(10)[0])) and blocks.holds(int(fps(4500)[0]))
-    assert len(blocks.order) <= 2 * len(blocks.ordered) + 1024
+    assert len(blocks) == 1000
+    assert len(blocks.order) <= 2 * len(blocks) + 4096
+
+
+def test_a_block_dropped_then_stored_again_is_held() -> None:
+    blocks = MemberBlocks(cap=10_000)
+    blocks.add(fps(*range(6000)))  # past the merge: most in the large array
+    blocks.drop(fps(1, 5999))
+    assert not blocks.holds(int(fps(1)[0])) and not blocks.holds(int(fps(5999)[0]))
+    blocks.add(fps(1))
+    assert blocks.holds(int(fps(1)[0])) and len(blocks) == 5999
+    blocks.drop(fps(*range(6000)))
+    assert len(blocks) == 0 and not blocks.holds(int(fps(1)[0]))
 
 
 def test_sixteen_bytes_an_entry_at_100k_blocks_a_member() -> None:
