@@ -236,3 +236,31 @@ def test_members_bound_what_they_say_they_hold_by_their_size() -> None:
     b = net.engines["b"].manager
     assert b.finder is not None
     assert len(b.finder.directory.members["a:1"]) == NBLOCKS
+
+
+def test_a_member_lost_mid_load_hands_the_load_to_the_next_holder() -> None:
+    net = fleet()
+    compute(net, "a", KEYS)
+    compute(net, "c", KEYS, first_slot=20)
+    b = net.engines["b"]
+    answers, job = load(net, "b", "r1", KEYS)
+    consumer = b.manager.requests.by_id["r1"].consumer
+    assert consumer is not None
+    first = consumer.source.peer.split(":")[0]
+    net.hold_writes = True  # the READ stays in flight
+    for _ in range(4):
+        net.step()
+        net.serve()
+    assert net.reads, "the READ was not posted"
+    net.cut(first, "b")  # the member dies mid-READ
+    net.hold_writes = False
+    net.run(10)
+    b.collect(net.now)
+    assert [r.success for r in b.results[job]] == [True]
+    assert not b.wrong_bytes and not net.violations
+    finder = b.manager.finder
+    assert finder is not None and finder.failovers == 1
+    assert f"{first}:1" not in finder.directory.members
+    finish(net, "b", "r1")
+    net.settle(3.0, 0.1)
+    assert not {k: v for k, v in b.manager.state_report().items() if v}
