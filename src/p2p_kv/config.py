@@ -38,6 +38,17 @@ ENV_PREFIX = "P2P_KV_"
 #: The variables' earlier prefix, read after :data:`ENV_PREFIX` with a
 #: deprecation line (vLLM warns on every ``VLLM_*`` name it does not know).
 LEGACY_ENV_PREFIX = "VLLM_P2P_KV_"
+#: Keys of vLLM's tiering spec (``kv_connector_extra_config``), which a
+#: tier's entry is sometimes given by mistake: its refusal says where they go.
+SPEC_KEYS = frozenset(
+    {
+        "block_size",
+        "cpu_bytes_to_use",
+        "spec_name",
+        "spec_module_path",
+        "eviction_policy",
+    }
+)
 #: Variables in our namespace that are not tier keys, so not refused: the
 #: generated model's cache, and knobs of the test suite and benchmarks.
 OTHER_VARIABLES = frozenset(
@@ -280,6 +291,12 @@ class TierConfig:
                 if (close := difflib.get_close_matches(str(k), known, n=1))
             ]
             meant = f" (did you mean {', '.join(guesses)}?)" if guesses else ""
+            if misplaced := sorted(set(unknown) & SPEC_KEYS):
+                # vLLM's own keys, one level too deep: the spec never sees them.
+                meant += (
+                    f"; {', '.join(misplaced)} belong(s) in kv_connector_extra_config, "
+                    "beside secondary_tiers, not in the tier's entry"
+                )
             raise ConfigError(
                 f"p2p_kv: unknown tier config key(s) {unknown}{meant}; known "
                 f"keys: {sorted(known)}"

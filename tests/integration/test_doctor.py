@@ -250,6 +250,92 @@ def test_bad_config_fails_with_the_tier_message(
     assert message in result.summary
 
 
+#: The quickstart's engine A, as docs/configuration.md shows it.
+WHOLE: dict[str, Any] = {
+    "kv_connector": "OffloadingConnector",
+    "kv_role": "kv_both",
+    "kv_connector_extra_config": {
+        "spec_name": "HostCopyTieringSpec",
+        "spec_module_path": "p2p_kv.adapter.cpu_spec",
+        "cpu_bytes_to_use": 67108864,
+        "block_size": 32,
+        "secondary_tiers": [
+            {
+                "type": "P2PKVTier",
+                "module_path": "p2p_kv.adapter.tier",
+                "host": "127.0.0.1",
+                "port": 5801,
+            }
+        ],
+    },
+}
+
+
+def _whole(**extra: Any) -> dict[str, Any]:
+    """WHOLE with kv_connector_extra_config's keys changed (None: removed)."""
+    out = json.loads(json.dumps(WHOLE))
+    for key, value in extra.items():
+        if value is None:
+            out["kv_connector_extra_config"].pop(key)
+        else:
+            out["kv_connector_extra_config"][key] = value
+    return out
+
+
+def test_the_whole_kv_transfer_config_is_checked_before_any_model_loads() -> None:
+    """--config takes the JSON given to vllm serve: what vLLM would refuse
+    (or silently never load p2p_kv from) only after loading the model is
+    named here, with the fix; the entry inside it is then the tier's."""
+    result, cfg = check_config(WHOLE, env={})
+    assert result.ok and cfg is not None and cfg.port == 5801, result
+    assert "kv-transfer-config" in result.summary
+    results = doctor.run_checks(parse("--config", json.dumps(WHOLE), "--port", "0"))
+    assert next(r for r in results if r.name == "config").ok
+    entry = WHOLE["kv_connector_extra_config"]["secondary_tiers"][0]
+    cases: list[tuple[dict[str, Any], str, str]] = [
+        (
+            {**WHOLE, "kv_connector": "NixlConnector"},
+            "kv_connector is 'NixlConnector'",
+            "OffloadingConnector",
+        ),
+        (
+            {**WHOLE, "kv_connector": "P2PKVConnector"},
+            "needs kv_connector_module_path",
+            "p2p_kv.adapter.connector",
+        ),
+        (_whole(spec_name=None), "spec_name is None", "TieringOffloadingSpec"),
+        (
+            _whole(spec_module_path=None),
+            "needs spec_module_path",
+            "p2p_kv.adapter.cpu_spec",
+        ),
+        (_whole(cpu_bytes_to_use=None), "cpu_bytes_to_use is None", "cpu_bytes_to_use"),
+        (_whole(block_size="32"), "block_size is '32'", "as a number"),
+        (_whole(secondary_tiers=[]), "has no P2PKVTier entries", "secondary_tiers"),
+        (_whole(secondary_tiers=[entry, entry]), "has 2 P2PKVTier entries", "put one"),
+        (
+            _whole(secondary_tiers=[{**entry, "module_path": "p2p_kv.tier"}]),
+            "module_path is 'p2p_kv.tier'",
+            "p2p_kv.adapter.tier",
+        ),
+        (
+            _whole(secondary_tiers=[{**entry, "block_size": 32}], block_size=None),
+            "block_size belong(s) in kv_connector_extra_config",
+            "secondary_tiers entry",
+        ),
+        (
+            _whole(secondary_tiers=[{**entry, "prot": 1}]),
+            "did you mean 'prot' -> 'port'",
+            "secondary_tiers entry",
+        ),
+    ]
+    for raw, says, fix in cases:
+        result, cfg = check_config(raw, env={})
+        assert not result.ok and cfg is None, (raw, result)
+        assert says in result.summary, (says, result.summary)
+        assert fix in result.fix, (fix, result.fix)
+
+
 def test_bad_config_json_and_env() -> None:
     results = doctor.run_checks(parse("--config", "{nope", "--port", "0"))
     config = next(r for r in results if r.name == "config")

@@ -573,3 +573,13 @@ def test_every_p2p_kv_variable_the_repository_reads_is_not_refused() -> None:
     }, used - keys
     env = dict.fromkeys(OTHER_VARIABLES, "1")
     assert TierConfig.from_dict({}, env=env) == TierConfig()
+
+
+def test_a_spec_key_in_the_tiers_entry_says_where_it_belongs() -> None:
+    """block_size in the tier's entry (where docs/recipes.md once put it)
+    is vLLM's spec's key: refused, saying it belongs one level up."""
+    with pytest.raises(
+        ConfigError,
+        match=r"\['block_size'\]; block_size belong\(s\) in kv_connector_extra_config",
+    ):
+        TierConfig.from_dict({"block_size": 32}, env={})

@@ -22,8 +22,11 @@ The checks, in order:
     ``PYTHONHASHSEED`` is set (unless ``--no-require-hash-seed`` or the
     config says ``require_hash_seed: false``).
 ``config``
-    ``--config`` (the tier's ``secondary_tiers`` entry, as JSON) validates
-    exactly as the tier validates it at engine start.
+    ``--config`` (the tier's ``secondary_tiers`` entry, or the whole
+    ``--kv-transfer-config``, as JSON) validates exactly as the tier
+    validates its entry at engine start; a whole config first gets the
+    checks of the parts vLLM needs for the tier to load
+    (:mod:`p2p_kv.doctor.kv_transfer`).
 ``peer``
     With ``--peer HOST:PORT``: a real handshake (TCP control, NIXL
     metadata) with that peer under an identity built from ``--layout``,
@@ -145,7 +148,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config",
         metavar="JSON",
-        help="the tier's secondary_tiers entry as a JSON object (or @file)",
+        help="the tier's secondary_tiers entry, or the whole "
+        "--kv-transfer-config given to vllm serve, as JSON (or @file)",
     )
     parser.add_argument(
         "--host", help="control host to test (default: config, P2P_KV_HOST)"

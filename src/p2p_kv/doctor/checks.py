@@ -361,7 +361,21 @@ def parse_config(text: str | None) -> dict[str, Any]:
 def check_config(
     raw: Mapping[str, Any], env: Mapping[str, str] | None = None
 ) -> tuple[CheckResult, TierConfig | None]:
-    """Validate a secondary_tiers entry as the tier does at engine start."""
+    """Validate a secondary_tiers entry as the tier does at engine start;
+    given a whole ``--kv-transfer-config``, first the parts vLLM needs for
+    the tier to load (:mod:`p2p_kv.doctor.kv_transfer`), then its entry."""
+    from p2p_kv.doctor.kv_transfer import (
+        KVTransferConfigError,
+        is_kv_transfer_config,
+        tier_entry,
+    )
+
+    whole = is_kv_transfer_config(raw)
+    if whole:
+        try:
+            raw = tier_entry(raw)
+        except KVTransferConfigError as exc:
+            return CheckResult("config", False, str(exc), exc.fix), None
     body = {k: v for k, v in raw.items() if k not in _FACTORY_KEYS}
     fix = "fix the key named above in the tier's secondary_tiers entry"
     try:
@@ -380,6 +394,8 @@ def check_config(
         ", ".join(f"{k}={v}" for k, v in changed.items()) if changed else "all defaults"
     )
     source = "--config entry" if raw else "no --config; env and defaults"
+    if whole:
+        source = "--config's kv-transfer-config and its P2PKVTier entry"
     return (
         CheckResult(
             "config", True, f"tier config valid ({source}): {what}", details=changed
