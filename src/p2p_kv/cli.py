@@ -22,6 +22,7 @@ BENCHES = (
     "vs_intree",
     "floor",
     "directory",
+    "first_pull",
     "fallback",
     "gpu",
     "waker",
