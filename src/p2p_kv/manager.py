@@ -425,8 +425,12 @@ class LoadManager:
             self.finder.myself.add(peer)
         if greeting and session.ready and is_inbound(peer):
             self.peers.on_ready(session)
-        elif greeting and session.ready and self.finder is not None:
-            self._member_ready(session)
+        elif greeting and session.ready:
+            hello = session.link.peer_hello
+            if hello is not None and self.tallies.met(peer, hello.engine_id):
+                self.on_dial_failed(peer, "restarted")
+            if self.finder is not None:
+                self._member_ready(session)
         self._touch(session)
         if session.has_lookups_to_serve:
             self.work.to_serve.add(peer)

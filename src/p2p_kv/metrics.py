@@ -172,10 +172,13 @@ DEFINITIONS: dict[str, MetricDef] = {
     ),
     DIAL_FAILURES: MetricDef(
         "counter",
-        "Dials to a peer a request named that ended before a handshake, by "
+        "Dials to a peer a request named that reached no p2p_kv engine, or "
+        "not the one before, by "
         "reason (refused: nothing listens; not_p2p_kv: another protocol "
         "answered, such as the engine's API port; unresolvable; "
-        "unreachable; framing; lost: closed before the handshake).",
+        "unreachable; framing; lost: closed before the handshake; restarted: "
+        "another engine answers at the address than before, a pod restarted "
+        "under it, so requests naming the old one's blocks miss).",
         ("reason",),
     ),
     LIVE_REQUESTS: MetricDef("gauge", "Engine requests live in the p2p tier."),

@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 
 #: Refused inbound connections remembered (their frames dropped unread).
 MAX_REFUSED_INBOUND = 4096
+#: Addresses whose engine is remembered, to tell a restart.
+MAX_ENGINES_AT = 4096
 #: Refusal reasons of the bounds on peers (never a handshake's).
 LIMIT_REFUSALS: Final = frozenset(
     {"too_many_peers", "too_many_inbound", "too_many_handshaking"}
@@ -102,9 +104,23 @@ class Tallies:
     #: Dials that ended before a handshake, by reason
     #: (:func:`p2p_kv.control.dial_failure`'s labels: our own codes).
     dial_failures: dict[str, int] = field(default_factory=dict)
+    #: The engine last met at each address we dialled (at most
+    #: MAX_ENGINES_AT, the oldest forgotten): another one there is a
+    #: restart under the same address.
+    engines_at: dict[str, str] = field(default_factory=dict)
     #: Peers not dialled because max_peers were (the runtime logs it).
     dials_refused: int = 0
     double_results: int = 0
+
+    def met(self, peer: str, engine_id: str) -> bool:
+        """Our dial to ``peer`` reached ``engine_id``; True if another
+        engine answered there before (a pod restarted under the address: a
+        router's requests naming the old one's blocks now miss)."""
+        before = self.engines_at.pop(peer, None)
+        if len(self.engines_at) >= MAX_ENGINES_AT:
+            del self.engines_at[next(iter(self.engines_at))]
+        self.engines_at[peer] = engine_id
+        return before is not None and before != engine_id
 
     def count_limit_refusal(self, reason: str) -> None:
         """Outside the table's cap (these are :data:`LIMIT_REFUSALS`, three

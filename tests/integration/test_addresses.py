@@ -553,3 +553,55 @@ def test_a_source_that_is_no_p2p_kv_peer_recomputes_at_once_counted_by_why() -> 
     finally:
         peer.close()
         http_server.close()
+
+
+def test_a_peer_restarted_under_its_address_is_counted_and_its_old_blocks_miss() -> (
+    None
+):
+    """A pod restarted under the same address (a router's index still names
+    what the old one held): the new engine answers the dial, the request's
+    blocks miss at once, and the restart is counted
+    (``dial_failures{reason="restarted"}``), so an alert can tell a router
+    whose view of the fleet is stale."""
+    consumer = StandalonePeer(16, BLOCK, engine_id=f"restart-c-{os.getpid()}")
+    first = StandalonePeer(16, BLOCK, engine_id=f"restart-p1-{os.getpid()}")
+    port = int(first.address.rpartition(":")[2])
+    keys = [make_key(i) for i in range(4)]
+    try:
+        first.fill(keys, list(range(4)))
+        stop = threading.Event()
+
+        def serve(p: StandalonePeer) -> None:
+            while not stop.is_set():
+                p.step()
+
+        t = threading.Thread(target=serve, args=(first,), daemon=True)
+        t.start()
+        out = consumer.fetch(first.address, "kv-1", keys, list(range(4)))
+        assert out.ok and out.hits == 4, out
+        stop.set()
+        t.join()
+        first.close()
+        second = StandalonePeer(
+            16, BLOCK, engine_id=f"restart-p2-{os.getpid()}", port=port
+        )
+        stop.clear()
+        t = threading.Thread(target=serve, args=(second,), daemon=True)
+        t.start()
+        try:
+            # The consumer sees its session end, and waits out its
+            # reconnect backoff (its requests meanwhile recompute).
+            end = time.monotonic() + 1.5
+            while time.monotonic() < end:
+                consumer.step()
+            t0 = time.monotonic()
+            out = consumer.fetch(second.address, "kv-1", keys, list(range(4, 8)))
+            assert out.hits == 0, out
+            assert time.monotonic() - t0 < 2.0
+            assert consumer.manager.dial_failures.get("restarted") == 1
+        finally:
+            stop.set()
+            t.join()
+            second.close()
+    finally:
+        consumer.close()
