@@ -87,6 +87,7 @@ def fleet() -> Iterator[dict[str, EngineProcess]]:
             engines[name] = EngineProcess(
                 EngineSpec(model, f"p2pkv-fleet-{name}-{tag}", tier=tier)
             )
+
         def meshed() -> bool:
             # Each engine dials every member it has no session with (a
             # member that started later dialled it in the meantime).

@@ -190,7 +190,7 @@ def test_with_no_holder_left_the_load_fails_and_the_request_recomputes() -> None
     compute(net, "a", KEYS)
     net.engines["a"].primary.clear()
     b = net.engines["b"]
-    answers, job = load(net, "b", "r1", KEYS)
+    _answers, job = load(net, "b", "r1", KEYS)
     net.run(10)
     b.collect(net.now)
     assert [(r.success, r.reason) for r in b.results[job]] == [
@@ -243,7 +243,7 @@ def test_a_member_lost_mid_load_hands_the_load_to_the_next_holder() -> None:
     compute(net, "a", KEYS)
     compute(net, "c", KEYS, first_slot=20)
     b = net.engines["b"]
-    answers, job = load(net, "b", "r1", KEYS)
+    _answers, job = load(net, "b", "r1", KEYS)
     consumer = b.manager.requests.by_id["r1"].consumer
     assert consumer is not None
     first = consumer.source.peer.split(":")[0]
