@@ -479,7 +479,7 @@ class Staging:
                 continue
             mine = self._held(read)
             # A share of what the other peers leave, not of the whole pool:
-            # two stalled peers with half each took all of it.
+            # shares of the whole let two stalled peers take all of it.
             share = max(1, int((pool.free + mine) * PEER_STAGING_SHARE))
             most = max(1, min(share // PIECES_IN_FLIGHT, self._piece_blocks))
             stage = pool.take(min(left, most, share - mine))
