@@ -145,13 +145,19 @@ class Finder:
 
     # -- members -------------------------------------------------------------
 
-    def to_dial(
-        self, targets: Iterable[str], sessions: Mapping[str, object], now: float
-    ) -> Iterator[str]:
-        """Members without a session, at most once per :data:`MEMBER_CHECK_S`."""
+    def member_check_due(self, now: float) -> bool:
+        """Whether the members are due a check for one without a session
+        (once per :data:`MEMBER_CHECK_S`: an idle engine's step costs its
+        active work, not its fleet)."""
         if now < self._next_check:
-            return
+            return False
         self._next_check = now + MEMBER_CHECK_S
+        return True
+
+    def to_dial(
+        self, targets: Iterable[str], sessions: Mapping[str, object]
+    ) -> Iterator[str]:
+        """The members of ``targets`` without a session (never this engine)."""
         for member in targets:
             if member not in sessions and member not in self.myself:
                 yield member

@@ -596,9 +596,10 @@ class LoadManager:
             for msg in updates:
                 session.link.send(msg)
             self._touch(session)
-        targets = self.membership.dial_targets()
-        for member in finder.to_dial(targets, self.peers.sessions, now):
-            self.peers.session_for(member, now, self.requests.by_peer)
+        if finder.member_check_due(now):
+            targets = self.membership.dial_targets()
+            for member in finder.to_dial(targets, self.peers.sessions):
+                self.peers.session_for(member, now, self.requests.by_peer)
 
     def next_deadline(self) -> float:
         return min(self.work.next_deadline(), self.parked.next_deadline())
