@@ -137,7 +137,7 @@ MAX_HANDSHAKING_PER_HOST: Final = 8
 #: New connections given a session in one poll: each costs the engine's
 #: thread a session and a greeting's answer, so this bounds what a flood
 #: of connections adds to one step.
-ADMITS_PER_POLL: Final = 16
+ADMITS_PER_POLL: Final = 8
 #: Bytes read in one poll, over all connections; a dialled peer reads at
 #: most a quarter of it first.
 MAX_BYTES_PER_POLL: Final = 64 * 1024 * 1024

@@ -90,9 +90,13 @@ class Frames:
                         m.on_dial_failed(conn, dial_failure(inbound.why))
                 elif inbound.bad:
                     m.on_bad_frame(conn, inbound.bad)
-                    self._peer_log.warning(
-                        inbound.bad, conn, "connection ended: %s", inbound.why
-                    )
+                    session = m.session(conn)
+                    if session is not None and not session.closed:
+                        # (The tail of a connection already refused, for a
+                        # seal or a handshake, was said once: no more.)
+                        self._peer_log.warning(
+                            inbound.bad, conn, "connection ended: %s", inbound.why
+                        )
                 m.on_disconnected(conn, inbound.why, now)
                 work = True
                 continue

@@ -323,6 +323,7 @@ def test_floor_is_the_primary_hit_plus_the_bytes_at_the_raw_read_rate() -> None:
     s.hits = {
         "nixl": [sample(13.2)],
         "same_host": [sample(13.3)],
+        "directory": [sample(11.5)],
         "intree": [sample(40.0)],
     }
     row = floor._row(1024, s)
@@ -333,9 +334,18 @@ def test_floor_is_the_primary_hit_plus_the_bytes_at_the_raw_read_rate() -> None:
     assert paths["nixl"]["target_met"] is True
     assert paths["same_host"]["target_met"] is False
     assert paths["intree"]["target_met"] is None
-    assert floor._targets([row]) == {"nixl": True, "same_host": False}
+    assert paths["directory"]["target_met"] is True
+    assert floor._targets([row]) == {
+        "nixl": True,
+        "same_host": False,
+        "directory": True,
+    }
     assert all(row["checks"].values()), row["checks"]
-    assert floor._targets([floor._row(512, s)]) == {"nixl": None, "same_host": None}
+    assert floor._targets([floor._row(512, s)]) == {
+        "nixl": None,
+        "same_host": None,
+        "directory": None,
+    }
     s.proofs = [{"ok": True}, {"ok": False}, {"ok": True}]
     assert floor._row(1024, s)["checks"]["primary_hit_from_primary_tier"] is False
 
