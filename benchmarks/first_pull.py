@@ -23,17 +23,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import (
-    PRODUCER_HOST_ENV,
     PRODUCER_NETNS_ENV,
     ProducerProcess,
     bench_peer,
+    between_namespaces,
     key,
     met,
     producer_host,
@@ -106,24 +104,6 @@ def run(rounds: int, blocks: int, block_bytes: int) -> dict[str, Any]:
     }
 
 
-def _between_namespaces(argv: list[str]) -> int:
-    """Run again inside one network namespace, the producer in another,
-    UCX over TCP on the veth between them (``tests.support.netns``)."""
-    from tests.support.netns import UCX_ENV, Hosts
-
-    root = Path(__file__).resolve().parent.parent
-    with Hosts(2) as hosts:
-        env = {
-            **os.environ,
-            **UCX_ENV,
-            PRODUCER_NETNS_ENV: hosts.names[0],
-            PRODUCER_HOST_ENV: hosts.addrs[0],
-        }
-        cmd = ["ip", "netns", "exec", hosts.names[1], sys.executable]
-        cmd += ["-m", "benchmarks.first_pull", *argv]
-        return subprocess.run(cmd, env=env, cwd=root, check=False).returncode
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="p2p-kv bench first_pull", description=__doc__
@@ -137,7 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1 or args.blocks < 1 or args.block_kib < 1:
         parser.error("--rounds, --blocks and --block-kib are counts of 1 or more")
     if args.netns and not os.environ.get(PRODUCER_NETNS_ENV):
-        return _between_namespaces(list(sys.argv[1:] if argv is None else argv))
+        return between_namespaces(
+            "benchmarks.first_pull", list(sys.argv[1:] if argv is None else argv)
+        )
     r = run(args.rounds, args.blocks, args.block_kib * 1024)
     if args.json:
         print(json.dumps(r))

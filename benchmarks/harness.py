@@ -51,6 +51,30 @@ def producer_host() -> str:
     return os.environ.get(PRODUCER_HOST_ENV, "127.0.0.1")
 
 
+def between_namespaces(module: str, argv: list[str]) -> int:
+    """Run ``python -m module argv`` again inside one network namespace,
+    its producers in another (:data:`PRODUCER_NETNS_ENV`), UCX over TCP on
+    the veth between them (``tests.support.netns``: a checkout's), as
+    between hosts. Its exit status."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.support.netns import UCX_ENV, Hosts
+
+    root = Path(__file__).resolve().parent.parent
+    with Hosts(2) as hosts:
+        env = {
+            **os.environ,
+            **UCX_ENV,
+            PRODUCER_NETNS_ENV: hosts.names[0],
+            PRODUCER_HOST_ENV: hosts.addrs[0],
+        }
+        cmd = ["ip", "netns", "exec", hosts.names[1], sys.executable]
+        cmd += ["-m", module, *argv]
+        return subprocess.run(cmd, env=env, cwd=root, check=False).returncode
+
+
 def enter_producer_netns() -> None:
     """Move this process (a producer, at its start, before it opens any
     socket or thread) into the producers' namespace, if one is set."""

@@ -64,13 +64,11 @@ import multiprocessing as mp
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 import traceback
 import zlib
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -79,12 +77,12 @@ from benchmarks import round_trip
 from benchmarks.harness import (
     KIB,
     MIB,
-    PRODUCER_HOST_ENV,
     PRODUCER_NETNS_ENV,
     FetchPair,
     ProducerProcess,
     WorkerPair,
     bench_peer,
+    between_namespaces,
     key,
     median_round,
     met,
@@ -674,25 +672,6 @@ def _print_verdicts(result: dict[str, Any]) -> None:
             )
 
 
-def _between_namespaces(argv: list[str]) -> int:
-    """Run this benchmark again inside one network namespace, its producers
-    in another (:data:`benchmarks.harness.PRODUCER_NETNS_ENV`), UCX over TCP
-    on the veth between them (``tests.support.netns``: a checkout's)."""
-    from tests.support.netns import UCX_ENV, Hosts
-
-    root = Path(__file__).resolve().parent.parent
-    with Hosts(2) as hosts:
-        env = {
-            **os.environ,
-            **UCX_ENV,
-            PRODUCER_NETNS_ENV: hosts.names[0],
-            PRODUCER_HOST_ENV: hosts.addrs[0],
-        }
-        cmd = ["ip", "netns", "exec", hosts.names[1], sys.executable]
-        cmd += ["-m", "benchmarks.transfer", *argv]
-        return subprocess.run(cmd, env=env, cwd=root, check=False).returncode
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print JSON only")
@@ -709,7 +688,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.netns and not os.environ.get(PRODUCER_NETNS_ENV):
-        return _between_namespaces(list(sys.argv[1:] if argv is None else argv))
+        return between_namespaces(
+            "benchmarks.transfer", list(sys.argv[1:] if argv is None else argv)
+        )
     cells = list(QUICK) if args.quick else [(b, n) for b in SIZES for n in COUNTS]
     base = args.repeats or (8 if args.quick else 20)
     rounds = args.rounds or (1 if args.quick else 3)
