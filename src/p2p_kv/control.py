@@ -27,7 +27,11 @@ What anyone who reaches the port can make us hold, and for how long:
   read or built for it; past the global bound, an address holding fewer
   than the busiest takes the room of that one's oldest, and any other new
   one is closed. So a flood takes only its own addresses' room, and a
-  member dialling from its own address gets in (``_admit``). The session's
+  member dialling from its own address gets in (``_admit``). Accepted
+  connections wait for a session in :class:`~p2p_kv.control_listen.Waiting`
+  (at most :data:`MAX_WAITING`, :data:`MAX_WAITING_PER_HOST` from one
+  address), and the address holding the fewest is served first, so a
+  member's dial does not queue behind a flood's. The session's
   handshake deadline closes any that stays silent. The kernel queues up to
   :data:`~p2p_kv.control_listen.LISTEN_BACKLOG` connections for us to
   accept, so a member's dial is not dropped while a flood fills the
@@ -76,6 +80,7 @@ import select
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Final
@@ -97,7 +102,10 @@ from p2p_kv.control_listen import (
     ACCEPT_PAUSE_S,
     ACCEPTS_PER_POLL,
     FD_RESERVE,
+    MAX_WAITING,
+    MAX_WAITING_PER_HOST,
     Listener,
+    Waiting,
     family,
     resolve_bind_host,
 )
@@ -119,6 +127,8 @@ __all__ = [
     "MAX_LINGERING",
     "MAX_OUT_BYTES",
     "MAX_UNTRUSTED_FRAME",
+    "MAX_WAITING",
+    "MAX_WAITING_PER_HOST",
     "MAX_WIRE_FRAME",
     "RECV_CHUNK",
     "REFUSED",
@@ -221,6 +231,7 @@ class ControlTransport:
             "accepted": 0,
             "evicted_handshaking": 0,
             "refused_handshaking": 0,
+            "refused_waiting": 0,
             "refused_fd_reserve": 0,
             "accept_errors": 0,
             "framing_errors": 0,
@@ -239,6 +250,9 @@ class ControlTransport:
         #: inbound connections not yet trusted, oldest first
         self._handshaking: dict[str, Conn] = {}
         self._inbound_ids = itertools.count(1)
+        #: accepted, not yet given a session (a session a poll goes to the
+        #: address holding the fewest)
+        self._waiting = Waiting()
         #: connections with complete frames still buffered, or lost ones
         #: not yet reported: the next poll does not wait
         self._backlog: set[Conn] = set()
@@ -365,7 +379,7 @@ class ControlTransport:
         """Everything that arrived, up to the per-poll bounds; waits up to
         ``timeout_s`` if nothing has."""
         listener = self._listener
-        wait_s = 0.0 if self._backlog or not self._resolved.empty() else timeout_s
+        wait_s = 0.0 if self.pending() else timeout_s
         if listener is not None and listener.paused_until:
             now = self._clock()
             listener.resume(now)
@@ -377,7 +391,7 @@ class ControlTransport:
             ready = self._poller.poll(max(0, math.ceil(wait_s * 1000)))
         except InterruptedError:
             ready = []
-        if len(ready) == 1 and not self._lingering and not self._backlog:
+        if len(ready) == 1 and not (self._lingering or self._backlog or self._waiting):
             # The usual wake-up: one frame on one proven connection. Taken
             # in one read; anything else falls through to the general path.
             fd, ev = ready[0]
@@ -422,7 +436,7 @@ class ControlTransport:
                 readable[c] = bool(ev & _GONE)  # _read registers its mask
             else:
                 self._update(c)
-        if accept and listener is not None:
+        if (accept and listener is not None) or self._waiting:
             # Before the reads: a connection's Hello usually came with it,
             # and is answered in this poll, so a member's handshake does
             # not wait a poll for every step (while newer connections
@@ -483,18 +497,37 @@ class ControlTransport:
             self._update(c)
         return used
 
-    def _accept(self, listener: Listener, out: list[Inbound]) -> list[Conn]:
-        """Take what the listener accepted as connections still
-        handshaking, within the bounds on those (:meth:`_admit`); the new
-        connections (their first frames are read in this poll)."""
-        new = []
-        for sock, host in listener.accept():
-            if not self._admit(host, out):
+    def _accept(self, listener: Listener | None, out: list[Inbound]) -> list[Conn]:
+        """Take what the listener accepted into :class:`Waiting` (one from
+        an address at its bound of connections still handshaking is closed
+        at once), then give sessions to up to :data:`ADMITS_PER_POLL` of the
+        waiting, the address holding the fewest first, within the bounds on
+        those handshaking (:meth:`_admit`); the new connections (their
+        first frames are read in this poll)."""
+        waiting = self._waiting
+        held = Counter(c.host for c in self._handshaking.values())
+        for sock, host in listener.accept() if listener is not None else ():
+            if held[host] >= self.max_handshaking_per_host:
                 # Closed before anything is read or built for it: a flood
                 # from one address costs us an accept and a close each.
                 self.counters["refused_handshaking"] += 1
                 sock.close()
                 continue
+            dropped = waiting.add(sock, host)
+            if dropped is not None:
+                self.counters["refused_waiting"] += 1
+                dropped.close()
+        new: list[Conn] = []
+        while len(new) < ADMITS_PER_POLL:
+            got = waiting.take(held.__getitem__)
+            if got is None:
+                break
+            sock, host = got
+            if not self._admit(host, out):
+                self.counters["refused_handshaking"] += 1
+                sock.close()
+                continue
+            held[host] += 1
             sock.setblocking(False)
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -506,8 +539,6 @@ class ControlTransport:
             self._update(c)
             out.append(Inbound(c.name, b"", new=True, why=host))
             new.append(c)
-            if len(new) == ADMITS_PER_POLL:
-                break  # the rest wait in the kernel's queue for the next poll
         return [c for c in new if not c.dead]
 
     def _admit(self, host: str, out: list[Inbound]) -> bool:
@@ -608,7 +639,7 @@ class ControlTransport:
 
     def pending(self) -> bool:
         """Whether a poll now would return without waiting."""
-        return bool(self._backlog) or not self._resolved.empty()
+        return bool(self._backlog or self._waiting) or not self._resolved.empty()
 
     def take_woken(self) -> bool:
         """Whether :meth:`wake` was called since the last check."""
@@ -698,6 +729,7 @@ class ControlTransport:
         for sock, _, _ in self._lingering.values():
             sock.close()
         self._lingering.clear()
+        self._waiting.close()
         self._listener.close()
         self._listener = None
         if self._resolver is not None:

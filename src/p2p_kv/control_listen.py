@@ -9,6 +9,13 @@ descriptors or memory pauses accepting for :data:`ACCEPT_PAUSE_S` (the
 listener stays readable, and asking again at once would spin). What becomes
 of an accepted socket (its name, the bounds on connections still
 handshaking, its reads) is :class:`~p2p_kv.control.ControlTransport`'s.
+
+The kernel's accept queue is first come, first served: a flood that fills
+it makes a member's dial wait behind thousands of the flood's connections
+(a second and more on two cores). So accepted connections wait in
+:class:`Waiting`, bounded and grouped by address, and the transport gives
+the next session to the address holding the fewest: the flood's
+connections queue behind each other, not in front of a member's.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import ipaddress
 import resource
 import select
 import socket
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Final
 
@@ -38,6 +46,11 @@ ACCEPT_PAUSE_S: Final = 0.1
 #: member dialling in would wait that long. Queued connections cost the
 #: kernel's memory, not ours, until accepted.
 LISTEN_BACKLOG: Final = 4096
+#: Accepted connections waiting for a session, in all and from one
+#: address. Past the bound from one address a new one is closed; past the
+#: bound in all, the oldest of the address with the most waiting is.
+MAX_WAITING: Final = 256
+MAX_WAITING_PER_HOST: Final = 8
 
 _IN = select.POLLIN
 
@@ -166,3 +179,74 @@ class Listener:
             self._poller.unregister(self.fd)
         self._sock.close()
         self._sock = None
+
+
+class Waiting:
+    """Accepted connections not yet given a session, by the address they
+    came from, each address's oldest first. Its owner takes them out
+    (:meth:`take`) or closes them all (:meth:`close`); what it drops at a
+    bound it hands back to be closed."""
+
+    def __init__(
+        self, bound: int = MAX_WAITING, per_host: int = MAX_WAITING_PER_HOST
+    ) -> None:
+        self.bound, self.per_host = bound, per_host
+        self._by_host: dict[str, deque[socket.socket]] = {}
+        #: addresses by how many they have waiting (1..per_host): the
+        #: busiest is found without a scan
+        self._with: list[set[str]] = [set() for _ in range(per_host + 1)]
+        self._n = 0
+
+    def __len__(self) -> int:
+        return self._n
+
+    def add(self, sock: socket.socket, host: str) -> socket.socket | None:
+        """Keep ``sock`` from ``host``; the connection to close if a bound
+        was passed (``sock`` itself when its address has its bound
+        waiting)."""
+        q = self._by_host.setdefault(host, deque())
+        if len(q) >= self.per_host:
+            return sock
+        self._move(host, len(q), len(q) + 1)
+        q.append(sock)
+        self._n += 1
+        if self._n <= self.bound:
+            return None
+        busiest = next(iter(next(s for s in reversed(self._with) if s)))
+        return self._pop(busiest)
+
+    def take(self, rank: Callable[[str], int]) -> tuple[socket.socket, str] | None:
+        """The oldest connection of the address ranked lowest (ties: the one
+        with the fewest waiting), or None when none waits."""
+        best: tuple[int, int, str] | None = None
+        for host, q in self._by_host.items():
+            key = (rank(host), len(q), host)
+            if best is None or key < best:
+                best = key
+        if best is None:
+            return None
+        return self._pop(best[2]), best[2]
+
+    def close(self) -> None:
+        """Close every waiting connection."""
+        for q in self._by_host.values():
+            for sock in q:
+                sock.close()
+        self._by_host.clear()
+        for s in self._with:
+            s.clear()
+        self._n = 0
+
+    def _pop(self, host: str) -> socket.socket:
+        q = self._by_host[host]
+        self._move(host, len(q), len(q) - 1)
+        sock = q.popleft()
+        self._n -= 1
+        if not q:
+            del self._by_host[host]
+        return sock
+
+    def _move(self, host: str, was: int, now: int) -> None:
+        self._with[was].discard(host)
+        if now:
+            self._with[now].add(host)

@@ -20,8 +20,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from p2p_kv.control import ControlTransport, Inbound
+from p2p_kv.control import ADMITS_PER_POLL, ControlTransport, Inbound
 from p2p_kv.control_conn import HEADER, RECV_CHUNK, _frame
+from p2p_kv.control_listen import MAX_WAITING_PER_HOST, Waiting
 
 
 def wire(frame: bytes) -> bytes:
@@ -270,3 +271,60 @@ def test_a_port_that_answers_in_http_is_named_as_such() -> None:
     finally:
         server.close()
         t.close()
+
+
+def test_a_member_dialling_behind_a_queued_flood_gets_the_next_session() -> None:
+    """Connections queued from other addresses before a member's dial do
+    not go first: the poll after they all arrived gives its session to the
+    member's address, the one holding fewest. Those past the bound on
+    waiting connections are closed, the busiest address's oldest first."""
+    t = ControlTransport("127.0.0.1", 0)
+    socks = [
+        socket.create_connection(
+            ("127.0.0.1", t.port), source_address=(f"127.0.0.{2 + i % 2}", 0)
+        )
+        for i in range(2 * MAX_WAITING_PER_HOST + 4)
+    ]
+    member = socket.create_connection(
+        ("127.0.0.1", t.port), source_address=("127.0.0.1", 0)
+    )
+    try:
+        time.sleep(0.2)  # all of them in the kernel's queue
+        first = [got for got in t.poll(1.0) if got.new]
+        hosts = [got.why for got in first]
+        assert len(first) == ADMITS_PER_POLL
+        assert hosts[0] == "127.0.0.1", hosts
+        assert t.counters["refused_waiting"] == 4
+    finally:
+        for s in [*socks, member]:
+            s.close()
+        t.close()
+
+
+def test_waiting_keeps_each_address_oldest_first_and_drops_the_busiest() -> None:
+    """The waiting room's bounds: one address's own bound closes its
+    newest; the bound in all closes the busiest address's oldest."""
+    made: list[socket.socket] = []
+
+    def sock() -> socket.socket:
+        made.append(socket.socket())
+        return made[-1]
+
+    try:
+        w = Waiting(bound=3, per_host=2)
+        a1, a2, a3 = sock(), sock(), sock()
+        assert w.add(a1, "a") is None and w.add(a2, "a") is None
+        assert w.add(a3, "a") is a3  # "a" has its 2
+        b1 = sock()
+        assert w.add(b1, "b") is None
+        c1 = sock()
+        assert w.add(c1, "c") is a1  # 4 > 3: the busiest ("a") loses its oldest
+        assert len(w) == 3
+        rank = {"a": 0, "b": 1, "c": 1}
+        assert w.take(rank.__getitem__) == (a2, "a")
+        assert w.take(rank.__getitem__) == (b1, "b")  # ties: fewest waiting, then name
+        assert w.take(rank.__getitem__) == (c1, "c")
+        assert w.take(rank.__getitem__) is None and len(w) == 0
+    finally:
+        for s in made:
+            s.close()
