@@ -191,12 +191,19 @@ class ParkedRegistry:
         self._gc(kv_id)
 
     def _note_waiting(self, kv_id: str, now: float) -> None:
-        """While ``kv_id``'s prefill is live here, tell each peer whose Fetch
-        waits on it so, now and every heartbeat interval (a decoder that
-        asked first then waits as long as the prefill runs, up to its
-        parked_ttl_s, not its fetch deadline alone)."""
+        """While ``kv_id``'s prefill is live here, or may still come (no
+        producer request for it seen yet, none just finished), tell each
+        peer whose Fetch waits on it so, now and every heartbeat interval:
+        a decoder that asked first then waits as long as the prefill runs,
+        or is queued before it runs (a router that sends the decode with
+        the prefill, a prefiller under load), up to its parked_ttl_s, not
+        its fetch deadline alone. What it holds here is bounded per peer
+        (``max_waiting_fetch_keys``) and ends at parked_ttl_s."""
         entry = self.entries.get(kv_id)
-        if entry is None or not entry.live_producers or not entry.waiting:
+        if entry is None or not entry.waiting:
+            return
+        may_come = not entry.producer_seen and kv_id not in self.finished
+        if not entry.live_producers and not may_come:
             return
         for peer, serve in entry.waiting:
             session = self._session_of(peer)

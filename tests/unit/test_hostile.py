@@ -196,14 +196,15 @@ def test_fetch_for_a_request_the_producer_does_not_hold(which: str) -> None:
     req, g = ("kv1", gen + 7) if which == "wrong_gen" else ("ghost", gen)
     inject(net, "a", Fetch(req, g, 901, KEYS, [40, 41, 42, 43]))
     net.run()
-    # Treated as a fetch of parked stores that may still come; when none has
-    # by the deadline it is refused, and the refusal reaches b, which holds
-    # no such job and counts it.
+    # Treated as a fetch of parked stores that may still come (a decode
+    # sent before its prefill): the producer says so each heartbeat
+    # interval, and when none has come by the deadline it is refused. Both
+    # reach b, which holds no such job and counts them.
     for _ in range(8):
         net.advance(0.1)
         net.run(1)
     assert net.writes == []
-    assert errors(net, "b") == {"stale_transfer_done": 1}
+    assert errors(net, "b") == {"stale_fetch_wait": 3, "stale_transfer_done": 1}
     assert serve_of(net, "kv1") == (gen, State.PINNED)
     assert session(net, "a").sizes()["serves"] == 1
     net.hold_writes = False

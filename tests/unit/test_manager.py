@@ -1477,16 +1477,43 @@ def test_a_decoder_that_asked_first_waits_while_its_prefill_runs() -> None:
     assert_drained(net)
 
 
-def test_a_decoder_waits_no_longer_than_its_fetch_deadline_for_a_prefill_not_running() -> (
+def test_a_decoder_that_asked_before_its_prefill_was_admitted_loads_it() -> None:
+    """No prefill request for the id at the producer yet (a router sent the
+    decode with the prefill, or the prefiller queued it): the Fetch is held
+    and FetchWait keeps the decoder waiting past its fetch deadline (2 s),
+    so a prefill admitted 10 s later is loaded, the right bytes, not
+    recomputed; and nothing is left on either side."""
+    net, job, store_job = _decoder_first(10.0, live=False)
+    a, b = net.engines["a"], net.engines["b"]
+    assert b.results[job][0].success, b.results[job]
+    assert [b.block(s) for s in (40, 41, 42, 43)] == [payload(k) for k in KEYS]
+    assert a.results[store_job][0].success
+    b.manager.on_request_finished("d1", net.now)
+    wait(net, 1.0)
+    collect_all(net)
+    assert_drained(net)
+
+
+def test_a_decoder_waits_no_longer_than_its_parked_ttl_for_a_prefill_never_sent() -> (
     None
 ):
-    """No prefill request for the id at the producer: no FetchWait, so the
-    decoder gives up at its fetch deadline and recomputes (the prefill that
-    starts later parks for nobody: its stores expire at parked_ttl_s)."""
-    net, job, _ = _decoder_first(10.0, live=False)
+    """The prefill never comes to the producer (routed elsewhere, or the
+    id is a guess): the decoder waits past its fetch deadline for it, but
+    not past parked_ttl_s (5 s here), then recomputes; both sides drain."""
+    net = Net(timeouts=Timeouts(heartbeat_interval_s=0.5, parked_wait_s=5.0))
     b = net.engines["b"]
+    b.manager.on_new_request("d1", net.roles("a", "kv9", probe=False), net.now)
+    job = load(net, "d1", [40, 41, 42, 43])
+    start = net.now
+    while job not in b.results and net.now - start < 20:
+        wait(net, 0.5)
+        collect_all(net)
     assert not b.results[job][0].success
-    assert b.results[job][0].reason == "timeout"
+    assert 4.5 <= net.now - start <= 6.5, net.now - start
+    b.manager.on_request_finished("d1", net.now)
+    wait(net, 1.0)
+    collect_all(net)
+    assert_drained(net)
 
 
 def test_a_decoder_waits_no_longer_than_its_parked_ttl() -> None:
