@@ -58,6 +58,7 @@ FAILED_IDS = PREFIX + "failed_ids"
 FENCED_SLOTS = PREFIX + "fenced_slots"
 STAGING_HELD = PREFIX + "read_staging_held_blocks"
 PARKED_STORES = PREFIX + "parked_stores"
+REQUEST_STATE = PREFIX + "request_state"
 SESSIONS = PREFIX + "sessions"
 
 UNKNOWN = "unknown"
@@ -196,6 +197,12 @@ DEFINITIONS: dict[str, MetricDef] = {
         "when UCX ends those READs (a stalled peer resumes or dies).",
     ),
     PARKED_STORES: MetricDef("gauge", "Store jobs parked for a remote decoder."),
+    REQUEST_STATE: MetricDef(
+        "gauge",
+        "Per-request records the tier holds, of every kind (the sum of its "
+        "state report): 0 once no request is live and nothing is in flight, "
+        "so a value that stays above 0 at rest is a leak.",
+    ),
     SESSIONS: MetricDef("gauge", "Peer sessions, by link state.", ("peer", "state")),
 }
 
@@ -431,6 +438,7 @@ class MetricsExporter:
             (STAGING_HELD, ()): staging_held,
             (FAILED_IDS, ()): len(manager.failed_ids()),
             (PARKED_STORES, ()): manager.parked_store_count(),
+            (REQUEST_STATE, ()): sum(manager.state_report().values()),
         }
         for session in sessions:
             peer = self.peer(session_peer(session))

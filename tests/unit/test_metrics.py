@@ -28,6 +28,7 @@ from p2p_kv.metrics import (
     PREFIX,
     PROTOCOL_ERRORS,
     REFUSALS,
+    REQUEST_STATE,
     SAME_HOST_READS,
     SERVED_BYTES,
     SESSIONS,
@@ -115,7 +116,7 @@ def probe_and_load(net: Net, req: str, slots: list[int]) -> int:
 
 
 def test_definitions_are_prometheus_names_with_bounded_labels() -> None:
-    assert len(DEFINITIONS) == 22
+    assert len(DEFINITIONS) == 23
     for name, d in DEFINITIONS.items():
         assert name.startswith(PREFIX) and name.startswith("vllm:kv_offload")
         assert not name.endswith("_total")  # prometheus_client adds it
@@ -196,10 +197,14 @@ def test_failed_load_counts_fallback_failure_and_time_to_fall_back() -> None:
     assert b.hist[FALLBACK_TIME][("a:1",)] == [pytest.approx(0.5)]
     assert LOAD_TIME not in b.hist
     assert b.gauges[FAILED_IDS] == {(): 1}  # live and unfinished: recomputes
+    assert b.gauges[REQUEST_STATE][()] >= 1  # its records, until it finishes
     # the session is gone: its series drops to zero
     assert b.gauges[SESSIONS] == {("a:1", "ready"): 0}
     net.engines["b"].manager.on_request_finished("r1", net.now)
-    assert collect(eb, net, "b").gauges == {FAILED_IDS: {(): 0}}
+    assert collect(eb, net, "b").gauges == {
+        FAILED_IDS: {(): 0},
+        REQUEST_STATE: {(): 0},
+    }
 
 
 def test_retired_session_last_counts_are_not_lost() -> None:
