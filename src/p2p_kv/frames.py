@@ -191,11 +191,13 @@ class Frames:
             # cause it, so at most one line per reason per interval. Its
             # kind is the refusal's reason, the budget a refused seal's
             # line (``auth``) shares: one event, one line.
+            # The detail names the peer's value and ours, then the fix.
             self._peer_log.warning(
                 session.refusal.reason,
                 peer,
-                "handshake refused: %.300s",
+                "handshake refused: %.700s; fix: %s",
                 session.refusal,
+                session.refusal.fix,
             )
         elif session.close_reason and not (session.proven or is_inbound(peer)):
             # A peer our clients named that we never got a session with:

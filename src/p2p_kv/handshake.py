@@ -59,8 +59,10 @@ handshake: the seal is its encryption.
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import hmac
+import mmap
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -92,12 +94,15 @@ _TAG_BYTES: Final = 16
 
 class HandshakeRefused(Exception):
     """The peer does not match us; ``reason`` is a metric label, ``detail``
-    the sentence for the log."""
+    the sentence for the log naming the peer's value and ours, ``fix`` what
+    to change."""
 
-    def __init__(self, reason: str, detail: str) -> None:
+    def __init__(self, reason: str, detail: str, fix: str | None = None) -> None:
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.detail = detail
+        #: what to change, for the log line and the doctor
+        self.fix = FIXES.get(reason, "") if fix is None else fix
 
 
 @dataclass(frozen=True)
@@ -113,6 +118,206 @@ class Identity:
     num_blocks: int
     region: bytes = b""
     secret: bytes | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The fields of an engine's layout string, as the tier joins them:
+    model, dtype, KV groups as ``[(tokens per block, layers), ...]``, KV
+    bytes per block of one worker, blocks per chunk, TP, PP."""
+
+    model: str
+    dtype: str
+    groups: tuple[tuple[int, int], ...]
+    worker_bytes_per_block: int
+    blocks_per_chunk: int
+    tp: int
+    pp: int
+
+    @property
+    def block_tokens(self) -> int:
+        """Tokens per block of the first KV group: the engine hashes its
+        canonical blocks with this size."""
+        return self.groups[0][0]
+
+    def block_bytes(self, page: int = mmap.PAGESIZE) -> int | None:
+        """The tier's block (one primary-tier chunk) in bytes, or None where
+        the string does not settle it: with several workers the chunk holds
+        one copy per worker or one in all, which the string does not say."""
+        if self.tp * self.pp != 1 or self.worker_bytes_per_block <= 0:
+            return None
+        raw = self.worker_bytes_per_block * self.blocks_per_chunk
+        return -(-raw // page) * page
+
+
+def parse_layout(text: str) -> Layout | None:
+    """An engine's layout string's fields, or None for a string not in the
+    tier's form (a StandalonePeer's ``standalone``, a test's own)."""
+    parts = text.rsplit("|", 6)
+    if len(parts) != 7:
+        return None
+    model, dtype, groups_text, *numbers = parts
+    try:
+        groups = ast.literal_eval(groups_text)
+        wkb, bpc, tp, pp = (int(x) for x in numbers)
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        return None
+    if not (
+        isinstance(groups, list)
+        and groups
+        and all(
+            isinstance(g, tuple)
+            and len(g) == 2
+            and all(type(x) is int and x > 0 for x in g)
+            for g in groups
+        )
+        and min(bpc, tp, pp) > 0
+    ):
+        return None
+    return Layout(model, dtype, tuple(groups), wkb, bpc, tp, pp)
+
+
+#: Fixes of the refusals an engine's configuration causes, by reason: the
+#: log line and ``p2p-kv doctor --peer`` say them after the refusal's detail.
+FIXES: Final = {
+    "version": "run the same p2p_kv version on every engine that shares KV",
+    "hash_algo": (
+        "set the same prefix_caching_hash_algo on every engine that shares KV"
+    ),
+    "hash_seed": (
+        "export the same PYTHONHASHSEED on every engine that shares KV "
+        "(vLLM derives its block hashes' seed from it)"
+    ),
+    "canonical_hashes": (
+        "run the same vLLM version, --block-size and prefix_caching_hash_algo "
+        "on every engine that shares KV"
+    ),
+    "auth": "set the same 'secret' (P2P_KV_SECRET) on every engine, or none",
+    "layout": (
+        "serve the same model with the same dtype, block size and parallelism "
+        "on every engine that shares KV"
+    ),
+    "layout_model": (
+        "name as a request's source only an engine serving the same model "
+        "(the router's choice): engines of different models share no KV"
+    ),
+    "layout_dtype": (
+        "set the same --dtype and --kv-cache-dtype on every engine that shares KV"
+    ),
+    "layout_block_size": "set the same --block-size on every engine that shares KV",
+    "layout_kv_groups": (
+        "serve the same model with the same attention settings (sliding "
+        "window, hybrid layers) on every engine that shares KV"
+    ),
+    "layout_tp": (
+        "run the same --tensor-parallel-size on every engine that shares KV: "
+        "p2p_kv shares blocks only between engines of one TP size"
+    ),
+    "layout_pp": (
+        "run the same --pipeline-parallel-size on every engine that shares KV"
+    ),
+    "layout_chunk": (
+        "set the same block_size (or blocks_per_chunk) in kv_connector_extra_config "
+        "on every engine that shares KV: it is the offloaded chunk"
+    ),
+    "layout_kv_bytes": (
+        "set the same --kv-cache-dtype and parallelism on every engine that "
+        "shares KV (one worker's bytes per KV block differ)"
+    ),
+    "layout_block_bytes": (
+        "run the same p2p_kv and vLLM versions and the same "
+        "kv_connector_extra_config on every engine that shares KV"
+    ),
+}
+
+
+def _groups_text(groups: tuple[tuple[int, int], ...]) -> str:
+    return ", ".join(f"{layers} layers of {tokens}" for tokens, layers in groups)
+
+
+def _layout_differences(theirs: Layout, mine: Layout) -> list[tuple[str, str]]:
+    """The fields in which two engines' layouts differ, each as (reason,
+    sentence naming the peer's value and ours), the one that explains the
+    others first (another model differs in everything)."""
+    out: list[tuple[str, str]] = []
+    if theirs.model != mine.model:
+        out.append(
+            ("layout_model", f"peer serves model {theirs.model!r}, we {mine.model!r}")
+        )
+    if theirs.dtype != mine.dtype:
+        out.append(
+            (
+                "layout_dtype",
+                f"peer's KV dtype is {theirs.dtype!r}, ours {mine.dtype!r}",
+            )
+        )
+    t_tokens = [t for t, _ in theirs.groups]
+    m_tokens = [t for t, _ in mine.groups]
+    if len(t_tokens) == len(m_tokens) and t_tokens != m_tokens:
+        out.append(
+            (
+                "layout_block_size",
+                "peer's blocks hold "
+                f"{'/'.join(map(str, t_tokens))} tokens (block_size), ours "
+                f"{'/'.join(map(str, m_tokens))}",
+            )
+        )
+    elif theirs.groups != mine.groups:
+        out.append(
+            (
+                "layout_kv_groups",
+                f"peer's KV cache groups are {_groups_text(theirs.groups)} tokens "
+                f"a block, ours {_groups_text(mine.groups)}",
+            )
+        )
+    if theirs.tp != mine.tp:
+        out.append(
+            (
+                "layout_tp",
+                f"peer runs tensor_parallel_size {theirs.tp}, we {mine.tp}",
+            )
+        )
+    if theirs.pp != mine.pp:
+        out.append(
+            (
+                "layout_pp",
+                f"peer runs pipeline_parallel_size {theirs.pp}, we {mine.pp}",
+            )
+        )
+    if theirs.blocks_per_chunk != mine.blocks_per_chunk:
+        out.append(
+            (
+                "layout_chunk",
+                f"peer offloads {theirs.blocks_per_chunk} blocks a chunk, we "
+                f"{mine.blocks_per_chunk}",
+            )
+        )
+    if theirs.worker_bytes_per_block != mine.worker_bytes_per_block:
+        out.append(
+            (
+                "layout_kv_bytes",
+                f"peer's worker holds {theirs.worker_bytes_per_block} bytes a KV "
+                f"block, ours {mine.worker_bytes_per_block}",
+            )
+        )
+    return out
+
+
+def layout_refusal(theirs: str, mine: str) -> HandshakeRefused:
+    """The refusal of a peer whose layout string differs from ours: by the
+    field that differs (``layout_block_size``, ``layout_tp``, ...) when both
+    are in the tier's form, naming both values; else ``layout``. The detail
+    ends with both strings whole (the doctor probes with the peer's)."""
+    both = f"peer's KV layout {theirs!r} differs from ours {mine!r}"
+    t, m = parse_layout(theirs), parse_layout(mine)
+    diffs = _layout_differences(t, m) if t is not None and m is not None else []
+    if not diffs:
+        return HandshakeRefused("layout", both, FIXES["layout"])
+    (reason, first), others = diffs[0], [r for r, _ in diffs[1:]]
+    also = f"; also {', '.join(r.removeprefix('layout_') for r in others)}"
+    return HandshakeRefused(
+        reason, f"{first}{also if others else ''} ({both})", FIXES[reason]
+    )
 
 
 def seed_digest(seed: str) -> bytes:
@@ -156,26 +361,24 @@ def check_hello(mine: Hello, theirs: Hello) -> None:
     if theirs.hash_algo != mine.hash_algo:
         raise HandshakeRefused(
             "hash_algo",
-            f"peer hashes blocks with {theirs.hash_algo!r}, we use "
-            f"{mine.hash_algo!r} (set the same prefix_caching_hash_algo)",
+            f"peer hashes blocks with {theirs.hash_algo!r}, we use {mine.hash_algo!r}",
         )
     if theirs.authenticated != mine.authenticated:
         who = "we require" if mine.authenticated else "the peer requires"
         raise HandshakeRefused(
             "auth", f"{who} a shared secret and the other side has none"
         )
-    if not mine.authenticated:
-        check_hashes(mine, theirs)
+    # The layout before the hashes: another block size also hashes the
+    # canonical sequence differently, and its own reason says which to fix.
     if theirs.layout != mine.layout:
-        raise HandshakeRefused(
-            "layout",
-            f"peer's KV layout {theirs.layout!r} differs from ours {mine.layout!r}",
-        )
+        raise layout_refusal(theirs.layout, mine.layout)
     if theirs.block_bytes != mine.block_bytes:
         raise HandshakeRefused(
-            "layout",
+            "layout_block_bytes",
             f"peer's block is {theirs.block_bytes} bytes, ours {mine.block_bytes}",
         )
+    if not mine.authenticated:
+        check_hashes(mine, theirs)
     if theirs.nonce == mine.nonce:
         raise HandshakeRefused("replay", "peer echoed our own nonce")
 
@@ -186,15 +389,26 @@ def check_hashes(mine: Hello, theirs: Hello) -> None:
     if theirs.seed_digest != mine.seed_digest:
         raise HandshakeRefused(
             "hash_seed",
-            "peer's hash seed differs from ours (set the same PYTHONHASHSEED "
-            "on every engine)",
+            f"peer's hash seed differs from ours ({_seed_values(mine, theirs)})",
         )
     if theirs.canonical_hashes != mine.canonical_hashes:
         raise HandshakeRefused(
             "canonical_hashes",
             "peer hashes the canonical token sequence differently "
-            "(block size or hash function differs)",
+            "(its vLLM's hash function or block size differs)",
         )
+
+
+def _seed_values(mine: Hello, theirs: Hello) -> str:
+    """Both seeds as an operator can compare them: their digests as each
+    engine's ``p2p_kv identity`` line shows them (keyed under a secret,
+    where the line's plain digests are what to compare)."""
+    if mine.authenticated:
+        return "compare the seed digest on each engine's 'p2p_kv identity' line"
+    return (
+        f"seed digest {theirs.seed_digest.hex()[:16]} there, "
+        f"{mine.seed_digest.hex()[:16]} here"
+    )
 
 
 def handshake_mac(secret: bytes | None, sender: Hello, receiver: Hello) -> bytes:

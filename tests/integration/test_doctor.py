@@ -37,7 +37,8 @@ from p2p_kv import doctor
 from p2p_kv.adapter.engines import free_port
 from p2p_kv.config import ConfigError, check_hash_seed
 from p2p_kv.doctor import PeerSpec, check_config, check_peer, check_port
-from p2p_kv.handshake import seed_digest
+from p2p_kv.doctor.peer import refusal_fix
+from p2p_kv.handshake import FIXES, seed_digest
 from p2p_kv.standalone import StandalonePeer
 
 pytestmark = pytest.mark.timeout(60)
@@ -52,8 +53,15 @@ GOOD = PeerSpec(
     secret=SECRET,
     peer_kind="standalone",
 )
+#: Layout strings in the tier's form (model|KV dtype|groups|worker bytes a
+#: KV block|blocks a chunk|TP|PP): one worker, and two of TP 2.
+TIER_LAYOUT = "doctor-test|torch.bfloat16|[(16, 2)]|2048|1|1|1"
+TP2_LAYOUT = "doctor-test|torch.bfloat16|[(16, 2)]|1024|1|2|1"
+TIER = replace(GOOD, layout=TIER_LAYOUT)
 #: name -> (hash seed, layout, block bytes, secret) of a serving peer.
 PEERS = {
+    "tp": ("0", TP2_LAYOUT, BLOCK, SECRET),
+    "tp+secret": ("0", TP2_LAYOUT, BLOCK, "not-it"),
     "good": ("0", LAYOUT, BLOCK, SECRET),
     "seed": ("1", LAYOUT, BLOCK, SECRET),
     "layout": ("0", "other", BLOCK, SECRET),
@@ -368,7 +376,13 @@ def test_matching_peer_passes(peers: dict[str, str]) -> None:
         ("seed", GOOD, "hash_seed", "hash seed differs"),
         ("good", replace(GOOD, hash_seed="42"), "hash_seed", "hash seed differs"),
         ("layout", GOOD, "layout", "'other' differs from ours"),
-        ("bbytes", GOOD, "layout", f"block is {2 * BLOCK} bytes, ours {BLOCK}"),
+        (
+            "bbytes",
+            GOOD,
+            "layout_block_bytes",
+            f"block is {2 * BLOCK} bytes, ours {BLOCK}",
+        ),
+        ("tp", TIER, "layout_tp", "peer runs tensor_parallel_size 2, we 1"),
         ("nosecret", GOOD, "auth", "shared secret"),
         ("good", replace(GOOD, secret=None), "auth", "shared secret"),
         ("badsecret", GOOD, "auth", "does not match our shared secret"),
@@ -383,7 +397,10 @@ def test_mismatched_peer_is_refused_naming_the_field(
     assert result.details["state"] == "refused", result
     assert result.details["reason"] == reason
     assert text in result.summary
-    assert result.fix == doctor._REFUSAL_FIXES[reason]
+    assert result.fix == refusal_fix(reason)
+    if reason.startswith("layout_"):
+        # The engines' own fix, as their log line says it, comes first.
+        assert result.fix.startswith(FIXES[reason])
 
 
 @pytest.mark.parametrize(
@@ -391,6 +408,7 @@ def test_mismatched_peer_is_refused_naming_the_field(
     [
         ("layout+secret", "'other' differs from ours"),
         ("bbytes+secret", f"block is {2 * BLOCK} bytes, ours {BLOCK}"),
+        ("tp+secret", "peer runs tensor_parallel_size 2, we 1"),
     ],
 )
 def test_a_wrong_secret_is_reported_beside_a_layout_refusal(
@@ -400,8 +418,10 @@ def test_a_wrong_secret_is_reported_beside_a_layout_refusal(
     peer with another layout and another secret was reported as a layout
     error only (issue 41): fixing the layout then failed on the secret.
     Both are reported, the secret's fix first."""
-    result = check_peer(peers[peer], GOOD, timeout_s=5)
-    assert not result.ok and result.details["reason"] == "layout", result
+    spec = TIER if peer.startswith("tp") else GOOD
+    result = check_peer(peers[peer], spec, timeout_s=5)
+    assert not result.ok, result
+    assert result.details["reason"].startswith("layout"), result
     assert text in result.summary
     assert "and the secret differs: " in result.summary, result
     assert result.details["secret"] == "differs"

@@ -20,6 +20,7 @@ from p2p_kv.handshake import (
     Identity,
     check_hello,
     frame_keys,
+    layout_refusal,
     make_hello,
     seed_digest,
 )
@@ -168,7 +169,9 @@ MISMATCHES = [
     ("canonical_hashes", {"canonical_hashes": (b"c1" * 8, b"zz" * 8)}),
     ("canonical_hashes", {"canonical_hashes": (b"c1" * 8,)}),
     ("layout", {"layout": "HND:bf16:2x4x16"}),
-    ("layout", {"block_bytes": 512}),
+    ("layout_block_bytes", {"block_bytes": 512}),
+    ("layout_block_size", {"layout": "m|bf16|[(32, 2)]|4096|1|1|1"}),
+    ("layout_tp", {"layout": "m|bf16|[(16, 2)]|4096|1|2|1"}),
     ("auth", {"secret": SECRET}),
 ]
 
@@ -191,6 +194,8 @@ def test_mismatch_is_refused_by_both_sides(
     reason: str, over: dict[str, Any], side: str
 ) -> None:
     ia, ib = ident("a"), ident("b")
+    if str(over.get("layout", "")).startswith("m|"):  # the tier's form
+        ia, ib = (ident(n, layout="m|bf16|[(16, 2)]|4096|1|1|1") for n in "ab")
     if side == "a":
         ia = ident("a", **over)
     else:
@@ -277,6 +282,142 @@ def test_check_hello_names_the_first_difference() -> None:
     with pytest.raises(Exception, match="layout") as info:
         check_hello(mine, theirs)
     assert getattr(info.value, "reason", None) == "layout"
+
+
+#: The tier's layout string of a one-worker engine: model, KV dtype, KV
+#: groups as (tokens per block, layers), one worker's bytes per KV block,
+#: blocks per chunk, TP, PP.
+TIER_LAYOUT = "tiny-llama|torch.float32|[(16, 2)]|4096|1|1|1"
+
+
+def tier_layout(**over: object) -> str:
+    fields: dict[str, object] = dict(
+        model="tiny-llama",
+        dtype="torch.float32",
+        groups=[(16, 2)],
+        kv=4096,
+        chunk=1,
+        tp=1,
+        pp=1,
+    )
+    fields.update(over)
+    return "|".join(str(v) for v in fields.values())
+
+
+LAYOUT_FIELDS = [
+    (
+        "layout_block_size",
+        {"groups": [(32, 2)], "kv": 8192},
+        "peer's blocks hold 32 tokens (block_size), ours 16; also kv_bytes",
+        "--block-size",
+    ),
+    (
+        "layout_tp",
+        {"tp": 2, "kv": 2048},
+        "peer runs tensor_parallel_size 2, we 1; also kv_bytes",
+        "--tensor-parallel-size",
+    ),
+    ("layout_pp", {"pp": 2}, "peer runs pipeline_parallel_size 2, we 1", "pipeline"),
+    (
+        "layout_dtype",
+        {"dtype": "torch.bfloat16", "kv": 2048},
+        "peer's KV dtype is 'torch.bfloat16', ours 'torch.float32'; also kv_bytes",
+        "--kv-cache-dtype",
+    ),
+    (
+        "layout_model",
+        {"model": "other-model", "tp": 2},
+        "peer serves model 'other-model', we 'tiny-llama'; also tp",
+        "same model",
+    ),
+    (
+        "layout_kv_groups",
+        {"groups": [(16, 1), (16, 1)]},
+        "peer's KV cache groups are 1 layers of 16, 1 layers of 16 tokens a "
+        "block, ours 2 layers of 16",
+        "sliding",
+    ),
+    ("layout_chunk", {"chunk": 4}, "peer offloads 4 blocks a chunk, we 1", "chunk"),
+    (
+        "layout_kv_bytes",
+        {"kv": 2048},
+        "peer's worker holds 2048 bytes a KV block, ours 4096",
+        "--kv-cache-dtype",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("reason", "over", "detail", "fix"),
+    LAYOUT_FIELDS,
+    ids=[c[0] for c in LAYOUT_FIELDS],
+)
+@pytest.mark.parametrize("secret", [None, SECRET], ids=["no-secret", "secret"])
+def test_a_layout_refusal_names_the_field_both_values_and_the_fix(
+    reason: str, over: dict[str, object], detail: str, fix: str, secret: bytes | None
+) -> None:
+    """Engines whose layouts differ were refused as ``layout`` with both
+    whole strings: an operator had to diff them to find the field, and the
+    metric could not tell a TP mismatch from a block size one. Now the
+    reason (the metric's label) is the field, the detail names the peer's
+    value and ours, and the refusal carries the fix."""
+    theirs = tier_layout(**over)
+    w = pair(
+        ident("a", layout=TIER_LAYOUT, secret=secret),
+        ident("b", layout=theirs, secret=secret),
+    )
+    w.pump()
+    assert_refused(w.a, reason)
+    assert_refused(w.b, reason)
+    refusal = w.a.refusal
+    assert refusal is not None
+    assert refusal.detail == (
+        f"{detail} (peer's KV layout {theirs!r} differs from ours {TIER_LAYOUT!r})"
+    )
+    assert fix in refusal.fix
+
+
+def test_a_block_size_mismatch_is_named_before_the_hashes_it_changes() -> None:
+    """Another block size hashes the canonical sequence differently too.
+    Without a secret the hashes were compared first, so a block size
+    mismatch was refused as ``canonical_hashes`` ("block size or hash
+    function differs"); with one, as a layout: now as the block size,
+    either way."""
+    w = pair(
+        ident("a", layout=TIER_LAYOUT),
+        ident(
+            "b",
+            layout=tier_layout(groups=[(32, 2)], kv=8192),
+            canonical_hashes=(b"zz" * 8, b"yy" * 8),
+        ),
+    )
+    w.pump()
+    assert_refused(w.a, "layout_block_size")
+
+
+def test_layouts_not_in_the_tiers_form_are_refused_whole() -> None:
+    """A StandalonePeer's or a test's own layout has no fields to name."""
+    refusal = layout_refusal("standalone", TIER_LAYOUT)
+    assert refusal.reason == "layout"
+    assert refusal.detail == (
+        f"peer's KV layout 'standalone' differs from ours {TIER_LAYOUT!r}"
+    )
+    assert "same model" in refusal.fix
+
+
+def test_a_seed_refusal_names_both_digests_without_a_secret() -> None:
+    w = pair(ident("a"), ident("b", hash_seed="another-seed"))
+    w.pump()
+    refusal = w.a.refusal
+    assert refusal is not None and refusal.reason == "hash_seed"
+    theirs, ours = seed_digest("another-seed").hex()[:16], seed_digest(SEED).hex()[:16]
+    assert f"seed digest {theirs} there, {ours} here" in refusal.detail
+    assert "PYTHONHASHSEED" in refusal.fix
+
+
+def test_a_peers_text_in_a_layout_refusal_cannot_forge_a_log_line() -> None:
+    refusal = layout_refusal(tier_layout(dtype="x\nWARNING forged"), TIER_LAYOUT)
+    assert refusal.reason == "layout_dtype" and "\n" not in refusal.detail
 
 
 # ---------------------------------------------------------------------------

@@ -1533,3 +1533,64 @@ def test_a_decoder_waits_no_longer_than_its_parked_ttl() -> None:
         collect_all(net)
     assert not b.results[job][0].success
     assert 4.5 <= net.now - start <= 6.5, net.now - start
+
+
+def layout_net(theirs: str) -> Net:
+    """a holds KEYS under the tier's layout of a one-worker engine; b
+    states ``theirs``."""
+    from .memnet import identity
+
+    ours = "tiny-llama|torch.float32|[(16, 2)]|4096|1|1|1"
+    return make_net(
+        identities={
+            "a": identity("a", layout=ours),
+            "b": identity("b", layout=theirs),
+        }
+    )
+
+
+@pytest.mark.parametrize(
+    ("theirs", "reason"),
+    [
+        ("tiny-llama|torch.float32|[(16, 2)]|2048|1|2|1", "layout_tp"),
+        ("tiny-llama|torch.float32|[(32, 2)]|8192|1|1|1", "layout_block_size"),
+    ],
+    ids=["tp", "block_size"],
+)
+def test_a_request_naming_a_source_of_another_layout_recomputes_at_once(
+    theirs: str, reason: str
+) -> None:
+    """A pair that cannot share says so at first contact, by the field,
+    and the request naming the source misses at once: no
+    deadline passes (the clock never moves here), the next request too
+    (the reconnect backoff answers it), and a prefiller's blocks, taken for
+    there before the handshake ended, fail their load at once."""
+    net = layout_net(theirs)
+    b = net.engines["b"].manager
+    assert probe(net, "r1", "kv1") == [Answer.MISS] * 4
+    assert net.now == 0.0
+    # (Here a's refusal ends the link before its Hello reaches b; over TCP
+    # b reads it and refuses too: tests/integration/test_layout_refusal.py.)
+    assert [r for _, r in net.engines["a"].manager.refusals] == [reason]
+    b.on_new_request("r2", net.roles("a", "kv2"), net.now)
+    assert [b.lookup("r2", k) for k in KEYS] in ([Answer.MISS] * 4, [Answer.RETRY] * 4)
+    net.run()
+    assert [b.lookup("r2", k) for k in KEYS] == [Answer.MISS] * 4
+    for req in ("r1", "r2"):
+        b.on_request_finished(req, net.now)
+    net.run()
+    # A prefiller leg (every block is there) before the handshake is over.
+    net.advance(b.reconnect_backoff_s)
+    b.tick(net.now)
+    b.on_new_request("r3", net.roles("a", "kv3", probe=False), net.now)
+    assert [b.lookup("r3", k) for k in KEYS] == [Answer.HIT] * 4
+    job = load(net, "r3", [5, 6, 7, 8])
+    started = net.now
+    net.run()
+    (result,) = net.engines["b"].collect(net.now)
+    assert result.job_id == job and not result.success
+    assert net.now == started
+    b.on_request_finished("r3", net.now)
+    net.run()
+    collect_all(net)
+    assert_drained(net)

@@ -74,17 +74,16 @@ from p2p_kv.doctor.checks import (
 )
 from p2p_kv.doctor.peer import (
     _REFUSAL_FIXES,
-    Layout,
     LoggedIdentity,
     PeerSpec,
     _read_log_arg,
     check_peer,
     engine_canonical_hashes,
     parse_identity_line,
-    parse_layout,
     peer_command,
     sizes_from_layout,
 )
+from p2p_kv.handshake import Layout, parse_layout
 
 __all__ = [
     "HASH_ALGOS",

@@ -9,7 +9,6 @@ import ast
 import hashlib
 import importlib
 import importlib.metadata
-import mmap
 import pickle
 import re
 import shlex
@@ -38,6 +37,7 @@ from p2p_kv.doctor.checks import (
     CheckResult,
     _shown,
 )
+from p2p_kv.handshake import FIXES, parse_layout
 
 _REFUSAL_FIXES = {
     "version": "run the same p2p_kv version on both sides",
@@ -75,6 +75,16 @@ _REFUSAL_FIXES = {
         "too_many_handshaking)"
     ),
 }
+
+
+def refusal_fix(reason: str) -> str:
+    """The fix the doctor prints for a refusal: the engines' own (the log
+    line's) for a layout field, with the doctor's option to check if the
+    stated layout was not the engine's; the doctor's options for the rest."""
+    engines = FIXES.get(reason)
+    if reason.startswith("layout_") and engines:
+        return f"{engines}; or, if --layout was not this engine's, {_REFUSAL_FIXES['layout']}"
+    return _REFUSAL_FIXES.get(reason) or engines or ""
 
 
 # ---------------------------------------------------------------------------
@@ -136,63 +146,6 @@ class PeerSpec:
     #: the engine's seed digest (hex, as its identity line shows it): the
     #: seed here must have it, checked before dialing
     seed_digest: str | None = None
-
-
-@dataclass(frozen=True)
-class Layout:
-    """The fields of an engine's layout string, as the tier joins them:
-    model, dtype, KV groups as ``[(tokens per block, layers), ...]``, KV
-    bytes per block of one worker, blocks per chunk, TP, PP."""
-
-    model: str
-    dtype: str
-    groups: tuple[tuple[int, int], ...]
-    worker_bytes_per_block: int
-    blocks_per_chunk: int
-    tp: int
-    pp: int
-
-    @property
-    def block_tokens(self) -> int:
-        """Tokens per block of the first KV group: the engine hashes its
-        canonical blocks with this size."""
-        return self.groups[0][0]
-
-    def block_bytes(self, page: int = mmap.PAGESIZE) -> int | None:
-        """The tier's block (one primary-tier chunk) in bytes, or None where
-        the string does not settle it: with several workers the chunk holds
-        one copy per worker or one in all, which the string does not say."""
-        if self.tp * self.pp != 1 or self.worker_bytes_per_block <= 0:
-            return None
-        raw = self.worker_bytes_per_block * self.blocks_per_chunk
-        return -(-raw // page) * page
-
-
-def parse_layout(text: str) -> Layout | None:
-    """An engine's layout string's fields, or None for a string not in the
-    tier's form (a StandalonePeer's ``standalone``, a test's own)."""
-    parts = text.rsplit("|", 6)
-    if len(parts) != 7:
-        return None
-    model, dtype, groups_text, *numbers = parts
-    try:
-        groups = ast.literal_eval(groups_text)
-        wkb, bpc, tp, pp = (int(x) for x in numbers)
-    except (ValueError, SyntaxError, MemoryError, RecursionError):
-        return None
-    if not (
-        isinstance(groups, list)
-        and groups
-        and all(
-            isinstance(g, tuple)
-            and len(g) == 2
-            and all(type(x) is int and x > 0 for x in g)
-            for g in groups
-        )
-        and min(bpc, tp, pp) > 0
-    ):
-        return None
-    return Layout(model, dtype, tuple(groups), wkb, bpc, tp, pp)
 
 
 def sizes_from_layout(
@@ -407,14 +360,14 @@ def check_peer(peer: str, spec: PeerSpec, timeout_s: float = 5.0) -> CheckResult
         if failed is not None:
             return failed
     result = _handshake(peer, host, port, spec, canon, timeout_s, details)
-    if details.get("reason") == "layout" and spec.secret is not None:
+    if str(details.get("reason")).startswith("layout") and spec.secret is not None:
         result = _secret_too(result, peer, host, port, spec, canon, timeout_s)
     return result
 
 
 #: A layout refusal's detail, as handshake.check_hello words it: the
 #: refusing side's peer's value first, its own second.
-_LAYOUT_DETAIL = re.compile(r"peer's KV layout (.+) differs from ours (.+)$")
+_LAYOUT_DETAIL = re.compile(r"peer's KV layout (.+) differs from ours (.+?)\)?$")
 _BLOCK_DETAIL = re.compile(r"peer's block is (\d+) bytes, ours (\d+)$")
 
 
@@ -607,7 +560,7 @@ def _not_ready(
             "peer",
             False,
             f"{target} refused by us: {refusal.reason}: {_shown(refusal.detail)}",
-            _REFUSAL_FIXES.get(refusal.reason, ""),
+            refusal_fix(refusal.reason),
             details,
         )
     why = str(session.close_reason)
@@ -622,7 +575,7 @@ def _not_ready(
             "peer",
             False,
             f"{target} refused us: {_shown(said)}",
-            _REFUSAL_FIXES.get(reason, ""),
+            refusal_fix(reason),
             details,
         )
     from p2p_kv.control import REFUSED
