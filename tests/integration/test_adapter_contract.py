@@ -249,6 +249,33 @@ def test_a_port_past_65535_at_a_data_parallel_rank_names_the_rank(
         P2PKVTier(spec, view, port=65534)
 
 
+def test_a_refused_config_is_one_error_line_in_the_engine_log(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM reports a tier's refusal at the end of a traceback of a few
+    hundred lines whose last line is its own message; the tier says it on
+    one ERROR line of its own, the message naming the key and the fix."""
+    import logging
+    from types import SimpleNamespace
+
+    from p2p_kv.adapter.tier import P2PKVTier
+    from p2p_kv.config import ConfigError
+
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    parallel = SimpleNamespace(data_parallel_index=0)
+    spec: Any = SimpleNamespace(config=SimpleNamespace(parallel=parallel))
+    view = memoryview(bytearray(4 * 4096)).cast("B", (4, 4096))
+    with (
+        caplog.at_level(logging.INFO, logger="vllm.p2p_kv"),
+        pytest.raises(ConfigError, match="prot") as refused,
+    ):
+        P2PKVTier(spec, view, prot=5800)
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert [r.getMessage() for r in errors] == [str(refused.value)]
+    assert errors[0].name == "vllm.p2p_kv"
+    assert "port" in errors[0].getMessage()  # the key it meant
+
+
 def test_a_tier_whose_port_is_taken_closes_its_data_plane(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -184,7 +184,7 @@ def _engine_input_queue() -> tuple[Any, bool]:
     work; a no-op put wakes it. Found on the constructor's call stack (the
     queue exists before the scheduler, and so this tier, is built), on any
     engine core (data-parallel ones too: their class is ``DPEngineCoreProc``,
-    which a match on the name's start missed, and they then stepped
+    which a match on the name's start would miss, and they would then step
     without end at idle). Also whether that engine is a data-parallel
     rank, whose steps its peers wait for in lockstep: it must never sleep
     at a step."""
@@ -205,6 +205,20 @@ def _callers() -> Iterator[dict[str, Any]]:
     while frame is not None:
         yield frame.f_locals
         frame = frame.f_back  # type: ignore[assignment]
+
+
+@contextlib.contextmanager
+def _refusal_logged() -> Iterator[None]:
+    """A refused configuration is logged as one ERROR line (its message
+    names what is wrong and the fix) before it propagates: vLLM reports
+    the exception inside a traceback of a few hundred lines whose last
+    line is its own, and the engine log then holds the cause on a line of
+    its own."""
+    try:
+        yield
+    except ConfigError as exc:
+        log.error("%s", exc)
+        raise
 
 
 class _ParentPinner:
@@ -272,7 +286,7 @@ class P2PKVTier(SecondaryTierManager):
     ) -> None:
         if backpressure_detector is not None:
             # vLLM copies a top-level "backpressure" (meant for a storage
-            # tier beside us) into every tier's entry: refusing it stopped
+            # tier beside us) into every tier's entry: refusing it would stop
             # such engines, blaming an entry the user never wrote it in.
             log.warning(
                 "p2p_kv: ignoring 'backpressure' (from the tier's entry or the "
@@ -281,26 +295,27 @@ class P2PKVTier(SecondaryTierManager):
                 "latency is no pressure signal"
             )
         super().__init__(offloading_spec, primary_kv_view, tier_type)
-        self.cfg = TierConfig.from_dict(config)
-        if self.cfg.require_hash_seed:
-            check_hash_seed()
-        check_nixl()
+        with _refusal_logged():
+            self.cfg = TierConfig.from_dict(config)
+            if self.cfg.require_hash_seed:
+                check_hash_seed()
+            check_nixl()
+            port = self.cfg.port
+            rank = offloading_spec.config.parallel.data_parallel_index
+            if port:
+                # Each rank its own port.
+                port += rank
+                if port > 65535:
+                    raise ConfigError(
+                        f"p2p_kv: port {self.cfg.port} + data-parallel rank {rank} "
+                        f"is {port}, past 65535: set a port of at most {65535 - rank}"
+                    )
         from p2p_kv.stack import build_runtime
 
         region = (
             primary_kv_view.cast("B") if primary_kv_view.ndim != 1 else primary_kv_view
         )
         block_bytes = self.block_size_bytes
-        port = self.cfg.port
-        rank = offloading_spec.config.parallel.data_parallel_index
-        if port:
-            # Each rank its own port.
-            port += rank
-            if port > 65535:
-                raise ConfigError(
-                    f"p2p_kv: port {self.cfg.port} + data-parallel rank {rank} "
-                    f"is {port}, past 65535: set a port of at most {65535 - rank}"
-                )
         spec = offloading_spec
         algo = _hash_algo()
         secret = self.cfg.secret
@@ -327,7 +342,7 @@ class P2PKVTier(SecondaryTierManager):
         except BaseException as exc:
             # vLLM closes the primary region's mmap while it handles this
             # exception, and views of it in the traceback's frames (the
-            # builder's, the data plane's arrays) made that close a
+            # builder's, the data plane's arrays) would make that close a
             # BufferError: the first of a page of tracebacks hiding the cause.
             if exc.__traceback__ is not None:
                 traceback.clear_frames(exc.__traceback__.tb_next)
