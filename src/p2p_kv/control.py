@@ -531,7 +531,12 @@ class ControlTransport:
             sock.setblocking(False)
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            c = Conn(f"in:{next(self._inbound_ids)}", inbound=True, host=host)
+            c = Conn(
+                f"in:{next(self._inbound_ids)}",
+                inbound=True,
+                host=host,
+                remote=_far_end(sock, host),
+            )
             c.sock, c.fd = sock, sock.fileno()
             self._conns[c.name] = c
             self._by_fd[c.fd] = c
@@ -617,6 +622,14 @@ class ControlTransport:
         only; None before it connects or after it drops)."""
         c = self._conns.get(peer)
         return None if c is None or c.dead or c.inbound else c.inode
+
+    def remote(self, conn: str) -> str | None:
+        """The far end's ``host:port`` of inbound connection ``conn`` while
+        it is open (None for a dialled one: its name is that address)."""
+        c = self._conns.get(conn)
+        if c is None or not c.inbound:
+            return None
+        return c.remote or None
 
     def connected(self, peer: str) -> bool:
         """Whether our dial to ``peer`` ever connected."""
@@ -739,6 +752,17 @@ class ControlTransport:
         for fd in fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+
+def _far_end(sock: socket.socket, host: str) -> str:
+    """``host:port`` of an accepted socket's far end (``[host]:port`` for
+    IPv6), as a dialled peer is named; ``host`` alone if the connection is
+    already gone."""
+    try:
+        port = sock.getpeername()[1]
+    except (OSError, IndexError):
+        return host
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _resolve(host: str, port: int) -> tuple[str, int]:

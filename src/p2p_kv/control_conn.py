@@ -137,6 +137,9 @@ class Conn:
     fd: int = -1
     #: the far end's address, for the per-address bound (inbound only)
     host: str = ""
+    #: the far end's ``host:port`` (inbound only): what log lines call a
+    #: peer that has not said who it is
+    remote: str = ""
     trusted: bool = False
     #: outbound: resolving its name (no socket yet) or connect() running
     resolving: bool = False

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from p2p_kv.control import ControlTransport, dial_failure
 from p2p_kv.handshake import FrameRefused
 from p2p_kv.manager import LoadManager
+from p2p_kv.metrics import UNKNOWN, session_peer
 from p2p_kv.peer import is_inbound
 from p2p_kv.protocol import Heartbeat, Message, ProtocolError, encode
 from p2p_kv.ratelog import PeerLog
@@ -51,11 +52,28 @@ class Frames:
         self._clock = clock
         self._me_ready = False
 
+    def peer_name(self, conn: str) -> str:
+        """What log lines call the peer on ``conn``: the address its
+        metrics carry in their ``peer`` label, so that an operator can
+        match the two. A dialled peer's is the ``host:port`` dialled (the
+        connection's own name); an inbound peer that proved itself, the
+        address it is dialled at (its engine id's); one that has not, the
+        connection's far end, ``host:port``. A name that is no connection
+        of ours (a client's request naming an address) is itself."""
+        if not is_inbound(conn):
+            return conn
+        session = self.manager.session(conn)
+        if session is not None:
+            label = session_peer(session)
+            if label != UNKNOWN:
+                return label
+        return self.control.remote(conn) or conn
+
     def identity_ready(self) -> bool:
         """Whether our Hello can be made. vLLM seeds its block hashes after
         the tier is built, and the waker starts with the tier: a peer that
-        dialled in meanwhile made the waker's pass raise, and the pass's
-        other frames were lost. Until then frames wait in the sockets."""
+        dials in meanwhile would make the waker's pass raise, losing the
+        pass's other frames. Until then frames wait in the sockets."""
         if self._me_ready:
             return True
         try:
@@ -174,7 +192,10 @@ class Frames:
                 frames.append(frame if session is None else session.seal(msg, frame))
             except ProtocolError as exc:
                 log.error(
-                    "p2p_kv: not sending %s to %s: %s", type(msg).__name__, peer, exc
+                    "p2p_kv: not sending %s to %s: %s",
+                    type(msg).__name__,
+                    self.peer_name(peer),
+                    exc,
                 )
         why = self.control.send(peer, frames)
         if why:

@@ -10,6 +10,11 @@ connection is a new peer): a per-peer budget would bound nothing.
 
 Every event is still counted by the caller's metrics; this only bounds the
 log. Not thread-safe by itself: callers hold the runtime's lock.
+
+A line names the peer as ``names`` says, when its owner sets it: the
+runtime's names a connection by the address its metrics label shows
+(:meth:`p2p_kv.frames.Frames.peer_name`), so a log line and a metric
+about one peer carry the same name.
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ class PeerLog:
         self._clock = clock
         self._log = logger
         self._kinds: dict[str, _Kind] = {}
+        #: what a line calls the peer named ``peer`` (None: that name)
+        self.names: Callable[[str], str] | None = None
         #: lines written and suppressed, over all kinds (tests read them)
         self.written = 0
         self.suppressed = 0
@@ -66,6 +73,8 @@ class PeerLog:
             more = f" ({state.suppressed} more like it since the last line)"
         state.next_at, state.suppressed = now + self.interval_s, 0
         self.written += 1
+        if self.names is not None:
+            peer = self.names(peer)
         # %r, cut: a peer's text may hold newlines (forged log lines).
         self._log.log(level, "p2p_kv: %.200r: " + msg + more, peer, *args)
         return True

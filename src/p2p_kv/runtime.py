@@ -126,6 +126,9 @@ class TierRuntime:
         #: one line per fallback reason per interval (peers and clients
         #: choose how often loads fail; the metrics count every one)
         self._fallback_log = PeerLog(clock=clock)
+        # Both name a peer by its metrics label's address, not our
+        # connection's name (``in:N``).
+        self._peer_log.names = self._fallback_log.names = self.frames.peer_name
         #: Held by whoever is inside the runtime: the engine's thread or the
         #: waker (vLLM 0.33 also calls from its tier-poll thread).
         self.lock = threading.RLock()
@@ -288,7 +291,7 @@ class TierRuntime:
                     "p2p_kv: closing the session with %s: its data plane "
                     "failed (a READ failed with or stranded on its "
                     "endpoint, or its agent's name was taken)",
-                    peer,
+                    self.frames.peer_name(peer),
                 )
         closed: list[str] = []
         # Transfers first: a READ needs nothing from the peer, so it starts
@@ -337,8 +340,10 @@ class TierRuntime:
         frees their slots: after the fence, so nothing lands in them)."""
         self.transfers.fence(closed)
         for peer in closed:
-            self.control.close_conn(peer)
+            # Said while the connection is open: an inbound one's line
+            # names its far end.
             self.frames.log_close(peer)
+            self.control.close_conn(peer)
             self.manager.on_invalidated(peer, now)
 
     def _receive(self, timeout: float) -> bool:
@@ -375,8 +380,8 @@ class TierRuntime:
         Counted once per id, not per call: vLLM's tiering manager keeps one
         state per id and a start overwrites it, so a finished request whose
         end was still held back (its stores pending) never reaches the tier
-        once its id is reused. A count per call stayed one too high for
-        good after each such reuse, and with it the engine never slept."""
+        once its id is reused. A count per call would stay one too high
+        for good after each such reuse, and the engine would never sleep."""
         self._live.add(req_id)
         self._follow_membership()
         replaced = self.manager.on_new_request(req_id, roles, self.clock())
@@ -423,9 +428,9 @@ class TierRuntime:
     def _wake_for_output(self) -> None:
         """A call outside the step's poll queued messages (a Release, an
         Abort, an offer of parked stores): the next pump carries them, and
-        the wake pipe calls it now. An engine that went to sleep after the
-        call held them until the waker's idle bound (87-102 ms for a
-        Release) or its own next step."""
+        the wake pipe calls it now. Without the call, an engine that goes
+        to sleep after it holds them until the waker's idle bound (87-102
+        ms for a Release) or its own next step."""
         if self.manager.has_unsent():
             self.control.wake()
 
@@ -484,7 +489,7 @@ class TierRuntime:
                 continue
             # Our transfers move only on our progress calls, so poll on;
             # but one stuck on a stalled peer runs to its deadline, and
-            # polling it without a pause spun a core that long.
+            # polling it without a pause would spin a core that long.
             if len(self.transfers) != in_flight:
                 polls_unchanged, in_flight = 0, len(self.transfers)
             time.sleep(min(DRAIN_TICK_MAX_S, 50e-6 * 2**polls_unchanged))
