@@ -532,10 +532,10 @@ class NixlDataTransport:
         it lands when a stalled peer resumes).
 
         The caller's thread does not wait for that unless ``wait`` (a
-        fence before the caller reuses the slots at once): a WRITE to a
-        stalled consumer, or an in-place READ from a stalled producer, held
-        the engine's thread for the whole bound (1 s) when a request was
-        aborted. Polling meanwhile keeps checking them, which also gives
+        fence before the caller reuses the slots at once): waiting, a WRITE
+        to a stalled consumer, or an in-place READ from a stalled producer,
+        would hold the engine's thread for the whole bound (1 s) whenever a
+        request is aborted. Polling meanwhile keeps checking them, which also gives
         UCX the progress that lets most of them end.
         """
         with self._lock:

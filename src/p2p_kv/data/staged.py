@@ -156,7 +156,7 @@ class StagingMemory:
         self.block_bytes = block_bytes
         rows = region_bytes // block_bytes
         if cuda_region is None:
-            # A memfd, like the regions: UCX's CMA READ of 32 MiB took
+            # A memfd, like the regions: UCX's CMA READ of 32 MiB takes
             # 12-15 ms into it here, 28-35 ms into numpy's anonymous pages.
             self._buf: Any = shared_region(num_blocks * block_bytes).reshape(
                 num_blocks, block_bytes
@@ -268,9 +268,9 @@ PIECE_BYTES = 4 << 20
 #: of the staging the other peers leave (pieces are this share over
 #: :data:`PIECES_IN_FLIGHT`). A peer that stalls mid-READ, alive and
 #: connected, keeps its READs' staging until it resumes or dies (UCX does
-#: not end them); with no share, one such READ held all of it, and every
-#: other peer's READs waited out their deadlines for as long as the stall
-#: lasted. A share of the whole pool would let two stalled peers take it
+#: not end them); with no share, one such READ could hold all of it, and
+#: every other peer's READs would wait out their deadlines for as long as
+#: the stall lasts. A share of the whole pool would let two stalled peers take it
 #: all; of what is left, k stalled peers leave about 1/2**k of it to the
 #: rest (one block at least each: 32 blocks last 6 stalled peers).
 PEER_STAGING_SHARE = 0.5
@@ -341,9 +341,9 @@ class Staging:
 
     The memory is made at the first READ that needs it: an engine whose
     peers are all copied from on this host never holds it. (Made at start,
-    its 64 MiB coincided with 16 s stalls of an idle `vllm serve` pair in
-    about half of test_serve_metrics' runs: not explained, gone when made
-    lazily.)
+    its 64 MiB coincides with 16 s stalls of an idle `vllm serve` pair in
+    about half of test_serve_metrics' runs, not explained; made lazily, it
+    does not.)
 
     Not thread-safe: the transport's lock covers it. ``fault`` is told of
     a peer whose data plane broke under its session (see the transport's
