@@ -49,6 +49,9 @@ class EngineSpec:
     env: dict[str, str] = field(default_factory=dict)
     #: vLLM's ``prefix_caching_hash_algo`` (None: vLLM's default)
     hash_algo: str | None = None
+    #: the engine's KV block size in tokens (``--block-size``); chunk_tokens
+    #: must be a multiple of it
+    block_size: int = ENGINE_BLOCK
 
 
 def kv_transfer_config(spec: EngineSpec) -> dict[str, Any] | None:
@@ -232,7 +235,7 @@ class _Child:
         kwargs: dict[str, Any] = dict(
             model=self.spec.model,
             kv_cache_memory_bytes=self.spec.kv_cache_bytes,
-            block_size=ENGINE_BLOCK,
+            block_size=self.spec.block_size,
             max_model_len=self.spec.max_model_len,
             max_num_seqs=8,
             seed=0,
