@@ -617,7 +617,7 @@ def test_producer_killed_mid_write(
     [
         ("seed", "hash_seed", "hash seed"),
         ("layout", "layout", "'other'"),
-        ("bbytes", "layout", "131072 bytes"),
+        ("bbytes", "layout_block_bytes", "131072"),
         ("badsecret", "auth", "shared secret"),
         ("nosecret", "auth", "shared secret"),
     ],
