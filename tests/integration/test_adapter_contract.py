@@ -249,6 +249,37 @@ def test_a_port_past_65535_at_a_data_parallel_rank_names_the_rank(
         P2PKVTier(spec, view, port=65534)
 
 
+def test_an_engine_whose_workers_span_nodes_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before vLLM 0.34 nothing refuses an engine spread over two nodes, and
+    its scheduler's region holds only this node's slots: the tier refuses
+    at start, naming the nodes and the fix. An engine of one node, and data
+    parallel across nodes (each replica on one), start as before."""
+    from types import SimpleNamespace
+
+    from vllm.config import ParallelConfig
+
+    from p2p_kv.adapter.tier import P2PKVTier, check_one_node
+    from p2p_kv.config import ConfigError
+
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    parallel = SimpleNamespace(data_parallel_index=0)
+    spec: Any = SimpleNamespace(config=SimpleNamespace(parallel=parallel))
+    view = memoryview(bytearray(4 * 4096)).cast("B", (4, 4096))
+    cache = SimpleNamespace(prefix_caching_hash_algo="sha256")
+    vllm_config = SimpleNamespace(  # found on the call stack, as the engine's
+        parallel_config=ParallelConfig(nnodes=2, tensor_parallel_size=2),
+        cache_config=cache,
+    )
+    with pytest.raises(ConfigError, match=r"span 2 nodes .*vLLM #54415.*one node"):
+        P2PKVTier(spec, view, port=0)
+    del vllm_config
+    check_one_node(SimpleNamespace(parallel_config=ParallelConfig()))
+    across = ParallelConfig(nnodes=2, data_parallel_size=2, data_parallel_size_local=1)
+    check_one_node(SimpleNamespace(parallel_config=across))
+
+
 def test_a_refused_config_is_one_error_line_in_the_engine_log(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -295,7 +295,9 @@ class P2PKVTier(SecondaryTierManager):
                 "latency is no pressure signal"
             )
         super().__init__(offloading_spec, primary_kv_view, tier_type)
+        vllm_config = _vllm_config()
         with _refusal_logged():
+            check_one_node(vllm_config)
             self.cfg = TierConfig.from_dict(config)
             if self.cfg.require_hash_seed:
                 check_hash_seed()
@@ -317,7 +319,7 @@ class P2PKVTier(SecondaryTierManager):
         )
         block_bytes = self.block_size_bytes
         spec = offloading_spec
-        algo = _hash_algo()
+        algo = _hash_algo(vllm_config)
         secret = self.cfg.secret
         try:
             self.runtime = build_runtime(
@@ -597,28 +599,55 @@ class P2PKVTier(SecondaryTierManager):
         return
 
 
-def _hash_algo() -> str:
-    """The engine's ``prefix_caching_hash_algo``, read while the tier is
-    built: from the vLLM config on the constructor's call stack (the
-    scheduler's), else vLLM's current config. Read later, at first contact
-    from inside a step, no config was current and every engine said
-    "sha256", so peers that hash blocks differently were not refused."""
+def _vllm_config() -> Any:
+    """The engine's vLLM config while the tier is built: the one on the
+    constructor's call stack (the scheduler's), else vLLM's current one,
+    else None. Read later, at first contact from inside a step, no config
+    is current (every engine would say "sha256", and peers that hash blocks
+    differently would not be refused)."""
     for local in _callers():
         found = local.get("vllm_config")
         if found is None:
             found = getattr(local.get("self"), "vllm_config", None)
-        algo = getattr(
-            getattr(found, "cache_config", None), "prefix_caching_hash_algo", None
-        )
-        if isinstance(algo, str):
-            return algo
+        if getattr(found, "cache_config", None) is not None:
+            return found
     try:
         from vllm.config import get_current_vllm_config
 
-        return str(get_current_vllm_config().cache_config.prefix_caching_hash_algo)
+        return get_current_vllm_config()
     except Exception:
-        log.warning("p2p_kv: no vLLM config found: assuming hash algorithm sha256")
-        return "sha256"
+        return None
+
+
+def _hash_algo(vllm_config: Any) -> str:
+    """The engine's ``prefix_caching_hash_algo``."""
+    algo = getattr(
+        getattr(vllm_config, "cache_config", None), "prefix_caching_hash_algo", None
+    )
+    if isinstance(algo, str):
+        return algo
+    log.warning("p2p_kv: no vLLM config found: assuming hash algorithm sha256")
+    return "sha256"
+
+
+def check_one_node(vllm_config: Any) -> None:
+    """Refuse an engine whose workers span nodes. The tier serves blocks
+    out of the scheduler's host-memory region, and before vLLM 0.34 that
+    region holds no slots of the workers on other nodes (vLLM #54415): a
+    peer would load bytes no worker wrote. vLLM 0.34 refuses such engines
+    itself, at worker start."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    nodes = getattr(parallel, "nnodes_within_dp", 1)
+    if isinstance(nodes, int) and nodes > 1:
+        raise ConfigError(
+            f"p2p_kv: this engine's workers span {nodes} nodes (nnodes "
+            f"{getattr(parallel, 'nnodes', nodes)}), and the tier would serve blocks of its "
+            "scheduler's host-memory region, which holds only this node's "
+            "workers' slots (vLLM #54415): a peer would load bytes no worker "
+            "wrote. Run each engine within one node (tensor and pipeline "
+            "parallel inside a node; data parallel or more engines across "
+            "nodes)"
+        )
 
 
 def _identity(
