@@ -9,7 +9,7 @@ with a shared secret set:
   without the secret (its Hello is well formed and says it has one, so it
   is answered and the session waits for a proof that never comes), all
   in one poll: exactly what ``TierRuntime`` does on the engine's thread
-  for them (``on_inbound``, ``Session.open``, ``on_message``), then its
+  for them (``on_inbound``, ``session.link.open``, ``on_message``), then its
   pump (``tick``, the ``take_*`` calls, encoding and sealing what goes
   out, ``on_invalidated`` for every session closed, ``end_step``). Past
   ``max_inbound_peers`` (512) connections still handshaking, each new one
@@ -100,7 +100,7 @@ def poll(m: LoadManager, frames: Sequence[tuple[str, bytes]], now: float) -> int
         if session is None or session.closed:
             continue
         try:
-            msg = session.open(frame)
+            msg = session.link.open(frame)
         except ProtocolError as exc:
             m.on_bad_frame(conn, exc.reason)
             continue
@@ -115,7 +115,7 @@ def poll(m: LoadManager, frames: Sequence[tuple[str, bytes]], now: float) -> int
         for msg in msgs:
             frame = encode(msg)
             if session is not None:
-                session.seal(msg, frame)
+                session.link.seal(msg, frame)
     for peer in closed:
         m.on_invalidated(peer, now)
     m.end_step(now)

@@ -178,7 +178,7 @@ class Loads:
             )
             return
         consumer.fetched = True
-        session.send_fetch(
+        session.consumer.send_fetch(
             job_id,
             consumer.source.kv_id,
             consumer.gen,

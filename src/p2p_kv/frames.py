@@ -133,7 +133,7 @@ class Frames:
                 # frames go unread.
                 continue
             try:
-                msg = session.open(inbound.frame)
+                msg = session.link.open(inbound.frame)
             except ProtocolError as exc:
                 m.on_bad_frame(conn, exc.reason)
                 if not session.proven:
@@ -189,7 +189,9 @@ class Frames:
         for msg in msgs:
             try:
                 frame = encode(msg)
-                frames.append(frame if session is None else session.seal(msg, frame))
+                frames.append(
+                    frame if session is None else session.link.seal(msg, frame)
+                )
             except ProtocolError as exc:
                 log.error(
                     "p2p_kv: not sending %s to %s: %s",

@@ -134,7 +134,7 @@ class Effect(Enum):
     #: or was acknowledged): the failure leaves now
     END = "end"
     #: a transfer may still land: the failure leaves once the peer's data
-    #: agent is gone (``Session.confirm_invalidated``)
+    #: agent is gone (``ConsumerSide.confirm_invalidated``)
     FENCE = "fence"
     STOP_READ = "stop_read"  # cancel our READ, and wait for it to end
     AWAIT_ACK = "await_ack"  # the peer is told to stop; wait for its word

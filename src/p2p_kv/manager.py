@@ -214,7 +214,7 @@ class LoadManager:
             self.jobs.request_finished(consumer.gen)
             session = self.peers.sessions.get(consumer.source.peer)
             if session is not None:
-                session.finish_gen(consumer.gen, consumer.source.kv_id, now)
+                session.consumer.finish_gen(consumer.gen, consumer.source.kv_id, now)
                 self._touch(session)
         if req.dest_kv_id is not None:
             self.parked.producer_ended(req.dest_kv_id, now)
@@ -327,7 +327,7 @@ class LoadManager:
         self.requests.pop(req.req_id)
         session = self.peers.sessions.get(member)
         if session is not None:
-            session.finish_gen(consumer.gen, consumer.source.kv_id, now)
+            session.consumer.finish_gen(consumer.gen, consumer.source.kv_id, now)
             self._touch(session)
         assert job is not None
         self._load_found(job_id, job, nxt, keys, slots, now)
@@ -384,7 +384,7 @@ class LoadManager:
             session = self.peers.sessions.get(peer)
             if session is not None and session.has_lookups_to_serve:
                 try:
-                    session.serve_lookups(pinner, now)
+                    session.producer.serve_lookups(pinner, now)
                 finally:
                     # Pins made before anything raised are the engine's
                     # store jobs all the same (PinJob): their results must
@@ -498,7 +498,7 @@ class LoadManager:
     def on_write_done(self, peer: str, write_id: int, ok: bool, now: float) -> None:
         session = self.peers.sessions.get(peer)
         if session is not None:
-            session.on_write_done(write_id, ok, now)
+            session.producer.on_write_done(write_id, ok, now)
             self._touch(session)
 
     def take_events(self) -> list[tuple[str, RuntimeEvent]]:
@@ -535,7 +535,7 @@ class LoadManager:
     def on_read_done(self, peer: str, job_id: int, ok: bool, now: float) -> None:
         session = self.peers.sessions.get(peer)
         if session is not None:
-            session.on_read_done(job_id, ok, now)
+            session.consumer.on_read_done(job_id, ok, now)
             self._touch(session)
 
     def on_invalidated(self, peer: str, now: float) -> None:
@@ -544,7 +544,7 @@ class LoadManager:
         session = self.peers.sessions.get(peer)
         if session is None:
             return
-        session.confirm_invalidated()
+        session.consumer.confirm_invalidated()
         self._touch(session)  # its fenced loads' results
         self.retired_sessions.append(session)  # its last counts, for metrics
         session.leave_engine()
@@ -609,7 +609,7 @@ class LoadManager:
         each ends by a deadline armed now or by a cancel's wait after it
         (an offered READ's hold grows with its bytes: no fixed bound)."""
         held = self.parked.held_until() + self.work.held_until()
-        held += [s.latest_deadline() for s in self.peers.sessions.values()]
+        held += [s.link.latest_deadline() for s in self.peers.sessions.values()]
         latest = max(held, default=-math.inf) + self.timeouts.abort_ack_s + 5.0
         return min(max(now + 30.0, latest), now + MAX_DRAIN_S)
 
@@ -624,7 +624,7 @@ class LoadManager:
         for the engine's poll, transfers and the close for the runtime's."""
         peer, work = session.peer, self.work
         work.dirty.add(peer)
-        for event in session.take_events():
+        for event in session.link.take_events():
             match event:
                 case ProbeAnswered(answer):
                     self._apply_answer(answer)
@@ -703,7 +703,7 @@ class LoadManager:
         pins of unfetched lookups); writes in flight finish normally."""
         self.release_parked(now)
         for session in self.peers.sessions.values():
-            session.release_unwritten()
+            session.producer.release_unwritten()
             self._touch(session)
 
     def close_all(self, reason: str) -> None:

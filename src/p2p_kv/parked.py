@@ -182,7 +182,7 @@ class ParkedRegistry:
             stores: list[ParkedStore] = []
             if any(not s.slots.keys().isdisjoint(keys) for s in entry.stores):
                 stores, entry.stores = entry.stores, []
-            session.attach_parked(serve, stores, complete, now)
+            session.producer.attach_parked(serve, stores, complete, now)
             self._touch(session)
             if serve.state is State.FETCH_WAITING:
                 still_waiting.append((peer, serve))
@@ -208,7 +208,7 @@ class ParkedRegistry:
         for peer, serve in entry.waiting:
             session = self._session_of(peer)
             if session is not None:
-                session.tell_waiting(serve, now)
+                session.producer.tell_waiting(serve, now)
                 self._touch(session)
         if not entry.noted:
             entry.noted = True

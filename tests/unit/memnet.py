@@ -320,7 +320,7 @@ class Net:
         # As the runtime takes it: before its session is ready a peer may
         # send only a greeting (a well-behaved one never sends more, so a
         # refusal here fails the test).
-        msg: Message = decode(frame) if session is None else session.open(frame)
+        msg: Message = decode(frame) if session is None else session.link.open(frame)
         manager.on_message(other[1], msg, self.now)
 
     def complete_writes(self, ok: bool = True) -> None:

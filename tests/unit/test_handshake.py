@@ -80,12 +80,12 @@ class Wire:
             for name, src, dst in (("a", self.a, self.b), ("b", self.b, self.a)):
                 for msg in src.take_outbox(now):
                     moved = True
-                    frame = src.seal(msg, encode(msg))
+                    frame = src.link.seal(msg, encode(msg))
                     self.frames.append(frame)
                     self.sent[name].append(msg)
                     self.wire[name].append(frame)
                     if not dst.closed:
-                        dst.receive(dst.open(frame), now)
+                        dst.receive(dst.link.open(frame), now)
             if not moved:
                 return
 
@@ -496,7 +496,7 @@ def test_request_message_before_handshake_gets_an_error(msg: Message) -> None:
     assert a.counters.protocol_errors == {"before_handshake": 1}
     assert a.state is LinkState.HANDSHAKING
     assert a.sizes() == dict.fromkeys(a.sizes(), 0)
-    assert a.take_events() == []
+    assert a.link.take_events() == []
     # ... and the handshake still completes afterwards.
     b = Session("in:1", ident("b"), 0.0, nonce=b"B" * 16)
     b.receive(decode(encode(hello)), 0.0)
@@ -700,18 +700,18 @@ def test_sessions_seal_every_frame_after_the_handshake() -> None:
     w.pump()
     assert w.a.ready and w.b.ready
     frame = encode(LOOKUP)
-    sealed = w.a.seal(LOOKUP, frame)
+    sealed = w.a.link.seal(LOOKUP, frame)
     assert sealed[0] == SEALED and frame not in sealed
-    assert w.b.open(sealed) == LOOKUP
+    assert w.b.link.open(sealed) == LOOKUP
     with pytest.raises(FrameRefused):
-        w.b.open(sealed)  # again
+        w.b.link.open(sealed)  # again
     with pytest.raises(FrameRefused, match="plain Lookup"):
-        w.b.open(frame)  # plain where a sealed one is due
+        w.b.link.open(frame)  # plain where a sealed one is due
     assert not w.b.link.admits_plain(LOOKUP)
     assert w.b.link.admits_plain(HelloAck(mac=b""))
     hello = w.a.peer_hello
-    assert hello is not None and w.a.seal(hello, b"hello") == b"hello"
-    assert w.a.seal(HelloAck(mac=b""), b"ack") == b"ack"
+    assert hello is not None and w.a.link.seal(hello, b"hello") == b"hello"
+    assert w.a.link.seal(HelloAck(mac=b""), b"ack") == b"ack"
 
 
 @pytest.mark.parametrize("secret", [None, SECRET], ids=["no-secret", "secret"])
@@ -739,7 +739,7 @@ def test_a_region_blob_is_unreadable_on_the_wire_only_with_a_secret(
 def test_without_a_secret_nothing_is_sealed() -> None:
     w = pair(ident("a"), ident("b"))
     w.pump()
-    assert w.a.seal(LOOKUP, encode(LOOKUP)) == encode(LOOKUP)
+    assert w.a.link.seal(LOOKUP, encode(LOOKUP)) == encode(LOOKUP)
     assert w.b.link.admits_plain(LOOKUP)
 
 
@@ -761,11 +761,11 @@ def test_a_relay_of_two_engines_hellos_and_proofs_learns_no_region() -> None:
     for session, name in ((v, b"region-of-v"), (r, b"region-of-r")):
         (region,) = session.take_outbox(0.0)
         assert isinstance(region, Region)
-        frame = session.seal(region, encode(region))
+        frame = session.link.seal(region, encode(region))
         assert frame[0] == SEALED and name not in frame
     assert not r.link.admits_plain(LOOKUP) and not r.link.admits_plain(Heartbeat(seq=1))
     with pytest.raises(FrameRefused, match="plain Heartbeat"):
-        r.open(encode(Heartbeat(seq=1)))
+        r.link.open(encode(Heartbeat(seq=1)))
 
 
 def test_a_goodbye_after_our_proof_checked_is_sealed_and_taken() -> None:
@@ -778,7 +778,7 @@ def test_a_goodbye_after_our_proof_checked_is_sealed_and_taken() -> None:
 
     def deliver(src: Session, dst: Session) -> None:
         for msg in src.take_outbox(0.0):
-            frame, sealed = dst.link.unseal(src.seal(msg, encode(msg)))
+            frame, sealed = dst.link.unseal(src.link.seal(msg, encode(msg)))
             got = decode(frame)
             assert sealed or dst.link.admits_plain(got), got
             dst.receive(got, 0.0)

@@ -155,7 +155,7 @@ def test_fetch_with_out_of_range_slots_is_refused_without_writes() -> None:
         assert (err.req, err.gen) == ("kv1", gen)
         assert done == TransferDone("kv1", gen, 900, False, "slot out of range")
         assert not any(
-            isinstance(e, PostWrite) for e in session(net, "a").take_events()
+            isinstance(e, PostWrite) for e in session(net, "a").link.take_events()
         )
     assert errors(net, "a") == {"slot_out_of_range": 2}
     assert serve_of(net, "kv1") == (gen, State.PINNED)  # that message only

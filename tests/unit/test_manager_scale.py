@@ -45,7 +45,7 @@ def receive(m: LoadManager, conn: str, frame: bytes, now: float) -> None:
     if session is None or session.closed:
         return
     try:
-        msg = session.open(frame)
+        msg = session.link.open(frame)
     except ProtocolError as exc:
         m.on_bad_frame(conn, exc.reason)
         return
@@ -66,7 +66,7 @@ def pump(m: LoadManager, now: float) -> dict[str, list[bytes]]:
         frames = sent.setdefault(peer, [])
         for msg in msgs:
             frame = encode(msg)
-            frames.append(frame if session is None else session.seal(msg, frame))
+            frames.append(frame if session is None else session.link.seal(msg, frame))
     for peer in closed:
         m.on_invalidated(peer, now)
     m.end_step(now)
@@ -192,12 +192,12 @@ class Dialler:
         if only is not None:
             msgs = [next(msg for msg in msgs if isinstance(msg, only))]
         for msg in msgs:
-            receive(self.m, self.conn, self.session.seal(msg, encode(msg)), now)
+            receive(self.m, self.conn, self.session.link.seal(msg, encode(msg)), now)
 
     def hear(self, now: float) -> None:
         frames, self.inbox = self.inbox, []
         for frame in frames:
-            self.session.receive(self.session.open(frame), now)
+            self.session.receive(self.session.link.open(frame), now)
 
 
 class Port:

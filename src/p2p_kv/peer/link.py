@@ -155,6 +155,7 @@ class Link:
         self._events.append(event)
 
     def take_events(self) -> list[SessionEvent]:
+        """Everything that happened since the last call, in order."""
         out, self._events = self._events, []
         return out
 
@@ -381,6 +382,9 @@ class Link:
         )
 
     def latest_deadline(self) -> float:
+        """No earlier than the last deadline armed for any probe, load or
+        serve of this session (a stale timer entry can only make it later):
+        by then, and a cancel's wait, every job here has ended."""
         if self.closed:
             return float("-inf")
         return max(

@@ -30,7 +30,6 @@ from p2p_kv.peer.events import (
     HoldingsHeard,
     PostRead,
     PostWrite,
-    SessionEvent,
     Subscribed,
 )
 from p2p_kv.peer.link import Link, LinkState, Loss
@@ -40,8 +39,6 @@ from p2p_kv.peer.records import (
     KeyCount,
     Limits,
     Load,
-    ParkedStore,
-    Pinner,
     Probe,
     Serve,
     SessionCounters,
@@ -169,12 +166,6 @@ class Session:
         before the session is ready."""
         return self.link.peer_region
 
-    def seal(self, msg: Message, frame: bytes) -> bytes:
-        return self.link.seal(msg, frame)
-
-    def open(self, frame: bytes) -> Message:
-        return self.link.open(frame)
-
     def refuse_frame(self, err: FrameRefused) -> None:
         """A frame failed its seal (forged, replayed, reordered, or plain):
         the session ends, as a failed handshake does."""
@@ -191,10 +182,6 @@ class Session:
             self._lose(Loss("outbox_full", "peer is not draining our messages"))
             return []
         return self.link.take_outbox(now)
-
-    def take_events(self) -> list[SessionEvent]:
-        """Everything that happened since the last call, in order."""
-        return self.link.take_events()
 
     def posting(self, event: PostRead | PostWrite) -> bool:
         """Whether a transfer event is still to be posted, now that the data
@@ -222,7 +209,7 @@ class Session:
 
     def _lose(self, loss: Loss) -> None:
         """Fail everything in flight; loads that may still be written stay
-        fenced until :meth:`confirm_invalidated`."""
+        fenced until :meth:`ConsumerSide.confirm_invalidated`."""
         if self.link.closed:
             return
         self.link.close(loss)
@@ -232,10 +219,6 @@ class Session:
         self.producer.lose(loss.kind)
         self.link.forget()
         self.link.emit(Closed(self.link.close_reason))
-
-    def confirm_invalidated(self) -> None:
-        """The peer's data agent is gone: its writes can no longer land."""
-        self.consumer.confirm_invalidated()
 
     # -- input -----------------------------------------------------------------------
 
@@ -314,54 +297,11 @@ class Session:
         """Ask the peer about ``keys``; the answer comes as ProbeAnswered."""
         self.consumer.lookups.send(req, gen, keys, now)
 
-    def send_fetch(
-        self,
-        job_id: int,
-        req: str,
-        gen: int,
-        keys: list[bytes],
-        slots: list[int],
-        block_bytes: int,
-        now: float,
-        *,
-        parked: bool = True,
-    ) -> None:
-        """Load ``keys`` into our ``slots`` (one load job); see
-        :meth:`ConsumerSide.send_fetch`."""
-        self.consumer.send_fetch(
-            job_id, req, gen, keys, slots, block_bytes, now, parked=parked
-        )
-
-    def on_read_done(self, job_id: int, ok: bool, now: float) -> None:
-        """The data plane ended our READ of job ``job_id`` (exactly once)."""
-        self.consumer.on_read_done(job_id, ok, now)
-
-    def finish_gen(self, gen: int, req: str, now: float) -> None:
-        """vLLM finished the consumer request of ``gen``."""
-        self.consumer.finish_gen(gen, req, now)
-
     # -- the producer's calls ------------------------------------------------------
-
-    def serve_lookups(self, pinner: Pinner, now: float) -> None:
-        """Answer queued lookups against the engine (its serve window)."""
-        self.producer.serve_lookups(pinner, now)
 
     @property
     def has_lookups_to_serve(self) -> bool:
         return self.producer.has_lookups_to_serve
-
-    def attach_parked(
-        self, serve: Serve, stores: list[ParkedStore], complete: bool, now: float
-    ) -> None:
-        """The owner hands over parked stores for a waiting fetch."""
-        self.producer.attach_parked(serve, stores, complete, now)
-
-    def tell_waiting(self, serve: Serve, now: float) -> None:
-        self.producer.tell_waiting(serve, now)
-
-    def on_write_done(self, write_id: int, ok: bool, now: float) -> None:
-        """The data plane finished (or failed) a posted write."""
-        self.producer.on_write_done(write_id, ok, now)
 
     def on_write_unstoppable(
         self, write_id: int, event: Event = Event.WRITES_FAILED
@@ -369,10 +309,6 @@ class Session:
         """A write given up on may still land: the session ends."""
         self.producer.on_write_unstoppable(write_id, event)
         self.close(UNSTOPPABLE_WRITE)
-
-    def release_unwritten(self) -> None:
-        """Cache reset: see :meth:`ProducerSide.release_unwritten`."""
-        self.producer.release_unwritten()
 
     def pending_lookup_keys(self) -> int:
         """Keys of this peer's lookups queued for our engine."""
@@ -400,12 +336,6 @@ class Session:
         if self.link.ready:
             first = min(first, self.consumer.lookups.next_offer_deadline())
         return first
-
-    def latest_deadline(self) -> float:
-        """No earlier than the last deadline armed for any probe, load or
-        serve of this session (a stale timer entry can only make it later):
-        by then, and a cancel's wait, every job here has ended."""
-        return self.link.latest_deadline()
 
     def tick(self, now: float) -> None:
         """Fire every deadline that has passed. Each failure costs one
