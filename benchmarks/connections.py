@@ -95,7 +95,7 @@ def poll(m: LoadManager, frames: Sequence[tuple[str, bytes]], now: float) -> int
     loop over ``frames`` (each a new connection's first), then its pump.
     Returns the sessions retired in it."""
     for conn, frame in frames:
-        m.on_inbound(now, conn)
+        m.peers.on_inbound(now, conn)
         session = m.session(conn)
         if session is None or session.closed:
             continue

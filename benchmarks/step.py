@@ -146,7 +146,7 @@ class Cluster:
     def poll(self, name: str, now: float) -> Output:
         """THE step: exactly what the runtime calls each engine step."""
         m = self.managers[name]
-        m.flush(now)
+        m.loads.flush(now)
         events = m.take_events()
         outgoing = m.take_outgoing(now)
         m.tick(now)
@@ -161,7 +161,7 @@ class Cluster:
         m = self.managers[name]
         for peer, event in out.events:
             if isinstance(event, Dial):
-                inbound = self.managers[peer].on_inbound(self.now)
+                inbound = self.managers[peer].peers.on_inbound(self.now)
                 self.routes[(name, peer)] = (peer, inbound)
                 self.routes[(peer, inbound)] = (name, peer)
         for peer, msgs in out.outgoing:

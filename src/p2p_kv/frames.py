@@ -119,7 +119,7 @@ class Frames:
                 work = True
                 continue
             if inbound.new:
-                m.on_inbound(now, conn)
+                m.peers.on_inbound(now, conn)
                 continue
             session = m.session(conn)
             if session is None:

@@ -225,10 +225,6 @@ class LoadManager:
             return Answer.HIT if self.finder.lookup(req_id, key) else Answer.MISS
         return self.loads.lookup(req_id, key)
 
-    def flush(self, now: float) -> None:
-        """Send the lookups gathered this step, one message per request."""
-        self.loads.flush(now)
-
     def submit_load(
         self,
         job_id: int,
@@ -392,10 +388,6 @@ class LoadManager:
                     self._touch(session)
 
     # -- transport-facing --
-
-    def on_inbound(self, now: float, peer: str | None = None) -> str:
-        """A new peer connected to us (see :meth:`Peers.on_inbound`)."""
-        return self.peers.on_inbound(now, peer)
 
     def on_message(self, peer: str, msg: Message, now: float) -> None:
         session = self.peers.sessions.get(peer)
@@ -711,10 +703,6 @@ class LoadManager:
             session.close(reason)
             self._touch(session)
 
-    def close_session(self, peer: str, reason: str) -> bool:
-        """Drop one peer's session (the peer hears Goodbye); False if none."""
-        return self.peers.close_session(peer, reason)
-
     # -- introspection --
 
     @property
@@ -768,9 +756,6 @@ class LoadManager:
         (vLLM's drain contract: "yielded by a prior call or queued for the
         next one")."""
         return self.jobs.unended()
-
-    def failed_ids(self) -> frozenset[str]:
-        return self.requests.failed_ids()
 
     def parked_store_count(self) -> int:
         return self.parked.store_count()

@@ -436,7 +436,7 @@ class MetricsExporter:
         now: dict[tuple[str, tuple[str, ...]], float] = {
             (LIVE_REQUESTS, ()): live_requests,
             (STAGING_HELD, ()): staging_held,
-            (FAILED_IDS, ()): len(manager.failed_ids()),
+            (FAILED_IDS, ()): len(manager.requests.failed_ids()),
             (PARKED_STORES, ()): manager.parked_store_count(),
             (REQUEST_STATE, ()): sum(manager.state_report().values()),
         }

@@ -303,8 +303,10 @@ class Peers:
 
     # -- inbound ------------------------------------------------------------
 
-    def on_inbound(self, now: float, peer: str | None) -> str:
-        """See :meth:`p2p_kv.manager.LoadManager.on_inbound`."""
+    def on_inbound(self, now: float, peer: str | None = None) -> str:
+        """A new peer connected to us: its session's key (``peer``, or a
+        fresh ``in:#N`` when none is given or that key is taken). A
+        connection refused earlier gets its own key back, and no session."""
         if peer is not None and peer in self.refused_inbound:
             return peer
         if peer is None or peer in self.sessions:

@@ -286,7 +286,7 @@ class TierRuntime:
         for peer in self.transfers.faulted_peers():
             session = m.session(peer)
             if session is not None and not session.closed:
-                m.close_session(peer, "its data plane failed")
+                m.peers.close_session(peer, "its data plane failed")
                 log.warning(
                     "p2p_kv: closing the session with %s: its data plane "
                     "failed (a READ failed with or stranded on its "
@@ -365,7 +365,7 @@ class TierRuntime:
 
     def flush(self) -> None:
         """End of an engine step: send the lookups gathered during it."""
-        self.manager.flush(self.clock())
+        self.manager.loads.flush(self.clock())
         self.pump()
 
     @property

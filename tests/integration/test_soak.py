@@ -362,7 +362,7 @@ def test_soak(peers: tuple[StandalonePeer, list[PeerProc]]) -> None:
     assert not s.pending, f"jobs without a result: {sorted(s.pending)[:10]}"
     assert s.results == s.jobs
     assert consumer.manager.double_results == 0
-    assert consumer.manager.failed_ids() == frozenset()
+    assert consumer.manager.requests.failed_ids() == frozenset()
     assert s.tally["ok"] > 0.5 * s.jobs
     assert injected["dropped"] and injected["failed_posts"] + injected["stalled_posts"]
     assert fc.counts.cuts >= 3

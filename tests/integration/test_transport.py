@@ -556,7 +556,7 @@ def test_abort_mid_write_fences_until_confirmed(
         assert t_result - t_finish >= 0.2  # it waited for the producer's ack
         assert m.double_results == 0
         assert m.fallbacks.get("abort", 0) >= 1
-        assert req not in m.failed_ids()  # a finished request never enters it
+        assert req not in m.requests.failed_ids()  # a finished request never enters it
         print(f"\nabort: job result {1e3 * (t_result - t_finish):.0f} ms after finish")
         settle(c, prod, "slow")
 

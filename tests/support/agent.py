@@ -181,7 +181,7 @@ class Agent:
 
     def close_session(self, peer: str) -> dict[str, Any]:
         """Drop our session keyed ``peer`` (an outbound one: the address)."""
-        closed = self.peer.manager.close_session(peer, "closed by test")
+        closed = self.peer.manager.peers.close_session(peer, "closed by test")
         self.peer.runtime.pump()
         return {"closed": closed}
 

@@ -227,7 +227,7 @@ class Net:
         ``deliver``) everything queued is delivered in order."""
         for name, eng in self.engines.items():
             m = eng.manager
-            m.flush(self.now)
+            m.loads.flush(self.now)
             closed: list[str] = []
             while events := m.take_events():
                 for peer, event in events:
@@ -280,7 +280,7 @@ class Net:
             case Dial():
                 target = peer.split(":")[0]
                 if target in self.engines:
-                    inbound = self.engines[target].manager.on_inbound(self.now)
+                    inbound = self.engines[target].manager.peers.on_inbound(self.now)
                     self.links.append(Link((name, peer), (target, inbound)))
                 else:
                     m.on_disconnected(peer, "unreachable", self.now)

@@ -271,7 +271,7 @@ def drain(net: Net, hostile: bool) -> None:
         assert not residue, f"{name}: {residue}"
         assert not eng.pin_count, f"{name} still pins {eng.pin_count}"
         assert eng.submitted == set(eng.results), f"{name}: a job has no result"
-        assert eng.manager.failed_ids() == frozenset()
+        assert eng.manager.requests.failed_ids() == frozenset()
     (job,) = b.submitted
     # A hostile peer may legitimately spoil our load (it impersonates the
     # consumer to the producer); frames that must change nothing may not.

@@ -256,7 +256,7 @@ def test_the_manager_takes_each_session_nonce_from_its_caller() -> None:
     # nonce the caller's source gives, so a run can be replayed exactly.
     nonces = iter([b"N1" * 8, b"N2" * 8])
     m = LoadManager(ident("a"), nonces=lambda: next(nonces))
-    first, second = m.on_inbound(0.0), m.on_inbound(0.0)
+    first, second = m.peers.on_inbound(0.0), m.peers.on_inbound(0.0)
     hellos = dict(m.take_outgoing(0.0))
     assert [h.nonce for (h,) in (hellos[first], hellos[second])] == [
         b"N1" * 8,

@@ -365,7 +365,7 @@ def test_abort_ack_for_another_gen_does_not_release_an_aborting_load() -> None:
     b.collect(net.now)
     assert [r.job_id for r in b.results[job]] == [job]
     assert b.manager.state_report()["fenced_slots"] == 0
-    assert b.manager.failed_ids() == frozenset()
+    assert b.manager.requests.failed_ids() == frozenset()
     for eng in net.engines.values():
         eng.collect(net.now)
     healthy_request(net, "r2", "kv2", [30, 31, 32, 33])
@@ -467,7 +467,7 @@ def test_a_second_hello_from_a_dialler_leaves_its_connection_done_with() -> None
     assert (
         sa.close_reason == "peer_down: the peer began a new session on our connection"
     )
-    assert m.on_inbound(net.now, conn) == conn  # refused: no new session
+    assert m.peers.on_inbound(net.now, conn) == conn  # refused: no new session
     assert m.session(conn) is sa
     finish(net, "r1")
     net.run()

@@ -132,7 +132,7 @@ def test_a_request_waits_on_us_from_its_first_lookup_to_its_answer() -> None:
     assert b.waiting_requests() == 0
     assert b.lookup("r1", KEYS[0]) is Answer.RETRY
     assert b.waiting_requests() == 1  # unsent
-    b.flush(net.now)
+    b.loads.flush(net.now)
     assert b.waiting_requests() == 1  # sent, unanswered
     assert b.lookup("r1", KEYS[0]) is Answer.RETRY  # asked once only
     net.run()
@@ -158,7 +158,7 @@ def test_finish_while_load_in_flight_keeps_id_out_of_failed_set() -> None:
     net.run()
     results = b.collect(net.now)
     assert [r.job_id for r in results] == [job]
-    assert b.manager.failed_ids() == frozenset()
+    assert b.manager.requests.failed_ids() == frozenset()
     collect_all(net)
     assert_drained(net)
 
@@ -173,7 +173,7 @@ def test_failure_buffered_before_finish_is_not_recorded_after_finish() -> None:
     b.manager.on_request_finished("r1", net.now)  # before the engine drains
     results = b.collect(net.now)
     assert [(r.job_id, r.success) for r in results] == [(job, False)]
-    assert b.manager.failed_ids() == frozenset()
+    assert b.manager.requests.failed_ids() == frozenset()
 
 
 def test_a_finished_requests_settling_load_keeps_nobody_waiting() -> None:
@@ -212,7 +212,7 @@ def test_a_live_id_started_again_ends_the_old_request_first() -> None:
     assert b.lookup("r1", KEYS[0]) is Answer.HIT
     collect_all(net)
     assert len(net.engines["b"].results[job]) == 1
-    assert b.failed_ids() == frozenset()
+    assert b.requests.failed_ids() == frozenset()
     b.on_request_finished("r1", net.now)
     net.run()
     collect_all(net)
@@ -233,7 +233,7 @@ def test_late_failure_after_finish_timeout_path() -> None:
     net.run()
     collect_all(net)
     assert [r.success for r in b.results[job]] == [False]
-    assert b.manager.failed_ids() == frozenset()
+    assert b.manager.requests.failed_ids() == frozenset()
 
 
 @pytest.mark.parametrize("reads", [True, False], ids=["read", "write"])
@@ -278,7 +278,7 @@ def test_aborting_one_request_waits_out_its_write_and_spares_the_others() -> Non
     assert [r.success for r in b.results[j2]] == [True]
     assert len(b.results[j1]) == 1
     assert not any(s.close_reason for s in b.manager.sessions())
-    assert b.manager.failed_ids() == frozenset()
+    assert b.manager.requests.failed_ids() == frozenset()
     b.manager.on_request_finished("r2", net.now)
     net.run()
     assert_drained(net)
@@ -320,10 +320,10 @@ def test_session_close_fails_loads_but_not_finished_ids() -> None:
     collect_all(net)
     assert not b.results[j1][0].success and not b.results[j2][0].success
     # r2 is live and failed: it must recompute. r1 finished: never recorded.
-    assert b.manager.failed_ids() == frozenset({"r2"})
+    assert b.manager.requests.failed_ids() == frozenset({"r2"})
     assert b.manager.lookup("r2", KEYS[0]) is Answer.MISS
     b.manager.on_request_finished("r2", net.now)
-    assert b.manager.failed_ids() == frozenset()
+    assert b.manager.requests.failed_ids() == frozenset()
 
 
 @pytest.mark.parametrize("answered", [False, True], ids=["unasked", "answered"])
@@ -421,10 +421,10 @@ def test_unfinished_failure_makes_lookup_miss() -> None:
     b = net.engines["b"]
     results = b.collect(net.now)
     assert [(r.job_id, r.success) for r in results] == [(job, False)]
-    assert b.manager.failed_ids() == frozenset({"r1"})
+    assert b.manager.requests.failed_ids() == frozenset({"r1"})
     assert b.manager.lookup("r1", KEYS[0]) is Answer.MISS
     b.manager.on_request_finished("r1", net.now)
-    assert b.manager.failed_ids() == frozenset()
+    assert b.manager.requests.failed_ids() == frozenset()
 
 
 def test_fenced_slots_wait_for_abort_ack() -> None:
@@ -832,7 +832,7 @@ def test_a_refused_peer_is_counted_once_however_much_it_says() -> None:
     from .memnet import identity
 
     a = Net().engines["a"].manager
-    peer = a.on_inbound(0.0, "in:stranger")
+    peer = a.peers.on_inbound(0.0, "in:stranger")
     a.on_message(peer, make_hello(identity("x", hash_seed="other"), fresh_nonce()), 0.0)
     for msg in (Heartbeat(seq=1), Lookup("r", 1, 1, [key(1)]), Heartbeat(seq=2)):
         a.on_message(peer, msg, 0.0)
@@ -857,7 +857,7 @@ def test_a_lookup_to_a_peer_that_never_answers_the_handshake_ends_at_its_deadlin
     m.on_new_request("r1", Roles(Source("kv1", "10.0.0.9:5800", True)), 0.0)
     k = key(1)
     assert m.lookup("r1", k) is Answer.RETRY
-    m.flush(0.0)
+    m.loads.flush(0.0)
     m.end_step(0.0)
     assert m.next_deadline() == m.timeouts.lookup_s
     m.tick(m.timeouts.lookup_s)
@@ -1278,7 +1278,7 @@ def test_a_bad_fetch_offer_fails_its_load_as_such_not_as_an_abort() -> None:
     (session,) = b.manager.sessions()
     assert session.counters.failures == {"bad_fetch_offer": 1}
     assert session.counters.protocol_errors == {"bad_fetch_offer": 1}
-    assert not net.reads and b.manager.failed_ids() == {"d1"}  # recomputes
+    assert not net.reads and b.manager.requests.failed_ids() == {"d1"}  # recomputes
     b.manager.on_request_finished("d1", net.now)
     net.run()
     assert_drained(net)

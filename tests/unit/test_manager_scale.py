@@ -125,7 +125,7 @@ def flood(n: int, budget: float = float("inf")) -> int:
     m, frames = manager(), hellos(n)
     with counting_calls(budget) as calls:
         for conn, frame in frames:
-            m.on_inbound(1.0, conn)
+            m.peers.on_inbound(1.0, conn)
             receive(m, conn, frame, 1.0)
         out = pump(m, 1.0)
         left = [s.peer for s in m.sessions()]
@@ -184,7 +184,7 @@ class Dialler:
             "v:1", identity(f"peer-{conn}"), now, nonce=conn.encode().ljust(16, b".")
         )
         self.inbox: list[bytes] = []
-        assert m.on_inbound(now, conn) == conn
+        assert m.peers.on_inbound(now, conn) == conn
 
     def say(self, now: float, only: type[Message] | None = None) -> None:
         """Send what our session has queued (or only its first ``only``)."""
@@ -298,7 +298,7 @@ def test_a_refused_connection_leaves_nothing_to_the_cyclic_collector() -> None:
     try:
         for i in range(50):
             conn = f"in:{i}"
-            m.on_inbound(0.0, conn)
+            m.peers.on_inbound(0.0, conn)
             receive(m, conn, encode(make_hello(other, i.to_bytes(16, "big"))), 0.0)
             pump(m, 0.0)
         assert (

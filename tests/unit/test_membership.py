@@ -75,7 +75,7 @@ def test_a_source_outside_the_membership_dials_nothing_and_misses() -> None:
     for leg in ("remote_kv_source", "remote_prefiller"):
         m.on_new_request(leg, _roles("10.6.6.6", 5800, leg), 0.0)
         assert m.lookup(leg, b"k" * 16) is Answer.MISS
-        m.flush(0.0)
+        m.loads.flush(0.0)
     assert m.take_events() == []  # no Dial
     assert list(m.sessions()) == []
     assert m.membership.refused == {NOT_A_MEMBER: 2}
@@ -161,12 +161,12 @@ def test_a_source_that_left_the_fleet_is_not_dialled_again() -> None:
     assert m.session("10.0.0.7:5800") is None
     members.update(name, [])  # the pod is gone from the Service
     assert m.lookup("r", b"b" * 16) is Answer.RETRY  # asked at the flush
-    m.flush(5.0)  # past the reconnect backoff: it would be dialled
+    m.loads.flush(5.0)  # past the reconnect backoff: it would be dialled
     assert [e for e in m.take_events() if type(e[1]).__name__ == "Dial"] == []
     assert members.refused == {NOT_A_MEMBER: 1}
     assert m.lookup("r", b"b" * 16) is Answer.MISS
     assert m.lookup("r", b"c" * 16) is Answer.MISS
-    m.flush(6.0)
+    m.loads.flush(6.0)
     assert members.refused == {NOT_A_MEMBER: 1}  # once per request
     m.on_request_finished("r", 7.0)
     m.tick(7.0)

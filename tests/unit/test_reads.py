@@ -241,7 +241,7 @@ def test_a_read_that_ends_after_its_window_fails_even_with_whole_bytes() -> None
     (result,) = b.collect(net.now)
     assert result.job_id == job and not result.success
     assert session(net, "b").counters.failures == {"read_late": 1}
-    assert b.manager.failed_ids() == {"r1"}  # still live: recompute it
+    assert b.manager.requests.failed_ids() == {"r1"}  # still live: recompute it
 
 
 def test_abort_mid_read_keeps_slots_fenced_until_the_read_ends() -> None:
@@ -260,7 +260,7 @@ def test_abort_mid_read_keeps_slots_fenced_until_the_read_ends() -> None:
     net.hold_writes = False
     net.run()
     assert [(r.job_id, r.success) for r in b.collect(net.now)] == [(job, False)]
-    assert b.manager.failed_ids() == frozenset()
+    assert b.manager.requests.failed_ids() == frozenset()
     collect_all(net)
     assert_drained(net)
     assert not net.violations
@@ -479,9 +479,9 @@ def test_a_read_given_up_before_it_was_posted_fails_at_once(how: str) -> None:
     assert sent(net, "b") == ["Release"]
     net.run()
     if how == "timeout":  # still live: recomputed, then finished
-        assert b.manager.failed_ids() == {"r1"}
+        assert b.manager.requests.failed_ids() == {"r1"}
         b.manager.on_request_finished("r1", net.now)
-    assert b.manager.failed_ids() == frozenset()
+    assert b.manager.requests.failed_ids() == frozenset()
     collect_all(net)
     assert_drained(net)
 

@@ -288,7 +288,7 @@ class Fleet(RuleBasedStateMachine):
     @invariant()
     def failed_ids_are_live_unfinished_requests(self) -> None:
         for name, eng in self.net.engines.items():
-            assert eng.manager.failed_ids() <= set(self.live[name]), name
+            assert eng.manager.requests.failed_ids() <= set(self.live[name]), name
 
     @invariant()
     def no_write_lands_in_a_released_slot(self) -> None:
@@ -342,7 +342,7 @@ class Fleet(RuleBasedStateMachine):
             assert not eng.pin_count, f"{name}: pinned {eng.pin_count}"
             missing = eng.submitted - set(eng.results)
             assert not missing, f"{name}: jobs without a result {missing}"
-            assert eng.manager.failed_ids() == frozenset()
+            assert eng.manager.requests.failed_ids() == frozenset()
 
 
 Fleet.TestCase.settings = SETTINGS

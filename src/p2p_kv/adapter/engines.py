@@ -468,7 +468,7 @@ class _Child:
                 break
         return {
             "seen_load": seen_load,
-            "failed_ids": sorted(manager.failed_ids()),
+            "failed_ids": sorted(manager.requests.failed_ids()),
             "fallbacks": dict(manager.fallbacks),
             "report": manager.state_report(),
         }
