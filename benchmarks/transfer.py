@@ -267,7 +267,7 @@ class P2PPair(FetchPair):
         post to its completion: no lookup, no manager, no step. What the
         load costs beyond this is bookkeeping and the engine's step."""
         rt = consumer.runtime
-        agent = rt.agent_of(self.peer)
+        agent = rt.transfers.agent_of(self.peer)
         if agent is None:
             raise RuntimeError("p2p_kv: no data-plane agent for the producer")
         seconds = []

@@ -81,7 +81,7 @@ class Producer:
             if self._called.wait(0.05):
                 self._called.clear()
                 with rt.lock:
-                    rt.engine_stepped()
+                    rt.waker.engine_stepped()
                     self.peer.step(wait=False)
 
     def close(self) -> None:

@@ -77,9 +77,6 @@ class Resolver:
             target=self._run, name="p2p_kv-peers", daemon=True
         )
 
-    def start(self) -> None:
-        self.thread.start()
-
     def _run(self) -> None:
         while not self._stop.is_set():
             self.resolve_all()

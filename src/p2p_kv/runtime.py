@@ -133,7 +133,8 @@ class TierRuntime:
         #: waker (vLLM 0.33 also calls from its tier-poll thread).
         self.lock = threading.RLock()
         self.waker = Waker(self)
-        data.set_wake(self.wake)
+        #: a staged READ's copy that ends on another thread cuts our wait
+        data.set_wake(control.wake)
         #: set by the first close(): a second returns at once
         self._stop = threading.Event()
         self._closing = threading.Lock()
@@ -141,7 +142,7 @@ class TierRuntime:
         #: when ``peers`` lists no name)
         self.resolver = resolver
         if resolver is not None:
-            resolver.start()
+            resolver.thread.start()
 
     # ------------------------------------------------------------------
 
@@ -155,6 +156,7 @@ class TierRuntime:
     @control.setter
     def control(self, control: ControlTransport) -> None:
         self._control = self.transfers.control = self.frames.control = control
+        self._data.set_wake(control.wake)
 
     @property
     def data(self) -> NixlDataTransport:
@@ -164,18 +166,13 @@ class TierRuntime:
     @data.setter
     def data(self, data: NixlDataTransport) -> None:
         self._data = self.transfers.data = data
-        data.set_wake(self.wake)
+        data.set_wake(self._control.wake)
 
     @property
     def transfers_in_flight(self) -> int:
         """Posted reads and writes whose completion we have not handled yet
         (zero once work drains: a leak check for tests and operators)."""
         return len(self.transfers)
-
-    def agent_of(self, peer: str) -> str | None:
-        """The NIXL agent name of a session's peer, once its region is
-        known (benchmarks drive the data plane with it directly)."""
-        return self.transfers.agent_of(peer)
 
     @property
     def has_waker(self) -> bool:
@@ -357,9 +354,6 @@ class TierRuntime:
 
     # ------------------------------------------------------------------
 
-    def wake(self) -> None:
-        self.control.wake()
-
     def serve(self, pinner: Pinner) -> None:
         self.manager.serve(pinner, self.clock())
 
@@ -536,10 +530,6 @@ class TierRuntime:
         False: such an engine still steps to serve lookups and take results.
         """
         self.waker.start(wake_engine, interval_s, idle_s)
-
-    def engine_stepped(self) -> None:
-        """The engine called in: a wake-up has been taken."""
-        self.waker.engine_stepped()
 
     def close(self) -> None:
         """End every session (peers hear a Goodbye), stop the waker, close

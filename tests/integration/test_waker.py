@@ -67,7 +67,7 @@ class SleepingEngine:
             if self._called.wait(0.05):
                 self._called.clear()
                 with rt.lock:
-                    rt.engine_stepped()
+                    rt.waker.engine_stepped()
                     self.peer.step(wait=False)
 
     def close(self) -> None:
@@ -484,7 +484,7 @@ class EngineCoreLoop:
                 self.queue.get_nowait()
             rt.park_engine(self.queue)  # the tier's get_finished_jobs does this
             with rt.lock:
-                rt.engine_stepped()
+                rt.waker.engine_stepped()
                 self.peer.step(wait=False)
             self.steps += 1
             time.sleep(0.001)

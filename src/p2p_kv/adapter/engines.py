@@ -529,7 +529,7 @@ def serve() -> int:
             tier = child.tier() if child is not None else None
             runtime = getattr(tier, "runtime", None)
             if runtime is not None:
-                runtime.wake()
+                runtime.control.wake()
         inbox.put("")
 
     threading.Thread(target=reader, daemon=True).start()

@@ -498,7 +498,7 @@ class P2PKVTier(SecondaryTierManager):
         # Called under the manager's lock while a tier-poll thread runs
         # (every millisecond from it, if it polls us): never wait there.
         wait = False if self._locked_out else None
-        self.runtime.engine_stepped()
+        self.runtime.waker.engine_stepped()
         return [
             JobResult(
                 job_id=r.job_id,
