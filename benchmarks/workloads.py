@@ -6,8 +6,9 @@ run can be repeated and every arm of a run gets the same requests.
   each request one prefix, drawn with Zipf popularity, plus a short
   suffix of its own; Poisson arrivals.
 * **multiturn**: chat sessions, each turn's prompt the previous turn's
-  prompt and answer plus a new user message; sessions start as a Poisson
-  process and each waits a think time after an answer.
+  prompt and answer plus a new user message; sessions start at random in
+  the window's first half and each waits an exponential think time after
+  an answer.
 * **uniform**: every prompt its own, nothing shared: the control, where
   p2p_kv can only cost.
 
@@ -124,11 +125,12 @@ def multiturn(
     turns: int,
     think_s: float = 2.0,
 ) -> Workload:
-    """Sessions start at ``rate / turns`` a second, so that about ``rate``
-    requests a second arrive once sessions overlap (at least one session,
-    at 0 s, when a short run would draw none)."""
+    """``rate * seconds / turns`` sessions (at least one), so that about
+    ``rate`` requests a second arrive; each starts at a uniformly drawn
+    time in the window's first half, leaving it time for its turns."""
     rng = random.Random(f"multiturn-{seed}")
     text = Texts(model, rng)
+    n = max(1, round(rate * seconds / turns))
     streams = [
         Stream(
             t,
@@ -136,7 +138,7 @@ def multiturn(
             [rng.expovariate(1.0 / think_s) for _ in range(turns - 1)],
             carry=True,
         )
-        for t in _arrivals(rng, rate / turns, seconds) or [0.0]
+        for t in sorted(rng.uniform(0, seconds / 2) for _ in range(n))
     ]
     params = {
         "seed": seed,

@@ -21,7 +21,6 @@ import pytest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1500)]
 
-REPO = Path(__file__).resolve().parents[2]
 ARMS = (
     "round robin, off",
     "cache-aware, off",
@@ -33,11 +32,12 @@ ARMS = (
 @pytest.fixture(scope="module")
 def result(tmp_path_factory: pytest.TempPathFactory) -> dict:  # type: ignore[type-arg]
     png = tmp_path_factory.mktemp("fleet") / "ttft.png"
-    cmd = [sys.executable, "-m", "p2p_kv.cli", "bench", "fleet", "--engines", "3"]
+    exe = Path(sys.executable).with_name("p2p-kv")
+    cmd = [str(exe), "bench", "fleet", "--engines", "3"]
     cmd += ["--workloads", "hot", "--seconds", "30", "--rate", "0.5"]
     cmd += ["--prefixes", "6", "--prefix-tokens", "1024", "--json", "--plot", str(png)]
     done = subprocess.run(
-        cmd, cwd=REPO, capture_output=True, text=True, timeout=1400, check=False
+        cmd, cwd=png.parent, capture_output=True, text=True, timeout=1400, check=False
     )
     assert done.returncode == 0, done.stderr[-4000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])

@@ -192,7 +192,9 @@ def test_pins_are_held_at_least_as_long_as_the_offer_announces() -> None:
     under 1 ms was announced as 1 ms, and the pins released before it."""
     net = make_net(timeouts=Timeouts(pin_ttl_s=0.0004))
     probe(net, "r1", "kv1")
-    (offer,) = [g.offer for g in session(net, "b").consumer.lookups.values() if g.offer]
+    (offer,) = [
+        g.offer for g in session(net, "b").consumer.lookups.gens.values() if g.offer
+    ]
     (serve,) = session(net, "a").serves()
     assert offer.valid_until > net.now  # an offer was made and trusted
     assert serve.deadline >= net.now + 0.001

@@ -352,7 +352,7 @@ class ConsumerSide:
             Effect.SUCCEED
         )
         del self._loads[job_id]
-        record = self.lookups.get(load.gen)
+        record = self.lookups.gens.get(load.gen)
         if record is not None:
             record.offer = None
         if record is not None and record.contacted:
@@ -377,7 +377,7 @@ class ConsumerSide:
         never sent, its READ never posted, so nothing can land and it ends
         now. A READ's order is forgotten and the peer may drop the pins."""
         # A READ's PostRead, if not taken yet, goes stale (see posting).
-        record = self.lookups.get(load.gen)
+        record = self.lookups.gens.get(load.gen)
         if load.is_read and record is not None and record.contacted:
             record.contacted = False
             self.link.send(Release(load.req, load.gen, 0))
@@ -387,7 +387,7 @@ class ConsumerSide:
         self._done(load.result(False, reason, now))
 
     def on_revoke(self, msg: Revoke) -> None:
-        record = self.lookups.get(msg.gen)
+        record = self.lookups.gens.get(msg.gen)
         if record is not None:
             if record.offer is not None and record.offer.req == msg.req:
                 record.offer = None
@@ -439,7 +439,7 @@ class ConsumerSide:
             record.contacted = False
             if self.link.ready:
                 self.link.send(Abort(req=req, gen=gen))
-        self.lookups.pop(gen)
+        self.lookups.gens.pop(gen, None)
 
     def on_transfer_done(self, msg: TransferDone, now: float) -> None:
         load = self._loads.get(msg.job)
@@ -457,7 +457,7 @@ class ConsumerSide:
             # A producer releases everything for (req, gen) once its writes
             # are done, so finishing the request needs no Abort round trip.
             # (A refusal may leave pins behind: the Abort still goes.)
-            record = self.lookups.get(msg.gen)
+            record = self.lookups.gens.get(msg.gen)
             if record is not None:
                 record.contacted = False
                 self.lookups.tidy(record)

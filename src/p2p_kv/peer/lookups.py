@@ -30,38 +30,31 @@ class Lookups:
         self.link = link
         #: take the peer's READ offers (else every load is a Fetch)
         self.reads = reads
-        self._gens: dict[int, Gen] = {}
+        #: the records by generation (callers read and drop them here;
+        #: :meth:`open` and :meth:`tidy` make and forget them)
+        self.gens: dict[int, Gen] = {}
         self._offer_heap: list[tuple[float, int]] = []
         self._seq = 0
 
     # -- the records -------------------------------------------------------------
 
-    def get(self, gen: int) -> Gen | None:
-        return self._gens.get(gen)
-
     def open(self, gen: int, req: str) -> Gen:
-        record = self._gens.get(gen)
+        record = self.gens.get(gen)
         if record is None:
-            record = self._gens[gen] = Gen(req, gen)
+            record = self.gens[gen] = Gen(req, gen)
         return record
 
     def tidy(self, record: Gen | None) -> None:
         """Forget a generation's record once it holds nothing."""
         if record is not None and record.empty:
-            self._gens.pop(record.gen, None)
-
-    def pop(self, gen: int) -> None:
-        self._gens.pop(gen, None)
-
-    def values(self) -> Iterable[Gen]:
-        return self._gens.values()
+            self.gens.pop(record.gen, None)
 
     def clear(self) -> None:
-        self._gens.clear()
+        self.gens.clear()
         self._offer_heap.clear()
 
     def __len__(self) -> int:
-        return len(self._gens)
+        return len(self.gens)
 
     def offer(
         self,
@@ -89,13 +82,13 @@ class Lookups:
         heap = self._offer_heap
         while heap and heap[0][0] <= now:
             until, gen = heapq.heappop(heap)
-            record = self._gens.get(gen)
+            record = self.gens.get(gen)
             if record is not None and record.offer_until == until:
                 record.offer = None
                 self.tidy(record)
 
     def next_offer_deadline(self) -> float:
-        heap, gens = self._offer_heap, self._gens
+        heap, gens = self._offer_heap, self.gens
         while heap and (
             (record := gens.get(heap[0][1])) is None or record.offer_until != heap[0][0]
         ):
@@ -130,13 +123,13 @@ class Lookups:
 
     def flush(self) -> None:
         """The link became ready: probes that waited for it leave now."""
-        for record in self._gens.values():
+        for record in self.gens.values():
             for probe in record.probes.values():
                 if not probe.sent:
                     self._send(record, probe)
 
     def on_lookup_resp(self, msg: LookupResp, now: float) -> None:
-        record = self._gens.get(msg.gen)
+        record = self.gens.get(msg.gen)
         probe = record.probes.get(msg.seq) if record is not None else None
         if record is None or probe is None or probe.req != msg.req:
             # A reply to a probe we gave up on, or to an earlier use of the
@@ -195,7 +188,7 @@ class Lookups:
     def finish(self, gen: int) -> Gen | None:
         """The request of ``gen`` finished: its probes stop, its offer and
         revocation go; the record is returned for its loads' last word."""
-        record = self._gens.get(gen)
+        record = self.gens.get(gen)
         if record is not None:
             for probe in record.probes.values():
                 probe.fire(Event.FINISH)
@@ -205,16 +198,16 @@ class Lookups:
 
     def lose(self) -> None:
         """The link ended: every probe is unanswered, every record goes."""
-        for record in self._gens.values():
+        for record in self.gens.values():
             for probe in record.probes.values():
                 probe.fire(Event.PEER_LOST)
                 self._answered(ProbeAnswer(probe.gen, probe.keys, None))
         self.clear()
 
     def sizes(self) -> dict[str, int]:
-        gens = self._gens.values()
+        gens = self.gens.values()
         return {
-            "generations": len(self._gens),
+            "generations": len(self.gens),
             "probes": sum(len(g.probes) for g in gens),
             "offers": sum(g.offer is not None for g in gens),
             "revoked": sum(g.revoked for g in gens),
@@ -222,4 +215,4 @@ class Lookups:
 
     @property
     def active(self) -> bool:
-        return any(g.probes or g.offer for g in self._gens.values())
+        return any(g.probes or g.offer for g in self.gens.values())
