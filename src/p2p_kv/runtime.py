@@ -36,7 +36,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from queue import Queue
 from typing import Any
 
@@ -44,6 +44,7 @@ from p2p_kv.control import ControlTransport
 from p2p_kv.data import NixlDataTransport
 from p2p_kv.frames import Frames
 from p2p_kv.manager import JobResult, LoadManager
+from p2p_kv.metrics import MetricsExporter, StatsSink
 from p2p_kv.peer import Pinner
 from p2p_kv.peer.events import (
     Cancel,
@@ -179,6 +180,41 @@ class TierRuntime:
         """Whether a waker thread runs that calls the engine in: then an
         engine without live requests may stop stepping."""
         return self.waker.calls_engine
+
+    def needs_steps(self, answered_between_steps: bool) -> bool:
+        """Whether the engine must keep stepping for the tier. Where
+        something answers peers between its steps (vLLM's tier-poll thread,
+        ``answered_between_steps``, or our waker) only our own work in
+        flight needs steps (:meth:`LoadManager.has_pending_work`). Else
+        peers are answered only while the engine steps, so it always
+        needs to: the cost is bounded by :meth:`poll`'s idle wait."""
+        if answered_between_steps or self.has_waker:
+            return self.manager.has_pending_work()
+        return True
+
+    def collect_metrics(self, exporter: MetricsExporter, sink: StatsSink) -> None:
+        """Hand ``exporter`` what changed since its last call: the
+        manager's counts and, beside them, what only the runtime and the
+        data plane know (live requests, same-host copies, staging blocks
+        held by READs given up on)."""
+        exporter.collect(
+            self.manager,
+            sink,
+            live_requests=self.live_requests,
+            same_host_reads=self._data.local_reads,
+            staging_held=self._data.staging_blocks()[2],
+        )
+
+    def state_report(self) -> dict[str, int]:
+        """Every per-request container's size, the manager's
+        (:meth:`LoadManager.state_report`) and the runtime's own: the
+        engine's live requests and the transfers posted and not yet
+        handled. Each is zero once work drains."""
+        return {
+            **self.manager.state_report(),
+            "live_requests": len(self._live),
+            "transfers": len(self.transfers),
+        }
 
     def may_wait(self) -> bool:
         """True when blocking on the sockets cannot delay the engine's own
@@ -367,15 +403,22 @@ class TierRuntime:
         """The engine's requests that started and have not ended."""
         return len(self._live)
 
-    def start_request(self, req_id: str, roles: Roles) -> bool:
+    def start_request(
+        self, req_id: str, roles: Roles, *, refused: Iterable[str] = ()
+    ) -> bool:
         """A request of the engine's begins; True if its id was live and
         the earlier request ended first (:meth:`LoadManager.on_new_request`).
+        ``refused`` names what of its parameters was refused (its whole
+        ``kv_transfer_params``, a misspelt leg), each counted in
+        ``protocol_errors`` first: the request runs with the legs left.
 
         Counted once per id, not per call: vLLM's tiering manager keeps one
         state per id and a start overwrites it, so a finished request whose
         end was still held back (its stores pending) never reaches the tier
         once its id is reused. A count per call would stay one too high
         for good after each such reuse, and the engine would never sleep."""
+        for reason in refused:
+            self.manager.on_bad_frame("", reason)
         self._live.add(req_id)
         self._follow_membership()
         replaced = self.manager.on_new_request(req_id, roles, self.clock())
@@ -412,10 +455,21 @@ class TierRuntime:
         self._wake_for_output()
 
     def submit_store(
-        self, job_id: int, req_id: str, keys: list[bytes], slots: list[int]
+        self,
+        job_id: int,
+        req_id: str,
+        keys: list[bytes],
+        slots: list[int],
+        *,
+        refused: str | None = None,
     ) -> None:
         """A store job: a ``remote_decoder`` request's blocks are parked
-        (and offered to a decoder's waiting Fetch), any other succeeds."""
+        (and offered to a decoder's waiting Fetch), any other succeeds. A
+        store ``refused`` (its ``remote_decoder`` leg is malformed: no
+        decoder can fetch it) fails at once, counted under that reason."""
+        if refused is not None:
+            self.manager.refuse_store(job_id, req_id, refused)
+            return
         if self.manager.submit_store(job_id, req_id, keys, slots, self.clock()):
             self._wake_for_output()
 
@@ -466,6 +520,12 @@ class TierRuntime:
                     r.reason,
                 )
         return results
+
+    def reset_cache(self) -> None:
+        """vLLM resets its cache: give back everything not mid-write
+        (:meth:`LoadManager.release_for_reset`), then :meth:`drain`."""
+        self.manager.release_for_reset(self.clock())
+        self.drain()
 
     def drain(self, timeout_s: float | None = None) -> None:
         """Block until every job has ended, its result buffered for the

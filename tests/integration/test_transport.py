@@ -744,7 +744,7 @@ def test_cache_reset_drain_waits_for_jobs_not_for_their_collection() -> None:
         t0 = time.monotonic()
         rt.drain(timeout_s=0.3)
         assert time.monotonic() - t0 >= 0.3
-        m.release_for_reset(rt.clock())  # what drain_jobs does first
+        m.release_for_reset(rt.clock())  # what TierRuntime.reset_cache does first
         t0 = time.monotonic()
         rt.drain(timeout_s=10.0)
         assert time.monotonic() - t0 < 1.0

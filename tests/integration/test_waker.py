@@ -713,7 +713,7 @@ def test_a_cache_resets_drain_waits_for_a_stuck_read_without_spinning(
     try:
         rt.submit_load(7, "r", keys, [4, 5, 6, 7])  # the producer stalls now
         assert rt.transfers_in_flight == 1
-        m.release_for_reset(rt.clock())  # what drain_jobs does first
+        m.release_for_reset(rt.clock())  # what TierRuntime.reset_cache does first
         cpu0, t0 = time.thread_time(), time.monotonic()
         rt.drain(timeout_s=1.0)
         cpu, wall = time.thread_time() - cpu0, time.monotonic() - t0

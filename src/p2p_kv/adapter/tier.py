@@ -410,14 +410,15 @@ class P2PKVTier(SecondaryTierManager):
     @_locked
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         rt = self.runtime
+        refused: list[str] = []
         try:
             roles = Roles.parse(req_context.kv_transfer_params, req_context.req_id)
         except ValueError as exc:
             log.warning("p2p_kv: request %s: %s; recomputing", req_context.req_id, exc)
-            rt.manager.on_bad_frame("", "bad_kv_transfer_params")
+            refused.append("bad_kv_transfer_params")
             roles = Roles()
         for key, leg in roles.misspelt:
-            rt.manager.on_bad_frame("", "misspelt_leg")
+            refused.append("misspelt_leg")
             if key not in self._warned_keys and len(self._warned_keys) < 64:
                 # Once per key: a client sends it with every request.
                 self._warned_keys.add(key)
@@ -441,7 +442,7 @@ class P2PKVTier(SecondaryTierManager):
         # Read back at each of the request's store jobs (vLLM keeps one
         # context per request and hands it to every call for it).
         req_context.set_state(roles)
-        if rt.start_request(req_context.req_id, roles):
+        if rt.start_request(req_context.req_id, roles, refused=refused):
             log.warning(
                 "p2p_kv: request id %s reused while live: its earlier request "
                 "ends here",
@@ -470,16 +471,12 @@ class P2PKVTier(SecondaryTierManager):
     @_locked
     def submit_store(self, job_metadata: TransferJob) -> None:
         roles = job_metadata.req_context.get_state(Roles)
-        if roles is not None and roles.bad_decoder:
-            self.runtime.manager.refuse_store(
-                job_metadata.job_id, job_metadata.req_context.req_id, BAD_DECODER
-            )
-            return
         self.runtime.submit_store(
             job_metadata.job_id,
             job_metadata.req_context.req_id,
             list(job_metadata.keys),
             job_metadata.chunk_ids.tolist(),
+            refused=BAD_DECODER if roles is not None and roles.bad_decoder else None,
         )
 
     @_locked
@@ -511,16 +508,11 @@ class P2PKVTier(SecondaryTierManager):
 
     @_locked
     def has_pending_work(self) -> bool:
-        if self._polled or self.runtime.has_waker:
-            # vLLM's tier-poll thread (0.33; 0.34 does not ask a tier it
-            # polls) or our waker (an engine-core process) answers peers
-            # between steps: the engine needs stepping only for our own work
-            # in flight.
-            return self.runtime.manager.has_pending_work()
-        # vLLM steps an engine only while something reports pending work,
-        # and peers must be answered while this engine is idle. The cost is
-        # bounded by the runtime's idle wait on its sockets.
-        return True
+        # vLLM's tier-poll thread (0.33; 0.34 does not ask a tier it polls)
+        # answers peers between steps, as our waker does for an engine-core
+        # process. Else vLLM steps an engine only while something reports
+        # pending work, and peers must be answered while it is idle.
+        return self.runtime.needs_steps(answered_between_steps=self._polled)
 
     @classmethod
     def config_info_keys(cls, tier_config: dict[str, Any]) -> tuple[str, ...]:
@@ -546,9 +538,7 @@ class P2PKVTier(SecondaryTierManager):
 
     @_locked
     def drain_jobs(self) -> None:
-        rt = self.runtime
-        rt.manager.release_for_reset(rt.clock())
-        rt.drain()
+        self.runtime.reset_cache()
 
     def shutdown(self) -> None:
         with contextlib.suppress(ValueError):
@@ -557,7 +547,7 @@ class P2PKVTier(SecondaryTierManager):
 
     @_locked
     def state_report(self) -> dict[str, int]:
-        return self.runtime.manager.state_report()
+        return self.runtime.state_report()
 
     @classmethod
     def build_metric_definitions(
@@ -582,15 +572,8 @@ class P2PKVTier(SecondaryTierManager):
         exporter: MetricsExporter | None = getattr(self, "_metrics", None)
         if exporter is None:
             exporter = self._metrics = MetricsExporter()
-        rt = self.runtime
         stats = OffloadingConnectorStats()
-        exporter.collect(
-            rt.manager,
-            stats,
-            live_requests=rt.live_requests,
-            same_host_reads=rt.data.local_reads,
-            staging_held=rt.data.staging_blocks()[2],
-        )
+        self.runtime.collect_metrics(exporter, stats)
         return None if stats.is_empty() else stats
 
     def touch(self, keys: Collection[Any], req_context: ReqContext) -> None:
