@@ -692,10 +692,12 @@ class LoadManager:
 
     def release_for_reset(self, now: float) -> None:
         """Cache reset: give back everything not mid-write (parked stores,
-        pins of unfetched lookups); writes in flight finish normally."""
+        pins of unfetched lookups); writes in flight finish normally, and
+        our Fetches wait no longer than a fetch deadline."""
         self.release_parked(now)
         for session in self.peers.sessions.values():
             session.producer.release_unwritten()
+            session.consumer.stop_waiting(now)
             self._touch(session)
 
     def close_all(self, reason: str) -> None:

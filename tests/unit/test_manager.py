@@ -1516,6 +1516,31 @@ def test_a_decoder_waits_no_longer_than_its_parked_ttl_for_a_prefill_never_sent(
     assert_drained(net)
 
 
+def test_a_cache_reset_ends_a_fetch_held_for_a_prefill_at_a_fetch_deadline() -> None:
+    """A decoder's Fetch held at the producer (FetchWait) for a prefill
+    that may come within parked_ttl_s: at a cache reset it waits at most a
+    fetch deadline more (vLLM's drain waits for every load), and FetchWait
+    no longer extends it; the load fails, both sides drain."""
+    net = Net(timeouts=Timeouts(heartbeat_interval_s=0.5, parked_wait_s=30.0))
+    b = net.engines["b"]
+    b.manager.on_new_request("d1", net.roles("a", "kv9", probe=False), net.now)
+    job = load(net, "d1", [40, 41, 42, 43])
+    wait(net, 4.0)  # past its fetch deadline: held there
+    collect_all(net)
+    assert job not in b.results
+    reset = net.now
+    b.manager.release_for_reset(net.now)
+    while job not in b.results and net.now - reset < 30:
+        wait(net, 0.25)
+        collect_all(net)
+    assert not b.results[job][0].success
+    assert net.now - reset <= b.manager.timeouts.fetch_deadline(0.0, 4 * 16) + 0.5
+    b.manager.on_request_finished("d1", net.now)
+    wait(net, 1.0)
+    collect_all(net)
+    assert_drained(net)
+
+
 def test_a_decoder_waits_no_longer_than_its_parked_ttl() -> None:
     """A prefill alive past the decoder's parked_ttl_s: the decoder stops
     waiting at that bound (measured from its load's start)."""

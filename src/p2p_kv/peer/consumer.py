@@ -286,10 +286,24 @@ class ConsumerSide:
             self.link.timeouts.fetch_deadline(now, load.nbytes),
             now + msg.ttl_ms / 1000,
             load.started + self.link.timeouts.parked_wait_s,
+            load.wait_cap,
         )
         if until > load.deadline:
             load.fire(Event.WAIT)
             self.link.arm(load, until)
+
+    def stop_waiting(self, now: float) -> None:
+        """A cache reset: a posted Fetch waits at most a fetch deadline from
+        now, whatever FetchWait said or says: vLLM's drain waits for every
+        load, and one held for a prefill that may never come would hold it
+        up to ``parked_ttl_s``. At the deadline the load fails, its slots
+        fenced until the peer answers."""
+        for load in self._loads.values():
+            if load.state is State.FETCH_POSTED:
+                cap = self.link.timeouts.fetch_deadline(now, load.nbytes)
+                load.wait_cap = cap
+                if load.deadline > cap:
+                    self.link.arm(load, cap)
 
     def on_fetch_offer(self, msg: FetchOffer, now: float) -> None:
         load = self._loads.get(msg.job)

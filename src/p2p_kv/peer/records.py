@@ -195,6 +195,7 @@ class Load(Tracked):
         "req",
         "request_finished",
         "started",
+        "wait_cap",
     )
 
     def __init__(
@@ -221,6 +222,9 @@ class Load(Tracked):
         self.fetch = fetch
         self.deadline = deadline
         self.read_until = read_until
+        #: the latest a FetchWait may move the deadline to (a cache reset
+        #: lowers it: the drain that follows waits for this load)
+        self.wait_cap = float("inf")
         self.request_finished = False
         #: The reason its failure was counted under, once it was: a load
         #: that timed out and then ended through the peer's AbortAck, a
