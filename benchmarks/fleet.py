@@ -301,6 +301,13 @@ def run_arm(
     return out
 
 
+def _gauge(engine: ServedEngine, name: str) -> float | None:
+    """A gauge's value summed over its series; None where the engine does
+    not export it (so a check of it cannot pass for want of the metric)."""
+    found = [v for (n, _), v in engine.metrics().items() if n == name]
+    return sum(found) if found else None
+
+
 def _fault(fleet: Fleet, sent: list[Sent], killed_at: float) -> dict[str, Any]:
     """What the kill cost: failures, those in flight at the kill, the
     slowest request sent after it, and each survivor's request_state once
@@ -309,11 +316,11 @@ def _fault(fleet: Fleet, sent: list[Sent], killed_at: float) -> dict[str, Any]:
     failed = [s for s in sent if s.error]
     later = [s for s in sent if s.at > killed_at]
     survivors = fleet.engines[:-1]
-    state: list[float] = []
+    state: list[float | None] = []
     end = time.monotonic() + 30
     while True:
-        state = [total(e.metrics(), REQUEST_STATE) for e in survivors]
-        if not any(state) or time.monotonic() > end:
+        state = [_gauge(e, REQUEST_STATE) for e in survivors]
+        if all(v == 0 for v in state) or time.monotonic() > end:
             break
         time.sleep(1.0)
     return {
