@@ -1516,18 +1516,23 @@ def test_a_decoder_waits_no_longer_than_its_parked_ttl_for_a_prefill_never_sent(
     assert_drained(net)
 
 
-def test_a_cache_reset_ends_a_fetch_held_for_a_prefill_at_a_fetch_deadline() -> None:
+@pytest.mark.parametrize("posted", [True, False])
+def test_a_cache_reset_ends_a_fetch_held_for_a_prefill_at_a_fetch_deadline(
+    posted: bool,
+) -> None:
     """A decoder's Fetch held at the producer (FetchWait) for a prefill
     that may come within parked_ttl_s: at a cache reset it waits at most a
     fetch deadline more (vLLM's drain waits for every load), and FetchWait
-    no longer extends it; the load fails, both sides drain."""
+    no longer extends it; the load fails, both sides drain. Also for a
+    Fetch still queued behind the handshake at the reset (posted after it)."""
     net = Net(timeouts=Timeouts(heartbeat_interval_s=0.5, parked_wait_s=30.0))
     b = net.engines["b"]
     b.manager.on_new_request("d1", net.roles("a", "kv9", probe=False), net.now)
     job = load(net, "d1", [40, 41, 42, 43])
-    wait(net, 4.0)  # past its fetch deadline: held there
-    collect_all(net)
-    assert job not in b.results
+    if posted:
+        wait(net, 4.0)  # past its fetch deadline: held there
+        collect_all(net)
+        assert job not in b.results
     reset = net.now
     b.manager.release_for_reset(net.now)
     while job not in b.results and net.now - reset < 30:

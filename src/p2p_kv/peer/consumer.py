@@ -299,11 +299,12 @@ class ConsumerSide:
         up to ``parked_ttl_s``. At the deadline the load fails, its slots
         fenced until the peer answers."""
         for load in self._loads.values():
-            if load.state is State.FETCH_POSTED:
-                cap = self.link.timeouts.fetch_deadline(now, load.nbytes)
-                load.wait_cap = cap
-                if load.deadline > cap:
-                    self.link.arm(load, cap)
+            # Every load, a Fetch still queued behind the handshake too: it
+            # is posted later, and FetchWait must not hold it past this.
+            cap = self.link.timeouts.fetch_deadline(now, load.nbytes)
+            load.wait_cap = cap
+            if load.state is State.FETCH_POSTED and load.deadline > cap:
+                self.link.arm(load, cap)
 
     def on_fetch_offer(self, msg: FetchOffer, now: float) -> None:
         load = self._loads.get(msg.job)
