@@ -1461,29 +1461,15 @@ def _decoder_first(prefill_s: float, live: bool) -> tuple[Net, int, int]:
     return net, job, store_job
 
 
-def test_a_decoder_that_asked_first_waits_while_its_prefill_runs() -> None:
-    """The Fetch arrives before the prefill parks anything: while the
-    prefill's request is live at the producer, FetchWait moves the
-    decoder's deadline (2 s) on, so a 10 s prefill is loaded, not
+@pytest.mark.parametrize("live", [True, False])
+def test_a_decoder_that_asked_first_loads_its_prefill(live: bool) -> None:
+    """The Fetch arrives before the prefill parks anything, while the
+    prefill's request is live at the producer (``live``) or before it was
+    admitted there (a router sent the decode with the prefill, or the
+    prefiller queued it): FetchWait moves the decoder's deadline (2 s) on,
+    so a prefill that parks 10 s later is loaded, the right bytes, not
     recomputed; and nothing is left on either side."""
-    net, job, store_job = _decoder_first(10.0, live=True)
-    a, b = net.engines["a"], net.engines["b"]
-    assert b.results[job][0].success, b.results[job]
-    assert [b.block(s) for s in (40, 41, 42, 43)] == [payload(k) for k in KEYS]
-    assert a.results[store_job][0].success
-    b.manager.on_request_finished("d1", net.now)
-    wait(net, 1.0)
-    collect_all(net)
-    assert_drained(net)
-
-
-def test_a_decoder_that_asked_before_its_prefill_was_admitted_loads_it() -> None:
-    """No prefill request for the id at the producer yet (a router sent the
-    decode with the prefill, or the prefiller queued it): the Fetch is held
-    and FetchWait keeps the decoder waiting past its fetch deadline (2 s),
-    so a prefill admitted 10 s later is loaded, the right bytes, not
-    recomputed; and nothing is left on either side."""
-    net, job, store_job = _decoder_first(10.0, live=False)
+    net, job, store_job = _decoder_first(10.0, live=live)
     a, b = net.engines["a"], net.engines["b"]
     assert b.results[job][0].success, b.results[job]
     assert [b.block(s) for s in (40, 41, 42, 43)] == [payload(k) for k in KEYS]
