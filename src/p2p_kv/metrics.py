@@ -328,6 +328,7 @@ class MetricsExporter:
         live_requests: int = 0,
         same_host_reads: int = 0,
         staging_held: int = 0,
+        request_state: int | None = None,
     ) -> None:
         """Add everything new since the last call to ``sink``.
         ``same_host_reads`` and ``staging_held`` are the data plane's (the
@@ -350,7 +351,11 @@ class MetricsExporter:
                 del self._seen[session]
         self._loads(manager, sink)
         self._manager_errors_deltas(manager, sink)
-        self._gauges_now(manager, live, sink, live_requests, staging_held)
+        if request_state is None:
+            request_state = sum(manager.state_report().values())
+        self._gauges_now(
+            manager, live, sink, live_requests, staging_held, request_state
+        )
 
     def _session_deltas(self, session: Session, sink: StatsSink) -> None:
         c = session.counters
@@ -432,13 +437,14 @@ class MetricsExporter:
         sink: StatsSink,
         live_requests: int,
         staging_held: int,
+        request_state: int,
     ) -> None:
         now: dict[tuple[str, tuple[str, ...]], float] = {
             (LIVE_REQUESTS, ()): live_requests,
             (STAGING_HELD, ()): staging_held,
             (FAILED_IDS, ()): len(manager.requests.failed_ids()),
             (PARKED_STORES, ()): manager.parked_store_count(),
-            (REQUEST_STATE, ()): sum(manager.state_report().values()),
+            (REQUEST_STATE, ()): request_state,
         }
         for session in sessions:
             peer = self.peer(session_peer(session))

@@ -72,6 +72,8 @@ log = logging.getLogger("vllm.p2p_kv")
 #: transfer --netns``). A tick is one pass of the runtime (about 5 us of CPU
 #: here), and only while bytes may move: an idle engine does not tick.
 DATA_TICK_S = 0.001
+#: How often the request_state gauge's report is taken.
+STATE_GAUGE_S = 1.0
 
 #: A cache reset's drain polls transfers still in flight, backing off
 #: from 50 us to this while none ends (a stalled peer's runs to its
@@ -117,6 +119,9 @@ class TierRuntime:
         #: ids of the engine's requests between start_request and
         #: end_request: a set, as the manager keys them (see start_request)
         self._live: set[str] = set()
+        #: the request_state gauge: the last report's sum, and when the next is due
+        self._request_state = 0
+        self._state_due = 0.0
         self._idle_streak = 0
         #: manager.dials_refused when last logged, and when to log again
         self._dials_log = _Throttle()
@@ -196,13 +201,20 @@ class TierRuntime:
         """Hand ``exporter`` what changed since its last call: the
         manager's counts and, beside them, what only the runtime and the
         data plane know (live requests, same-host copies, staging blocks
-        held by READs given up on)."""
+        held by READs given up on), and the state report's sum at most
+        once every :data:`STATE_GAUGE_S` (vLLM collects every step; the
+        report walks every container, about 0.1 ms)."""
+        now = self.clock()
+        if now >= self._state_due:
+            self._request_state = sum(self.state_report().values())
+            self._state_due = now + STATE_GAUGE_S
         exporter.collect(
             self.manager,
             sink,
             live_requests=self.live_requests,
             same_host_reads=self._data.local_reads,
             staging_held=self._data.staging_blocks()[2],
+            request_state=self._request_state,
         )
 
     def state_report(self) -> dict[str, int]:
