@@ -201,11 +201,16 @@ class TierRuntime:
         """Hand ``exporter`` what changed since its last call: the
         manager's counts and, beside them, what only the runtime and the
         data plane know (live requests, same-host copies, staging blocks
-        held by READs given up on), and the state report's sum at most
-        once every :data:`STATE_GAUGE_S` (vLLM collects every step; the
-        report walks every container, about 0.1 ms)."""
+        held by READs given up on), and the state report's sum.
+
+        vLLM collects at every step and the report walks every container
+        (about 0.1 ms), so while requests are live it is taken at most once
+        every :data:`STATE_GAUGE_S`. With none live it is taken at every
+        collect: an engine that goes idle steps no more, and the last value
+        it exports must be the drained state, not one from up to a second
+        before its last request ended."""
         now = self.clock()
-        if now >= self._state_due:
+        if now >= self._state_due or not self._live:
             self._request_state = sum(self.state_report().values())
             self._state_due = now + STATE_GAUGE_S
         exporter.collect(
