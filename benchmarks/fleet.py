@@ -20,6 +20,12 @@ requests took after, and each survivor's ``request_state`` once idle.
 
     p2p-kv bench fleet [--engines 4] [--workloads hot,multiturn,uniform]
         [--seconds 60] [--rate 1.5] [--seed 0] [--no-fault] [--plot PNG] [--json]
+        [--vllm-spin-ms MS]
+
+``--vllm-spin-ms`` is a diagnostic, not a setting users have: vLLM's
+engine core and worker each busy-wait a second after every message they
+read, and where engines share cores (four on two here) those spinners
+starve the process with work (:mod:`benchmarks.vllm_spin.sitecustomize`).
 """
 
 from __future__ import annotations
@@ -229,7 +235,13 @@ class Fleet:
     without; started one at a time; closed always."""
 
     def __init__(
-        self, model: str, n: int, p2p: bool, progress: bool, logs: Path
+        self,
+        model: str,
+        n: int,
+        p2p: bool,
+        progress: bool,
+        logs: Path,
+        vllm_spin_s: float | None = None,
     ) -> None:
         from p2p_kv.adapter.engines import free_port
 
@@ -253,6 +265,7 @@ class Fleet:
                     max_model_len=2048,
                     served_name=SERVED_NAME,
                     logs=logs,
+                    vllm_spin_s=vllm_spin_s,
                 )
                 self.engines.append(e)
                 e.wait_ready()
@@ -359,13 +372,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     names = [w for w in args.workloads.split(",") if w]
     workloads = build(model, names, args)
     say = (lambda m: print(m, file=sys.stderr)) if not args.json else (lambda m: None)
+    spin_s = None if args.vllm_spin_ms is None else args.vllm_spin_ms / 1000
+    if spin_s is not None:
+        say(
+            f"vLLM's queue readers spin {args.vllm_spin_ms:g} ms after a message "
+            "(vLLM's own: 1 s), in every arm"
+        )
     for w in workloads:
         say(f"workload {w.describe()}")
     results: dict[str, dict[str, Any]] = {w.name: {} for w in workloads}
     fault: dict[str, Any] | None = None
     for p2p in (False, True):
         say(f"starting {args.engines} engines, p2p_kv {'on' if p2p else 'off'}")
-        fleet = Fleet(model, args.engines, p2p, not args.json, Path(args.logs))
+        fleet = Fleet(model, args.engines, p2p, not args.json, Path(args.logs), spin_s)
         try:
             for label, policy, on in ARMS:
                 if on != p2p:
@@ -393,6 +412,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "engines": args.engines,
         "model": "bench-llama (4 layers, hidden 512, fp32)",
         "lookup_timeout_s": LOOKUP_S,
+        "vllm_spin_ms": args.vllm_spin_ms,
         "workloads": {w.name: w.params for w in workloads},
         "arms": results,
         "fault": fault,
@@ -463,6 +483,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefix-tokens", type=int, default=1536)
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--no-fault", action="store_true")
+    p.add_argument(
+        "--vllm-spin-ms",
+        type=float,
+        default=None,
+        help="a diagnostic: vLLM's queue readers busy-wait this long after a "
+        "message instead of 1 s, in every arm (benchmarks/vllm_spin)",
+    )
     p.add_argument("--plot", default="", help="write the TTFT CDF to this PNG")
     p.add_argument("--json", action="store_true")
     p.add_argument("--logs", default=str(LOG_DIR), help="engines' and routers' logs")
@@ -476,6 +503,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
+    if result["vllm_spin_ms"] is not None:
+        print(
+            f"vLLM modified for diagnosis, in every arm: its queue readers "
+            f"spin {result['vllm_spin_ms']:g} ms after a message, not 1 s\n"
+        )
     for name, arms in result["arms"].items():
         print(table(name, arms) + "\n")
     if result["fault"]:

@@ -26,6 +26,8 @@ from typing import Any
 from p2p_kv.adapter.engines import EngineSpec, free_port, kv_transfer_config
 
 REPO = Path(__file__).resolve().parents[1]
+#: The folder of the diagnostic that shortens vLLM's queue readers' spin.
+SPIN_PATCH = REPO / "benchmarks" / "vllm_spin"
 #: Where the engines' and the router's logs go unless told (one file each).
 LOG_DIR = Path("/tmp/p2p_kv-fleet")
 
@@ -132,7 +134,9 @@ class _Child:
 class ServedEngine(_Child):
     """One ``vllm serve`` engine of the generated model, with p2p_kv's tier
     (``tier``: its keys) or with the connector and its CPU tier alone
-    (``tier`` None: the same engine with the tier absent)."""
+    (``tier`` None: the same engine with the tier absent). ``vllm_spin_s``:
+    how long vLLM's queue readers busy-wait after a message (vLLM's own
+    second where None; :mod:`benchmarks.vllm_spin.sitecustomize` says why)."""
 
     def __init__(
         self,
@@ -145,15 +149,20 @@ class ServedEngine(_Child):
         max_model_len: int,
         served_name: str,
         logs: Path = LOG_DIR,
+        vllm_spin_s: float | None = None,
     ) -> None:
         self.port = free_port()
         self.engine_id = f"{name}-{os.getpid()}"
         self.tier_port = int(tier["port"]) if tier else 0
         spec = EngineSpec(model, self.engine_id, tier=tier, cpu_bytes=cpu_bytes)
         env = dict(os.environ, PYTHONHASHSEED="0", TOKENIZERS_PARALLELISM="false")
-        env["PYTHONPATH"] = os.pathsep.join(
-            [str(REPO / "src"), *filter(None, [env.get("PYTHONPATH")])]
-        )
+        paths = [str(REPO / "src"), *filter(None, [env.get("PYTHONPATH")])]
+        if vllm_spin_s is not None:
+            # benchmarks/vllm_spin/sitecustomize.py: vLLM's queue readers
+            # busy-wait this long after a message instead of a second
+            paths.insert(0, str(SPIN_PATCH))
+            env["FLEET_BENCH_VLLM_SPIN_S"] = str(vllm_spin_s)
+        env["PYTHONPATH"] = os.pathsep.join(paths)
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
         cmd += ["--model", model, "--served-model-name", served_name]
         cmd += ["--host", "127.0.0.1", "--port", str(self.port)]

@@ -438,3 +438,34 @@ def test_the_first_pull_benchmark_times_a_new_peer_against_a_warm_one(
     ]
     assert r["added_ms"] == pytest.approx(sum(added) / 2, abs=0.02)  # the median
     assert r["met"] == (r["added_ms"] <= r["target_ms"] == 50.0)
+
+
+@pytest.mark.parametrize("spin", [None, "0.02"])
+def test_the_fleets_spin_diagnostic_changes_only_vllms_queue_readers(
+    spin: str | None,
+) -> None:
+    """``bench fleet --vllm-spin-ms`` puts benchmarks/vllm_spin on the
+    engines' PYTHONPATH: a process with it and the variable set builds
+    vLLM's queue readers with that spin, writers untouched; without the
+    variable vLLM keeps its own second."""
+    from benchmarks.served import SPIN_PATCH
+
+    code = (
+        "import zmq\n"
+        "from vllm.distributed.device_communicators.shm_broadcast import "
+        "SpinCondition\n"
+        "ctx = zmq.Context()\n"
+        "w = SpinCondition(False, ctx, 'inproc://spin')\n"
+        "r = SpinCondition(True, ctx, 'inproc://spin')\n"
+        "print(r.busy_loop_s, w.busy_loop_s)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(SPIN_PATCH))
+    env.pop("FLEET_BENCH_VLLM_SPIN_S", None)
+    if spin is not None:
+        env["FLEET_BENCH_VLLM_SPIN_S"] = spin
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    reader, writer = map(float, out.stdout.split())
+    assert (reader, writer) == ((0.02 if spin else 1.0), 0.0)
