@@ -70,12 +70,16 @@ class ModelSpec:
     dtype: Literal["float32", "bfloat16", "float16"]
     seed: int
     max_position_embeddings: int
+    #: tokens each layer attends back (a Mistral model); 0: full attention
+    #: (a Llama model)
+    sliding_window: int = 0
 
     def short_hash(self) -> str:
         """Names the cache directory, so changing any field builds afresh."""
-        payload = json.dumps(
-            {"recipe": _RECIPE_VERSION, **dataclasses.asdict(self)}, sort_keys=True
-        )
+        fields = dataclasses.asdict(self)
+        if not self.sliding_window:
+            del fields["sliding_window"]  # full-attention builds keep their name
+        payload = json.dumps({"recipe": _RECIPE_VERSION, **fields}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:10]
 
 
@@ -111,6 +115,10 @@ BENCH = ModelSpec(
     seed=0,
     max_position_embeddings=8192,
 )
+
+# TINY with every layer attending the last 64 tokens only: vLLM keeps its
+# KV as one sliding-window group, and a prompt of 160 tokens outruns it.
+TINY_SLIDING = dataclasses.replace(TINY, name="tiny-mistral-sw", sliding_window=64)
 
 PRESETS: dict[str, ModelSpec] = {"tiny": TINY, "bench": BENCH}
 
@@ -220,7 +228,13 @@ def build_model(spec: ModelSpec, out_dir: Path) -> None:
         pad_token="<pad>",
         model_max_length=spec.max_position_embeddings,
     )
-    config = tf.LlamaConfig(
+    if spec.sliding_window:
+        make_config, make_model = tf.MistralConfig, tf.MistralForCausalLM
+        extra: dict[str, Any] = {"sliding_window": spec.sliding_window}
+    else:
+        make_config, make_model = tf.LlamaConfig, tf.LlamaForCausalLM
+        extra = {}
+    config = make_config(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -236,6 +250,7 @@ def build_model(spec: ModelSpec, out_dir: Path) -> None:
         # A wider init than Llama's 0.02 makes logits peaked, so greedy text
         # varies with the prompt instead of repeating one near-tie token.
         initializer_range=0.2,
+        **extra,
     )
     dtype = getattr(torch, spec.dtype)
     # Seeded global RNG plus a fixed thread count makes init reproducible.
@@ -243,7 +258,7 @@ def build_model(spec: ModelSpec, out_dir: Path) -> None:
     torch.set_num_threads(1)
     try:
         torch.manual_seed(spec.seed)
-        model = tf.LlamaForCausalLM(config).to(dtype)
+        model = make_model(config).to(dtype)
     finally:
         torch.set_num_threads(threads)
     model.generation_config.do_sample = False
