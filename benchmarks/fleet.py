@@ -494,6 +494,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     p.add_argument("--logs", default=str(LOG_DIR), help="engines' and routers' logs")
     args = p.parse_args(argv)
+    if args.vllm_spin_ms is not None and not 0 <= args.vllm_spin_ms < 1e6:
+        p.error(f"--vllm-spin-ms {args.vllm_spin_ms}: give milliseconds, 0 or more")
     unknown = set(args.workloads.split(",")) - set(WORKLOADS)
     if unknown:
         p.error(f"unknown workloads {sorted(unknown)}: choose from {WORKLOADS}")

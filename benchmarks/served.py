@@ -26,8 +26,12 @@ from typing import Any
 from p2p_kv.adapter.engines import EngineSpec, free_port, kv_transfer_config
 
 REPO = Path(__file__).resolve().parents[1]
-#: The folder of the diagnostic that shortens vLLM's queue readers' spin.
+#: The folder of the diagnostic that shortens vLLM's queue readers' spin,
+#: the variable its ``sitecustomize`` reads (seconds), and what each patched
+#: process writes to the engine's log.
 SPIN_PATCH = REPO / "benchmarks" / "vllm_spin"
+SPIN_ENV = "FLEET_BENCH_VLLM_SPIN_S"
+SPIN_MARK = "p2p_kv bench: vLLM's queue readers busy-wait"
 #: Where the engines' and the router's logs go unless told (one file each).
 LOG_DIR = Path("/tmp/p2p_kv-fleet")
 
@@ -155,14 +159,8 @@ class ServedEngine(_Child):
         self.engine_id = f"{name}-{os.getpid()}"
         self.tier_port = int(tier["port"]) if tier else 0
         spec = EngineSpec(model, self.engine_id, tier=tier, cpu_bytes=cpu_bytes)
-        env = dict(os.environ, PYTHONHASHSEED="0", TOKENIZERS_PARALLELISM="false")
-        paths = [str(REPO / "src"), *filter(None, [env.get("PYTHONPATH")])]
-        if vllm_spin_s is not None:
-            # benchmarks/vllm_spin/sitecustomize.py: vLLM's queue readers
-            # busy-wait this long after a message instead of a second
-            paths.insert(0, str(SPIN_PATCH))
-            env["FLEET_BENCH_VLLM_SPIN_S"] = str(vllm_spin_s)
-        env["PYTHONPATH"] = os.pathsep.join(paths)
+        env = engine_env(vllm_spin_s)
+        self.vllm_spin_s = vllm_spin_s
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
         cmd += ["--model", model, "--served-model-name", served_name]
         cmd += ["--host", "127.0.0.1", "--port", str(self.port)]
@@ -177,7 +175,16 @@ class ServedEngine(_Child):
         return f"http://127.0.0.1:{self.port}"
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:
+        """Until it serves; then, if its queue readers' spin was set, that
+        the patch took in its processes (they say so in its log)."""
         self.wait_http(self.url + "/health", timeout_s)
+        log = self.log_path.read_text(errors="replace")
+        if self.vllm_spin_s is not None and SPIN_MARK not in log:
+            raise RuntimeError(
+                f"{self.name}: --vllm-spin-ms did not take ({SPIN_PATCH}'s "
+                f"sitecustomize did not run, or no longer finds vLLM's "
+                f"SpinCondition): see {self.log_path}"
+            )
 
     def metrics(self) -> dict[Sample, float]:
         return parse_metrics(_get(self.url + "/metrics", 10.0))
@@ -200,6 +207,21 @@ class ServedEngine(_Child):
         super().close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(f"/dev/shm/vllm_offload_{self.engine_id}.mmap")
+
+
+def engine_env(vllm_spin_s: float | None = None) -> dict[str, str]:
+    """The environment of a ``vllm serve`` engine: the repository's
+    ``src`` on ``PYTHONPATH``; with ``vllm_spin_s``, also
+    ``benchmarks/vllm_spin``, whose ``sitecustomize`` makes vLLM's queue
+    readers busy-wait that long after a message instead of a second."""
+    env = dict(os.environ, PYTHONHASHSEED="0", TOKENIZERS_PARALLELISM="false")
+    env.pop(SPIN_ENV, None)
+    paths = [str(REPO / "src"), *filter(None, [env.get("PYTHONPATH")])]
+    if vllm_spin_s is not None:
+        paths.insert(0, str(SPIN_PATCH))
+        env[SPIN_ENV] = str(vllm_spin_s)
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    return env
 
 
 def router_binary() -> str:

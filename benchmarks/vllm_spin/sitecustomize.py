@@ -8,9 +8,10 @@ its worker through ``MessageQueue``. After a message a reader spins on
 setting in vLLM 0.32-0.34) before it sleeps on a socket. Where an engine's
 processes have a core each that costs nothing but that core. Where they
 share cores, as four engines do on two, the spinners starve the one
-process with work until their second ends: a pull that takes 60-120 ms
-took about 1.06 s in half the tries. With this file on ``PYTHONPATH`` and
-``FLEET_BENCH_VLLM_SPIN_S`` set, every process of the engine (vLLM spawns
+process with work until their second ends: a pull into a ``vllm serve``
+engine took about 1.06 s in half the tries instead of 45-150 ms. With
+this file on ``PYTHONPATH`` and ``FLEET_BENCH_VLLM_SPIN_S`` set (by
+``benchmarks.served.engine_env``), every process of the engine (vLLM spawns
 its engine core and worker with the same environment) patches the reader's
 spin as the module loads, so a run can show what the fleet does when the
 spin does not starve it. Both arms of a run get the same engines.
@@ -19,20 +20,27 @@ spin does not starve it. Both arms of a run get the same engines.
 from __future__ import annotations
 
 import importlib.abc
-import importlib.util
 import os
 import sys
 from collections.abc import Sequence
-from importlib.machinery import ModuleSpec
+from importlib.machinery import ModuleSpec, PathFinder
 from types import ModuleType
 from typing import Any
 
 _MODULE = "vllm.distributed.device_communicators.shm_broadcast"
 
 
+#: Printed by each process whose readers it patched: the fleet checks the
+#: engine's log for it (``benchmarks.served.ServedEngine.wait_ready``).
+MARK = "p2p_kv bench: vLLM's queue readers busy-wait"
+
+
 class _PatchOnLoad(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: once vLLM's module is found, wraps its
-    loading so ``SpinCondition`` readers take ``spin_s``."""
+    """Stays on ``sys.meta_path`` and finds vLLM's module itself, through
+    the path finder (so no other finder is re-entered and the list is
+    never changed under an import), handing back a spec whose loading
+    patches ``SpinCondition`` readers to busy-wait ``spin_s``. Every other
+    module: not ours (None)."""
 
     def __init__(self, spin_s: float) -> None:
         self.spin_s = spin_s
@@ -45,8 +53,7 @@ class _PatchOnLoad(importlib.abc.MetaPathFinder):
     ) -> ModuleSpec | None:
         if fullname != _MODULE:
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
+        spec = PathFinder.find_spec(fullname, path, target)
         if spec is None or spec.loader is None:
             return spec
         loader: Any = spec.loader
@@ -64,6 +71,7 @@ class _PatchOnLoad(importlib.abc.MetaPathFinder):
                     self.busy_loop_s = spin_s
 
             cls.__init__ = __init__
+            print(f"{MARK} {spin_s * 1000:g} ms", file=sys.stderr, flush=True)
 
         loader.exec_module = exec_module
         return spec

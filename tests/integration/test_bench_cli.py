@@ -440,15 +440,16 @@ def test_the_first_pull_benchmark_times_a_new_peer_against_a_warm_one(
     assert r["met"] == (r["added_ms"] <= r["target_ms"] == 50.0)
 
 
-@pytest.mark.parametrize("spin", [None, "0.02"])
+@pytest.mark.parametrize("spin_s", [None, 0.02])
 def test_the_fleets_spin_diagnostic_changes_only_vllms_queue_readers(
-    spin: str | None,
+    spin_s: float | None,
 ) -> None:
-    """``bench fleet --vllm-spin-ms`` puts benchmarks/vllm_spin on the
-    engines' PYTHONPATH: a process with it and the variable set builds
-    vLLM's queue readers with that spin, writers untouched; without the
-    variable vLLM keeps its own second."""
-    from benchmarks.served import SPIN_PATCH
+    """``bench fleet --vllm-spin-ms``: a process in an engine's environment
+    (``engine_env``, what ``ServedEngine`` starts ``vllm serve`` with)
+    builds vLLM's queue readers with that spin, writers untouched, and says
+    so where the fleet looks for it; without it vLLM keeps its own second
+    and nothing is said."""
+    from benchmarks.served import SPIN_MARK, engine_env
 
     code = (
         "import zmq\n"
@@ -459,13 +460,13 @@ def test_the_fleets_spin_diagnostic_changes_only_vllms_queue_readers(
         "r = SpinCondition(True, ctx, 'inproc://spin')\n"
         "print(r.busy_loop_s, w.busy_loop_s)\n"
     )
-    env = dict(os.environ, PYTHONPATH=str(SPIN_PATCH))
-    env.pop("FLEET_BENCH_VLLM_SPIN_S", None)
-    if spin is not None:
-        env["FLEET_BENCH_VLLM_SPIN_S"] = spin
     out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True
+        [sys.executable, "-c", code],
+        env=engine_env(spin_s),
+        capture_output=True,
+        text=True,
     )
     assert out.returncode == 0, out.stderr[-2000:]
     reader, writer = map(float, out.stdout.split())
-    assert (reader, writer) == ((0.02 if spin else 1.0), 0.0)
+    assert (reader, writer) == ((spin_s or 1.0), 0.0)
+    assert (SPIN_MARK in out.stderr) == (spin_s is not None), out.stderr[-2000:]
