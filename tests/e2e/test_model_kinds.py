@@ -2,8 +2,11 @@
 engines: a sliding-window model (a generated Mistral whose every layer
 attends the last 64 tokens, so vLLM keeps its KV as one sliding-window
 group). B names A as the source of a 160-token prompt, which outruns the
-window: B must load A's blocks and produce A's tokens, the ones an engine
-without any connector produces, and both must end with nothing held.
+window. vLLM asks a sliding-window group's tier only for the blocks the
+window still sees (``sliding_window_size_in_chunks``): of the 128 tokens
+a hit may cover, B must load the window's 2 blocks from A, not all 4 (a
+full-attention model would load 4), and produce A's tokens, the ones an
+engine without any connector produces; both must end with nothing held.
 """
 
 from __future__ import annotations
@@ -15,12 +18,21 @@ from pathlib import Path
 import pytest
 from tests.e2e.test_two_engines import prompt, residue, settle, source
 
-from p2p_kv.adapter.engines import EngineProcess, EngineSpec
+from p2p_kv.adapter.engines import ENGINE_BLOCK, EngineProcess, EngineSpec
 from p2p_kv.tiny_model import TINY_SLIDING, ensure_model
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
+#: The window's blocks, and one block's bytes in the tier
+WINDOW_BLOCKS = TINY_SLIDING.sliding_window // ENGINE_BLOCK
+_KV_AND_BF16 = 2 * 2
+BLOCK_BYTES = (
+    _KV_AND_BF16
+    * TINY_SLIDING.num_layers
+    * ENGINE_BLOCK
+    * (TINY_SLIDING.num_kv_heads * TINY_SLIDING.head_dim)
+)
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +65,8 @@ def test_a_sliding_window_models_blocks_load_and_give_the_sources_tokens(
     out_b = b.generate(ids, params=source("kv-sw", a.tier_port))
     after = b.state()["counters"]["bytes_loaded"]
     assert out_b["tokens"] == out_a["tokens"] == reference
-    assert after > before, "B recomputed: nothing was loaded from A"
-    assert out_b["cached"] >= 128, out_b  # 4 of 5 blocks came from A
+    assert out_b["cached"] == 128, out_b  # 4 of 5 blocks: a hit, not recompute
+    assert after - before == WINDOW_BLOCKS * BLOCK_BYTES, (after, before)
     settle(b)
     settle(a)
     assert residue(a) == {}
