@@ -1025,29 +1025,13 @@ def test_an_engine_in_a_10_s_forward_pass_keeps_its_sessions() -> None:
     assert not kept, "an engine silent for 2 s kept its session without keep-alive"
 
 
-class GaugeSink:
-    """The gauges a collect sets, as vLLM's stats object would take them."""
-
-    def __init__(self) -> None:
-        self.gauges: dict[str, float] = {}
-
-    def increase_counter(self, *_: Any, **__: Any) -> None:
-        pass
-
-    def set_gauge(
-        self, gauge_name: str, gauge_value: float, labelvalues: tuple[str, ...] = ()
-    ) -> None:
-        self.gauges[gauge_name] = gauge_value
-
-    def observe_histogram(self, *_: Any, **__: Any) -> None:
-        pass
-
-
 def test_an_engine_going_idle_exports_its_drained_request_state() -> None:
     """vLLM collects stats at steps only, and an engine whose last request
     ended steps no more: its last collect must export the drained state.
     The report is taken at most once a second while requests are live, so
     the second collect here (at the same instant) would still say 1."""
+    from tests.unit.test_metrics import Sink
+
     from p2p_kv.metrics import REQUEST_STATE, MetricsExporter
     from p2p_kv.roles import Roles
 
@@ -1058,12 +1042,12 @@ def test_an_engine_going_idle_exports_its_drained_request_state() -> None:
     try:
         with rt.lock:
             rt.start_request("r1", Roles())
-            busy = GaugeSink()
+            busy = Sink()
             rt.collect_metrics(exporter, busy)
-            assert busy.gauges[REQUEST_STATE] >= 1
+            assert busy.gauges[REQUEST_STATE][()] >= 1
             rt.end_request("r1")
-            idle = GaugeSink()
+            idle = Sink()
             rt.collect_metrics(exporter, idle)
-            assert idle.gauges.get(REQUEST_STATE) == 0, idle.gauges
+            assert idle.gauges[REQUEST_STATE] == {(): 0}, idle.gauges
     finally:
         peer.close()
