@@ -23,7 +23,12 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from p2p_kv.adapter.engines import EngineSpec, free_port, kv_transfer_config
+from p2p_kv.adapter.engines import (
+    EngineSpec,
+    free_port,
+    kv_transfer_config,
+    signal_group,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 #: The folder of the diagnostic that shortens vLLM's queue readers' spin,
@@ -116,22 +121,19 @@ class _Child:
 
     def kill(self) -> None:
         """SIGKILL the whole group, as a crashed host or OOM kill would."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        signal_group(self.proc, signal.SIGKILL)
         self.proc.wait()
 
     def close(self) -> None:
         """SIGTERM, then SIGKILL after 30 s; always closes the log."""
         if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
+            signal_group(self.proc, signal.SIGTERM)
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
                 self.kill()
         # What the group left (a worker that outlived its API process).
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        signal_group(self.proc, signal.SIGKILL)
         self._log.close()
 
 

@@ -185,8 +185,7 @@ class EngineProcess:
         return self.call({"cmd": "state"})
 
     def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        signal_group(self.proc, signal.SIGKILL)
         self.proc.wait()
 
     def close(self) -> None:
@@ -204,6 +203,14 @@ class EngineProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def signal_group(proc: subprocess.Popen[Any], sig: int) -> None:
+    """Send ``sig`` to the process group ``proc`` leads (started in its
+    own session: vLLM's engine core and worker, a router's threads go
+    with it); nothing if the group is already gone."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)
 
 
 def _readline(stream: IO[str], timeout_s: float) -> str:
