@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from tests.e2e.test_two_engines import prompt, residue, settle, source
+from tests.e2e.test_two_engines import prompt, remote_hit, residue, settle
 
 from p2p_kv.adapter.engines import ENGINE_BLOCK, EngineProcess, EngineSpec
 from p2p_kv.tiny_model import TINY_SLIDING, ensure_model
@@ -57,16 +57,9 @@ def test_a_sliding_window_models_blocks_load_and_give_the_sources_tokens(
     engines: tuple[EngineProcess, EngineProcess, EngineProcess],
 ) -> None:
     plain, a, b = engines
-    ids = prompt(11)
-    reference = plain.generate(ids)["tokens"]
-    out_a = a.generate(ids)
-    settle(a)  # A stores its blocks at its next steps
-    before = b.state()["counters"].get("bytes_loaded", 0)
-    out_b = b.generate(ids, params=source("kv-sw", a.tier_port))
-    after = b.state()["counters"]["bytes_loaded"]
-    assert out_b["tokens"] == out_a["tokens"] == reference
+    out_b, loaded = remote_hit(plain, a, b, prompt(11), "kv-sw")
     assert out_b["cached"] == 128, out_b  # 4 of 5 blocks: a hit, not recompute
-    assert after - before == WINDOW_BLOCKS * BLOCK_BYTES, (after, before)
+    assert loaded == WINDOW_BLOCKS * BLOCK_BYTES, loaded
     settle(b)
     settle(a)
     assert residue(a) == {}

@@ -46,6 +46,26 @@ def settle(engine: EngineProcess, seconds: float = 0.3) -> None:
     engine.call({"cmd": "idle", "seconds": seconds})
 
 
+def remote_hit(
+    plain: EngineProcess,
+    a: EngineProcess,
+    b: EngineProcess,
+    ids: list[int],
+    kv_id: str,
+) -> tuple[dict[str, Any], int]:
+    """A computes ``ids``, then B runs them naming A as the source: B's
+    output and the bytes it loaded, once its tokens are checked to be A's
+    and those of the engine without a connector."""
+    reference = plain.generate(ids)["tokens"]
+    out_a = a.generate(ids)
+    settle(a)  # A stores its blocks at its next steps
+    before = b.state()["counters"].get("bytes_loaded", 0)
+    out_b = b.generate(ids, params=source(kv_id, a.tier_port))
+    loaded = b.state()["counters"]["bytes_loaded"] - before
+    assert out_b["tokens"] == out_a["tokens"] == reference
+    return out_b, loaded
+
+
 @pytest.fixture(scope="module")
 def plain() -> Iterator[EngineProcess]:
     """An engine with no connector at all: the recompute reference."""
@@ -78,17 +98,9 @@ def pair() -> Iterator[tuple[EngineProcess, EngineProcess, int]]:
 def test_remote_hit_loads_a_blocks_and_matches_a_tokens(
     pair: tuple[EngineProcess, EngineProcess, int], plain: EngineProcess
 ) -> None:
-    a, b, pa = pair
-    ids = prompt(1)
-    reference = plain.generate(ids)["tokens"]
-    out_a = a.generate(ids)
-    settle(a)  # A stores its blocks at its next steps
-    before = b.state()["counters"]
-    out_b = b.generate(ids, params=source("kv-1", pa))
-    after = b.state()
-    assert out_b["tokens"] == out_a["tokens"] == reference
-    loaded = after["counters"]["bytes_loaded"] - before.get("bytes_loaded", 0)
-    assert loaded > 0, after
+    a, b, _ = pair
+    out_b, loaded = remote_hit(plain, a, b, prompt(1), "kv-1")
+    assert loaded > 0
     assert out_b["cached"] >= 128, out_b  # 4 of 5 blocks came from A
     settle(b)
     settle(a)
