@@ -45,10 +45,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from p2p_kv.handshake import FrameRefused, Identity, make_hello
-from p2p_kv.manager import LoadManager
+from p2p_kv.node.manager import LoadManager
 from p2p_kv.peer import Timeouts
 from p2p_kv.peer.events import Closed
+from p2p_kv.peer.handshake import FrameRefused, Identity, make_hello
 from p2p_kv.protocol import ProtocolError, encode
 
 TARGET_US = 1_000.0
@@ -169,7 +169,7 @@ def _dial_all(address: str, n: int, out: Any, done: Any) -> None:
     import resource
     import socket
 
-    from p2p_kv.standalone import canonical_hashes
+    from p2p_kv.runtime.standalone import canonical_hashes
 
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
@@ -209,7 +209,7 @@ def over_sockets(n: int) -> dict[str, Any]:
     step."""
     import multiprocessing as mp
 
-    from p2p_kv.standalone import StandalonePeer
+    from p2p_kv.runtime.standalone import StandalonePeer
 
     peer = StandalonePeer(16, 4096, engine_id="engine", secret=SECRET)
     ctx = mp.get_context("spawn")

@@ -35,8 +35,8 @@ from typing import Any
 import numpy as np
 
 from benchmarks.harness import met
-from p2p_kv.control_conn import HEADER
-from p2p_kv.directory import Directory, OwnHoldings, fingerprint, pack
+from p2p_kv.control.connection import HEADER
+from p2p_kv.node.directory import Directory, OwnHoldings, fingerprint, pack
 from p2p_kv.protocol import Holdings, encode
 
 #: the issue's bound on memory per (block, member) entry

@@ -93,7 +93,7 @@ from benchmarks.harness import (  # noqa: E402
 )
 
 if TYPE_CHECKING:
-    from p2p_kv.standalone import StandalonePeer
+    from p2p_kv.runtime.standalone import StandalonePeer
 
 SIZES = (64 * KIB, 256 * KIB, 2 * MIB)
 COUNTS = (1, 16, 256)

@@ -87,7 +87,7 @@ def make_region(kind: str, nbytes: int, device: str) -> Any:
     if kind == "pinned":
         return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=device != "cpu")
     if kind == "dram":
-        from p2p_kv.standalone import shared_region
+        from p2p_kv.runtime.standalone import shared_region
 
         return shared_region(nbytes)
     raise ValueError(f"unknown region kind {kind!r}")

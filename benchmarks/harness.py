@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from p2p_kv.standalone import FetchOutcome, StandalonePeer
+    from p2p_kv.runtime.standalone import FetchOutcome, StandalonePeer
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -99,7 +99,7 @@ def in_producer_netns(target: Any, *args: Any) -> Any:
 
 def key(i: int) -> bytes:
     """The key of the producer's block in slot ``i``."""
-    from p2p_kv.standalone import make_key
+    from p2p_kv.runtime.standalone import make_key
 
     return make_key(i)
 
@@ -118,7 +118,7 @@ def scattered_mapping(num_blocks: int) -> tuple[list[int], list[int]]:
 def block_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
     """p2p_kv's own coalescing, so every baseline moves the same runs as
     p2p_kv does (one descriptor or copy per run)."""
-    from p2p_kv.plan import coalesce
+    from p2p_kv.data.plan import coalesce
 
     return coalesce(src, dst)
 
@@ -180,7 +180,7 @@ def bench_peer(
 ) -> StandalonePeer:
     """A StandalonePeer as the benchmarks run one: the bench secret, the
     options of ``path``, its own shared region unless ``region`` is given."""
-    from p2p_kv.standalone import StandalonePeer
+    from p2p_kv.runtime.standalone import StandalonePeer
 
     return StandalonePeer(
         num_blocks,

@@ -135,7 +135,7 @@ def shared_buffer(nbytes: int, rng_seed: int | None) -> np.ndarray[Any, Any]:
     pages, on which the kernel's copies (CMA, ``preadv``) ran about 2x
     faster here (7.1 against 3.1 GB/s), so a baseline on them would
     compare unlike memory. Every page is written before timing."""
-    from p2p_kv.standalone import shared_region
+    from p2p_kv.runtime.standalone import shared_region
 
     buf: np.ndarray[Any, Any] = shared_region(nbytes)
     if rng_seed is None:

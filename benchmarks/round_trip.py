@@ -11,10 +11,10 @@ producer is between lookups:
   side, and none of the bounds, tables or checks a transport facing the
   network needs. It splits p2p_kv's ratio into the language and cipher's
   share and our transport's;
-* **p2p_kv**: a :class:`p2p_kv.control.ControlTransport` (the runtime's
+* **p2p_kv**: a :class:`p2p_kv.control.transport.ControlTransport` (the runtime's
   transport: non-blocking sockets, ``poll``, length-prefixed frames) whose
   frames are sealed and opened with the session's AEAD
-  (:class:`p2p_kv.handshake.FrameKeys`, AES-256-GCM) on both ends, as
+  (:class:`p2p_kv.peer.handshake.FrameKeys`, AES-256-GCM) on both ends, as
   a session with a secret seals every frame. The client here waits the way
   an engine's runtime does (``poll`` on the transport).
 
@@ -94,7 +94,8 @@ class _Plain:
 
 
 def _control_echo(sealed: bool, out: Any, stop: Any) -> None:
-    from p2p_kv import control, handshake
+    from p2p_kv.control import transport as control
+    from p2p_kv.peer import handshake
 
     keys = handshake.FrameKeys(out=_KEY_B, into=_KEY_A) if sealed else _Plain()
     transport = control.ControlTransport(producer_host(), 0)
@@ -259,7 +260,8 @@ class ControlRoundTrip(_Echoed):
     name = "control"
 
     def __init__(self, sealed: bool = True) -> None:
-        from p2p_kv import control, handshake
+        from p2p_kv.control import transport as control
+        from p2p_kv.peer import handshake
 
         super().__init__(_control_echo, sealed)
         self._keys: Any = (
@@ -269,7 +271,7 @@ class ControlRoundTrip(_Echoed):
         self._peer = f"{producer_host()}:{self.port}"
         self._end.connect(self._peer)
         # The handshake, taken as done: a session trusts its connection once
-        # the peer has proved itself, dialled or accepted (p2p_kv.frames).
+        # the peer has proved itself, dialled or accepted (p2p_kv.runtime.frames).
         self._end.trust(self._peer)
 
     def trip(self) -> float:

@@ -48,12 +48,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from p2p_kv.handshake import Identity
-from p2p_kv.manager import Answer, JobResult, LoadManager
+from p2p_kv.node.manager import Answer, JobResult, LoadManager
+from p2p_kv.node.roles import Roles, Source
 from p2p_kv.peer import Limits, PinResult, Timeouts
 from p2p_kv.peer.events import Cancel, Closed, Dial, PostWrite, RuntimeEvent
+from p2p_kv.peer.handshake import Identity
 from p2p_kv.protocol import Message, decode, encode
-from p2p_kv.roles import Roles, Source
 
 TARGET_IDLE_NS = 5_000
 BLOCK_BYTES = 16

@@ -1,7 +1,7 @@
 """Fetch throughput through p2p_kv, end to end, against same-run baselines.
 
 One row per (block size, block count). Each p2p_kv fetch is a
-:meth:`p2p_kv.standalone.StandalonePeer.fetch` by a consumer in this process
+:meth:`p2p_kv.runtime.standalone.StandalonePeer.fetch` by a consumer in this process
 against a producer StandalonePeer in another process (``serve_until``), on
 both load paths:
 
@@ -95,7 +95,7 @@ from benchmarks.raw_nixl import RawNixlPair, measure_memcpy
 from benchmarks.round_trip import MESSAGE, RoundTrips
 
 if TYPE_CHECKING:
-    from p2p_kv.standalone import StandalonePeer
+    from p2p_kv.runtime.standalone import StandalonePeer
 
 SIZES = (64 * KIB, 256 * KIB, 2 * MIB)
 COUNTS = (1, 16, 256)
@@ -153,7 +153,7 @@ def _p2p_producer(
         return peer, (peer.address, [zlib.crc32(r.data) for r in rows])
 
     def each_step(peer: StandalonePeer) -> None:
-        from p2p_kv.roles import Roles
+        from p2p_kv.node.roles import Roles
 
         peer.results.clear()  # the parked stores' results: served
         if parks.poll():

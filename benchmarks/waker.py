@@ -38,7 +38,7 @@ MODES = ("stepping", "waker", "tick")
 
 
 def _p2p() -> Any:
-    import p2p_kv.standalone as standalone
+    import p2p_kv.runtime.standalone as standalone
 
     return standalone
 

@@ -67,7 +67,7 @@ class _Msg(msgspec.Struct, frozen=True, array_like=True, tag_field="t"):
 
 class Hello(_Msg, tag="hello", frozen=True):
     """First frame each side sends: everything that must match before any
-    request traffic. Compared by :mod:`p2p_kv.handshake`."""
+    request traffic. Compared by :mod:`p2p_kv.peer.handshake`."""
 
     version: int
     engine_id: Text
@@ -255,7 +255,7 @@ class Subscribe(_Msg, tag="subscribe", frozen=True):
 class Holdings(_Msg, tag="holdings", frozen=True):
     """What the producer's primary tier stored (``add``) and no longer
     holds (``drop``), as packed little-endian 8-byte block fingerprints
-    (:func:`p2p_kv.directory.fingerprint`). A hint: the consumer still asks
+    (:func:`p2p_kv.node.directory.fingerprint`). A hint: the consumer still asks
     for pins before it reads."""
 
     add: Annotated[bytes, msgspec.Meta(max_length=8 * MAX_FINGERPRINTS)] = b""

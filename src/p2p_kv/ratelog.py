@@ -13,7 +13,7 @@ log. Not thread-safe by itself: callers hold the runtime's lock.
 
 A line names the peer as ``names`` says, when its owner sets it: the
 runtime's names a connection by the address its metrics label shows
-(:meth:`p2p_kv.frames.Frames.peer_name`), so a log line and a metric
+(:meth:`p2p_kv.runtime.frames.Frames.peer_name`), so a log line and a metric
 about one peer carry the same name.
 """
 

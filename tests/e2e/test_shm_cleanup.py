@@ -4,7 +4,7 @@ Real engines, each stopped one way, with ``/dev/shm`` listed around it:
 
 - one SIGKILLed in the middle of its start, after its worker made the
   region's file and before its scheduler mapped it: the one moment a file
-  can be left, which the next engine to start removes (``p2p_kv.shm.sweep``)
+  can be left, which the next engine to start removes (``p2p_kv.data.shm_file.sweep``)
   while a file some live process holds stays;
 - an OpenAI server (``python -m vllm.entrypoints.openai.api_server``, vLLM's
   three processes) stopped by SIGTERM to its pid alone, which vLLM answers
@@ -41,7 +41,7 @@ from p2p_kv.adapter.engines import (
     free_port,
     kv_transfer_config,
 )
-from p2p_kv.shm import offload_path
+from p2p_kv.data.shm_file import offload_path
 from p2p_kv.tiny_model import TINY, ensure_model
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

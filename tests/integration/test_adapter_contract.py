@@ -235,7 +235,7 @@ def test_a_port_past_65535_at_a_data_parallel_rank_names_the_rank(
     from types import SimpleNamespace
 
     from p2p_kv.adapter.tier import P2PKVTier
-    from p2p_kv.config import ConfigError
+    from p2p_kv.runtime.config import ConfigError
 
     monkeypatch.setenv("PYTHONHASHSEED", "0")
     parallel = SimpleNamespace(data_parallel_index=2)
@@ -261,7 +261,7 @@ def test_an_engine_whose_workers_span_nodes_is_refused(
     from vllm.config import ParallelConfig
 
     from p2p_kv.adapter.tier import P2PKVTier, check_one_node
-    from p2p_kv.config import ConfigError
+    from p2p_kv.runtime.config import ConfigError
 
     monkeypatch.setenv("PYTHONHASHSEED", "0")
     parallel = SimpleNamespace(data_parallel_index=0)
@@ -290,7 +290,7 @@ def test_a_refused_config_is_one_error_line_in_the_engine_log(
     from types import SimpleNamespace
 
     from p2p_kv.adapter.tier import P2PKVTier
-    from p2p_kv.config import ConfigError
+    from p2p_kv.runtime.config import ConfigError
 
     monkeypatch.setenv("PYTHONHASHSEED", "0")
     parallel = SimpleNamespace(data_parallel_index=0)

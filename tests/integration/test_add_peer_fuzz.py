@@ -39,7 +39,7 @@ import pytest
 
 from p2p_kv.data import NixlDataTransport, RegionInfo
 from p2p_kv.data.offer import CudaIpcRegion, ShmRegion
-from p2p_kv.procfs import boot_id
+from p2p_kv.data.procfs import boot_id
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -413,7 +413,7 @@ def test_what_nixl_loaded_is_dropped_on_every_failure(
 ) -> None:
     """Past the check (as if it missed something), NIXL loads metadata that
     the Region then fails: nothing of it stays loaded, whatever failed."""
-    from p2p_kv.data import peers
+    from p2p_kv.data import remote_agents as peers
 
     us, peer, _ = parties
     good = peer.local_region()

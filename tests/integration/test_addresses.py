@@ -17,7 +17,7 @@ import pytest
 from tests.support.wire import RawConn
 
 from p2p_kv.peer import Timeouts
-from p2p_kv.standalone import StandalonePeer, make_key
+from p2p_kv.runtime.standalone import StandalonePeer, make_key
 
 BLOCK = 4096
 
@@ -74,8 +74,8 @@ def test_our_connection_names_its_socket_from_the_first_poll(host: str) -> None:
     """The dialling side names its connection's socket once it connects
     (the same-host proof asks whether the peer's pid holds its far end);
     the far end is the listener's process."""
-    from p2p_kv.control import ControlTransport
-    from p2p_kv.procfs import holds_connection, process_dir
+    from p2p_kv.control.transport import ControlTransport
+    from p2p_kv.data.procfs import holds_connection, process_dir
 
     server = ControlTransport(host, 0)
     client = ControlTransport("127.0.0.1", 0)
@@ -111,7 +111,7 @@ def test_a_peer_whose_connection_is_named_late_proves_itself_then(
     into our host region."""
     from p2p_kv import data as data_mod
     from p2p_kv.data.offer import CudaIpcRegion
-    from p2p_kv.procfs import boot_id
+    from p2p_kv.data.procfs import boot_id
 
     real = data_mod.NixlDataTransport.local_region
 
@@ -230,7 +230,7 @@ def test_requests_naming_hundreds_of_peers_never_take_the_step_down(
 
 @pytest.mark.parametrize("peer", ["localhost:65536", "h:0", ":80", "[]:80", "h:x"])
 def test_a_peer_address_that_is_not_host_port_is_refused(peer: str) -> None:
-    from p2p_kv.control import parse_peer
+    from p2p_kv.control.transport import parse_peer
 
     with pytest.raises(ValueError, match="peer address"):
         parse_peer(peer)
@@ -250,7 +250,7 @@ def test_a_flooding_peer_cannot_hold_the_poll() -> None:
     """A peer sending faster than we read must not keep one poll draining:
     a poll takes a bounded batch per connection, and the next poll does
     not wait while frames are left buffered."""
-    from p2p_kv.control import MAX_FRAMES_PER_POLL, ControlTransport
+    from p2p_kv.control.transport import MAX_FRAMES_PER_POLL, ControlTransport
 
     ctl = ControlTransport("127.0.0.1", 0)
     raw = RawConn(ctl.address)
@@ -274,7 +274,7 @@ def test_a_flooding_peer_cannot_hold_the_poll() -> None:
 def test_one_poll_holds_a_bounded_number_of_bytes() -> None:
     """Frames of up to 4 MiB from a proven peer: a poll reads at most
     MAX_BYTES_PER_POLL (and one frame more), the rest the next."""
-    from p2p_kv.control import MAX_BYTES_PER_POLL, ControlTransport
+    from p2p_kv.control.transport import MAX_BYTES_PER_POLL, ControlTransport
     from p2p_kv.protocol import MAX_FRAME_BYTES
 
     ctl = ControlTransport("127.0.0.1", 0)
@@ -315,7 +315,7 @@ def test_a_flood_on_the_port_does_not_starve_the_peers_we_dialled() -> None:
     """The peers we dialled are read first, each to a share of the poll's
     byte budget: a flood of 4 MiB frames on our port (from a peer that
     proved itself) must not leave a reply from a peer we dialled unread."""
-    from p2p_kv.control import ControlTransport
+    from p2p_kv.control.transport import ControlTransport
     from p2p_kv.protocol import MAX_FRAME_BYTES
 
     ours = ControlTransport("127.0.0.1", 0)
@@ -358,7 +358,7 @@ def test_a_dial_nothing_accepts_is_lost_at_once_saying_so() -> None:
     """A dial to a port where nothing listens ends at once, said to be
     refused (not a lost connection, nor a name that did not resolve), so
     its requests recompute without waiting out the handshake."""
-    from p2p_kv.control import REFUSED, ControlTransport
+    from p2p_kv.control.transport import REFUSED, ControlTransport
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -381,7 +381,7 @@ def test_a_dial_nothing_accepts_is_lost_at_once_saying_so() -> None:
 def test_a_name_that_does_not_resolve_is_lost_saying_so() -> None:
     """Resolving runs off the engine's thread, and a name nobody knows ends
     the dial with its own reason."""
-    from p2p_kv.control import ControlTransport
+    from p2p_kv.control.transport import ControlTransport
 
     dialler = ControlTransport("127.0.0.1", 0)
     peer = "no-such-host.invalid:5800"
@@ -400,7 +400,7 @@ def test_a_name_that_does_not_resolve_is_lost_saying_so() -> None:
 
 
 def test_frames_queued_before_a_name_resolves_arrive_in_order() -> None:
-    from p2p_kv.control import ControlTransport
+    from p2p_kv.control.transport import ControlTransport
 
     server = ControlTransport("127.0.0.1", 0)
     dialler = ControlTransport("127.0.0.1", 0)
@@ -435,7 +435,7 @@ def test_a_bad_bind_address_is_refused_naming_it(
     """An unresolvable host raised a bare ``gaierror`` naming neither host
     nor key; a port past 65535 was bound modulo 65536 (65537: port 1) while
     peers were told the port nobody can dial."""
-    from p2p_kv.control import ControlTransport
+    from p2p_kv.control.transport import ControlTransport
 
     with pytest.raises(ValueError, match=says):
         ControlTransport(host, port)
@@ -444,7 +444,7 @@ def test_a_bad_bind_address_is_refused_naming_it(
 def test_a_failed_bind_names_what_to_fix() -> None:
     """Every failed bind said "pick a free port", also for a host that is
     not an address of this machine."""
-    from p2p_kv.control import ControlTransport
+    from p2p_kv.control.transport import ControlTransport
 
     with pytest.raises(OSError, match="set the tier's 'host' key"):
         ControlTransport("192.0.2.1", 0)  # TEST-NET-1: not ours
@@ -460,7 +460,7 @@ def test_a_peer_whose_bind_fails_closes_its_data_plane(
 ) -> None:
     """The NIXL agent (and UCX's thread) made before the bind was left to
     the collector, alive for as long as the caller kept the exception."""
-    import p2p_kv.stack
+    import p2p_kv.runtime.stack
     from p2p_kv.data import NixlDataTransport
 
     made: list[NixlDataTransport] = []
@@ -470,7 +470,7 @@ def test_a_peer_whose_bind_fails_closes_its_data_plane(
             super().__init__(*a, **kw)
             made.append(self)
 
-    monkeypatch.setattr(p2p_kv.stack, "NixlDataTransport", Recorded)
+    monkeypatch.setattr(p2p_kv.runtime.stack, "NixlDataTransport", Recorded)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
@@ -483,7 +483,7 @@ def test_a_peer_whose_bind_fails_closes_its_data_plane(
 def test_closing_a_control_transport_twice_does_nothing() -> None:
     """The second call raised KeyError (its socket already unregistered)
     from a ``finally`` of the doctor's or a benchmark's."""
-    from p2p_kv.control import ControlTransport
+    from p2p_kv.control.transport import ControlTransport
 
     control = ControlTransport("127.0.0.1", 0)
     control.close()
@@ -491,7 +491,7 @@ def test_closing_a_control_transport_twice_does_nothing() -> None:
 
 
 def test_an_ipv6_host_may_be_written_in_brackets() -> None:
-    from p2p_kv.control import ControlTransport
+    from p2p_kv.control.transport import ControlTransport
 
     control = ControlTransport("[::1]", 0)
     try:

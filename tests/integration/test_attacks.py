@@ -34,7 +34,7 @@ import pytest
 from tests.support.procs import ROOT, PeerProc
 
 from p2p_kv.peer import Timeouts
-from p2p_kv.standalone import StandalonePeer, block_pattern, make_key
+from p2p_kv.runtime.standalone import StandalonePeer, block_pattern, make_key
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -20,9 +20,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from p2p_kv.control import ADMITS_PER_POLL, ControlTransport, Inbound
-from p2p_kv.control_conn import HEADER, RECV_CHUNK, _frame
-from p2p_kv.control_listen import MAX_WAITING_PER_HOST, Waiting
+from p2p_kv.control.connection import HEADER, RECV_CHUNK, _frame
+from p2p_kv.control.listen import MAX_WAITING_PER_HOST, Waiting
+from p2p_kv.control.transport import ADMITS_PER_POLL, ControlTransport, Inbound
 
 
 def wire(frame: bytes) -> bytes:
@@ -146,7 +146,7 @@ def test_a_connection_sends_a_handful_of_frames_before_trust() -> None:
     MAX_FRAMES_BEFORE_TRUST ends the connection, and what came behind it
     is never handed on, so a stream of tiny frames costs its sender a
     connection, not our thread."""
-    from p2p_kv.control_conn import MAX_FRAMES_BEFORE_TRUST
+    from p2p_kv.control.connection import MAX_FRAMES_BEFORE_TRUST
 
     t = ControlTransport("127.0.0.1", 0)
     raw = socket.create_connection(("127.0.0.1", t.port))
@@ -225,7 +225,7 @@ def test_room_among_handshaking_connections_goes_to_the_address_holding_least() 
 def test_a_closed_connection_that_keeps_writing_is_cut() -> None:
     """What a connection we closed still sends is read and dropped only up
     to LINGER_READ_BYTES: past that its descriptor goes at once."""
-    from p2p_kv.control import LINGER_READ_BYTES
+    from p2p_kv.control.transport import LINGER_READ_BYTES
 
     t = ControlTransport("127.0.0.1", 0)
     raw = socket.create_connection(("127.0.0.1", t.port))
@@ -252,7 +252,7 @@ def test_a_port_that_answers_in_http_is_named_as_such() -> None:
     """A dial to a port another protocol serves (an engine's API port
     named as the tier's) ends with a reason that says so, not as a framing
     attack."""
-    from p2p_kv.control import dial_failure
+    from p2p_kv.control.transport import dial_failure
 
     server = socket.create_server(("127.0.0.1", 0))
     port = server.getsockname()[1]

@@ -35,11 +35,11 @@ import pytest
 
 from p2p_kv import doctor
 from p2p_kv.adapter.engines import free_port
-from p2p_kv.config import ConfigError, check_hash_seed
 from p2p_kv.doctor import PeerSpec, check_config, check_peer, check_port
 from p2p_kv.doctor.peer import refusal_fix
-from p2p_kv.handshake import FIXES, seed_digest
-from p2p_kv.standalone import StandalonePeer
+from p2p_kv.peer.handshake import FIXES, seed_digest
+from p2p_kv.runtime.config import ConfigError, check_hash_seed
+from p2p_kv.runtime.standalone import StandalonePeer
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -91,7 +91,7 @@ def _pattern(start: int, nbytes: int, device: str) -> Any:
 
 
 def _key(i: int) -> bytes:
-    from p2p_kv.standalone import make_key
+    from p2p_kv.runtime.standalone import make_key
 
     return make_key(i)
 
@@ -100,7 +100,7 @@ def _producer(kind: str, path: str, device: str, conn: Any, stop: Any) -> None:
     try:
         import torch
 
-        from p2p_kv.standalone import StandalonePeer
+        from p2p_kv.runtime.standalone import StandalonePeer
 
         nbytes = PRODUCER_BLOCKS * BS
         region: Any
@@ -108,7 +108,7 @@ def _producer(kind: str, path: str, device: str, conn: Any, stop: Any) -> None:
             torch.cuda.set_device(device)
             region = _pattern(0, nbytes, device)
         else:
-            from p2p_kv.standalone import shared_region
+            from p2p_kv.runtime.standalone import shared_region
 
             region = shared_region(nbytes)
             region[:] = _pattern(0, nbytes, "cpu").numpy()
@@ -123,7 +123,7 @@ def _producer(kind: str, path: str, device: str, conn: Any, stop: Any) -> None:
         for slot in range(PRODUCER_BLOCKS):
             peer.pinner.table[_key(slot)] = slot
         if path == "pd":
-            from p2p_kv.roles import Roles
+            from p2p_kv.node.roles import Roles
 
             rt = peer.runtime
             for n, (src, _) in enumerate(MAPPINGS):  # fetch n's blocks, parked
@@ -149,7 +149,7 @@ def pair(
     import torch
 
     from p2p_kv.data import cuda_ipc, local
-    from p2p_kv.standalone import StandalonePeer
+    from p2p_kv.runtime.standalone import StandalonePeer
 
     if path == "read_ipc":
         monkeypatch.setattr(local, "IPC_MIN_RUNS", 1)
@@ -299,7 +299,7 @@ def test_a_cuda_ipc_offer_past_its_allocation_is_refused() -> None:
     from p2p_kv.data import cuda_ipc
     from p2p_kv.data.cuda_ipc import CudaCopier, CudaIpcMapping
     from p2p_kv.data.offer import CudaIpcRegion
-    from p2p_kv.procfs import boot_id, socket_inode
+    from p2p_kv.data.procfs import boot_id, socket_inode
 
     _devices()  # skips, saying why, without CUDA
     ctx = mp.get_context("spawn")
@@ -354,9 +354,9 @@ def test_a_copy_into_gpu_slots_waits_for_work_queued_before_it(
     import torch
 
     from p2p_kv.data.cuda_ipc import CudaCopier
+    from p2p_kv.data.plan import plan_write
+    from p2p_kv.data.procfs import socket_inode
     from p2p_kv.data.shm_copy import PeerMapping, find_backing, shared_region
-    from p2p_kv.plan import plan_write
-    from p2p_kv.procfs import socket_inode
 
     _devices()  # skips, saying why, without CUDA
     bs, n = 64 * KIB, 64

@@ -14,8 +14,8 @@ import time
 import nixl._api  # noqa: F401  (fail, not skip, without NIXL)
 import pytest
 
-from p2p_kv.roles import Roles, Source
-from p2p_kv.standalone import StandalonePeer, block_pattern, make_key
+from p2p_kv.node.roles import Roles, Source
+from p2p_kv.runtime.standalone import StandalonePeer, block_pattern, make_key
 
 pytestmark = pytest.mark.timeout(120)
 

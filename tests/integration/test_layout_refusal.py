@@ -16,9 +16,9 @@ import nixl._api  # noqa: F401  (fail, not skip, without NIXL)
 import pytest
 from tests.unit.test_metrics import Sink
 
-from p2p_kv.metrics import REFUSALS, MetricsExporter
 from p2p_kv.peer import Timeouts
-from p2p_kv.standalone import StandalonePeer, make_key
+from p2p_kv.runtime.metrics import REFUSALS, MetricsExporter
+from p2p_kv.runtime.standalone import StandalonePeer, make_key
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from p2p_kv.doctor import check_config
-from p2p_kv.roles import Roles
+from p2p_kv.node.roles import Roles
 
 RECIPES = Path(__file__).resolve().parents[2] / "docs" / "recipes.md"
 POD_IP = "10.0.6.107"

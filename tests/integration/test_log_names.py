@@ -16,8 +16,8 @@ import time
 import pytest
 from tests.support.wire import RawConn
 
-from p2p_kv.metrics import session_peer
-from p2p_kv.standalone import StandalonePeer
+from p2p_kv.runtime.metrics import session_peer
+from p2p_kv.runtime.standalone import StandalonePeer
 
 
 def test_a_bad_frame_line_names_the_connections_far_end(

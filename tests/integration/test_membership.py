@@ -1,6 +1,6 @@
 """Membership over real sockets: with ``peers`` set, only members are dialled.
 
-The consumer is a :class:`~p2p_kv.standalone.StandalonePeer` in this
+The consumer is a :class:`~p2p_kv.runtime.standalone.StandalonePeer` in this
 process (real runtime, TCP control plane, NIXL); the producer a peer
 process (:mod:`tests.support.agent`) holding blocks. A non-member address
 is a plain listening socket that records every connection it accepts: a
@@ -22,8 +22,8 @@ from collections.abc import Iterator
 import pytest
 from tests.support.procs import PeerProc
 
-from p2p_kv.membership import NOT_A_MEMBER
-from p2p_kv.standalone import StandalonePeer, make_key
+from p2p_kv.node.membership import NOT_A_MEMBER
+from p2p_kv.runtime.standalone import StandalonePeer, make_key
 
 BLOCK = 4096
 KEYS = [make_key(k) for k in range(4)]

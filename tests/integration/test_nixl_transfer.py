@@ -164,7 +164,7 @@ def _worker(
 
     def set_prep_max(n: int) -> int:
         """Regions above ``n`` blocks build descriptors per transfer."""
-        from p2p_kv.data import peers
+        from p2p_kv.data import remote_agents as peers
 
         old = peers.PREP_MAX_BLOCKS
         peers.PREP_MAX_BLOCKS = n  # type: ignore[misc]
@@ -577,8 +577,8 @@ def test_same_host_copy_only_from_the_process_we_talk_to() -> None:
     import subprocess
 
     from p2p_kv.data import NixlDataTransport
-    from p2p_kv.procfs import socket_inode
-    from p2p_kv.standalone import shared_region
+    from p2p_kv.data.procfs import socket_inode
+    from p2p_kv.runtime.standalone import shared_region
 
     bs, n = 4 * KIB, 32
     src = shared_region(n * bs)

@@ -44,7 +44,9 @@ from tests.support.procs import PeerProc
 from tests.support.wire import RawConn, standalone_identity
 
 from p2p_kv.data import NixlDataTransport
-from p2p_kv.handshake import (
+from p2p_kv.node.manager import Answer
+from p2p_kv.peer import Timeouts
+from p2p_kv.peer.handshake import (
     SEALED,
     FrameKeys,
     Identity,
@@ -52,8 +54,6 @@ from p2p_kv.handshake import (
     handshake_mac,
     make_hello,
 )
-from p2p_kv.manager import Answer
-from p2p_kv.peer import Timeouts
 from p2p_kv.protocol import (
     MAX_FRAME_BYTES,
     Abort,
@@ -73,7 +73,7 @@ from p2p_kv.protocol import (
     decode,
     encode,
 )
-from p2p_kv.standalone import StandalonePeer, block_pattern, make_key
+from p2p_kv.runtime.standalone import StandalonePeer, block_pattern, make_key
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -42,9 +42,9 @@ from tests.support.faults import ControlFaults, DataFaults, install
 from tests.support.procs import PeerProc
 
 from p2p_kv.adapter.engines import free_port
-from p2p_kv.manager import Answer, JobResult
+from p2p_kv.node.manager import Answer, JobResult
 from p2p_kv.peer import Timeouts
-from p2p_kv.standalone import StandalonePeer, block_pattern, make_key
+from p2p_kv.runtime.standalone import StandalonePeer, block_pattern, make_key
 
 REQUESTS = int(os.environ.get("P2P_KV_SOAK_REQUESTS", "1000"))
 pytestmark = pytest.mark.timeout(max(240, REQUESTS // 10))

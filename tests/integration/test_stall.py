@@ -16,7 +16,7 @@ import pytest
 from tests.support.procs import PeerProc
 
 from p2p_kv.peer import Timeouts
-from p2p_kv.standalone import StandalonePeer, make_key
+from p2p_kv.runtime.standalone import StandalonePeer, make_key
 
 HB = 0.5  # the default heartbeat interval
 STALL_S = 0.58  # 1.16 intervals, inside the 1.25 survived

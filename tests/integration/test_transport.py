@@ -1,6 +1,6 @@
 """p2p_kv end to end over real sockets: TCP control, NIXL/UCX data.
 
-Producers are :class:`~p2p_kv.standalone.StandalonePeer` s in spawned
+Producers are :class:`~p2p_kv.runtime.standalone.StandalonePeer` s in spawned
 processes, each running ``serve_until(stop)`` on its own thread; they pass
 their addresses (and a CRC of every block they hold) back through a Queue.
 Consumers are StandalonePeers in the test process, driven the way vLLM's
@@ -40,9 +40,9 @@ import numpy as np
 import psutil
 import pytest
 
-from p2p_kv.manager import Answer
+from p2p_kv.node.manager import Answer
 from p2p_kv.peer import Session, Timeouts
-from p2p_kv.standalone import StandalonePeer, block_pattern, make_key
+from p2p_kv.runtime.standalone import StandalonePeer, block_pattern, make_key
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -705,7 +705,7 @@ def test_a_request_id_reused_while_live_counts_once() -> None:
     and the live_requests gauge read) follows the ids, as the manager does,
     so it comes back to zero; counted per call it stayed at one for good,
     and the engine never slept again."""
-    from p2p_kv.roles import Roles, Source
+    from p2p_kv.node.roles import Roles, Source
 
     peer = StandalonePeer(4, 4096, engine_id=f"twice-{os.getpid()}")
     try:
@@ -731,7 +731,7 @@ def test_cache_reset_drain_waits_for_jobs_not_for_their_collection() -> None:
     buffered results as in flight held every reset that found a job (a
     parked store, a pin, a load) for the drain's whole bound: 30 s with
     the engine stopped."""
-    from p2p_kv.roles import Roles
+    from p2p_kv.node.roles import Roles
 
     peer = StandalonePeer(4, 4096, engine_id=f"drain-{os.getpid()}")
     try:
@@ -764,7 +764,7 @@ def test_a_request_to_a_peer_that_is_down_recomputes_at_once(
     line names the request, its kv_request_id and the peer."""
     import socket
 
-    from p2p_kv.roles import Roles
+    from p2p_kv.node.roles import Roles
 
     with socket.socket() as probe_port:
         probe_port.bind(("127.0.0.1", 0))
@@ -803,7 +803,7 @@ def test_a_peer_address_that_cannot_be_dialled_costs_only_its_request() -> None:
     """A host name the tier's check lets through can still be one no dial
     reaches ("-"): the request misses (recomputes), no socket is left open,
     and every other dial of the same step goes on."""
-    from p2p_kv.roles import Roles
+    from p2p_kv.node.roles import Roles
 
     def roles(host: str, port: int) -> Roles:
         leg = {"kv_request_id": "kv1", "remote_host": host, "remote_port": port}
@@ -900,7 +900,7 @@ def test_a_write_the_producer_cannot_stop_ends_the_session_not_the_load(
     producer must not answer TransferDone (its bytes would land after the
     consumer freed the slots), but end the session, so the consumer fails
     the load only once it has dropped the producer's agent."""
-    from p2p_kv.roles import Roles, Source
+    from p2p_kv.node.roles import Roles, Source
 
     monkeypatch.setenv("UCX_TLS", "tcp")
     slow = Timeouts(heartbeat_interval_s=5.0, fetch_floor_s=0.5)
@@ -953,7 +953,7 @@ def test_a_decoder_that_asked_first_waits_out_a_10_s_prefill() -> None:
     deadline: while the prefill's request is live the prefiller says so
     (FetchWait, every heartbeat interval), the decoder waits, and loads the
     right bytes instead of recomputing."""
-    from p2p_kv.roles import Roles, Source
+    from p2p_kv.node.roles import Roles, Source
 
     bs, keys = 64 * KIB, [make_key(i) for i in range(8)]
     prod = StandalonePeer(16, bs, engine_id=f"dfp-{os.getpid()}")
@@ -1000,7 +1000,7 @@ def test_a_decoder_reads_the_parked_prefill_and_the_producer_writes_nothing(
     released, and the producer's data plane never posted a WRITE, the one
     transfer a stalled producer could land after the decoder gave its
     slots back."""
-    from p2p_kv.roles import Roles, Source
+    from p2p_kv.node.roles import Roles, Source
 
     bs, keys = 64 * KIB, [make_key(i) for i in range(8)]
     prod = StandalonePeer(16, bs, engine_id=f"pdp-{os.getpid()}")

@@ -23,11 +23,11 @@ from typing import Any
 import pytest
 from tests.support.sockets import TCP_ONLY
 
-from p2p_kv.control import ControlTransport, wait_readable
-from p2p_kv.manager import Answer
+from p2p_kv.control.transport import ControlTransport, wait_readable
+from p2p_kv.node.manager import Answer
 from p2p_kv.peer import Timeouts
-from p2p_kv.runtime import DATA_TICK_S
-from p2p_kv.standalone import StandalonePeer, make_key
+from p2p_kv.runtime.standalone import StandalonePeer, make_key
+from p2p_kv.runtime.tier_runtime import DATA_TICK_S
 
 #: Far longer than any answer may take: an answer in time can only come
 #: from a waker that woke on the frame, not on its timer.
@@ -1032,8 +1032,8 @@ def test_an_engine_going_idle_exports_its_drained_request_state() -> None:
     the second collect here (at the same instant) would still say 1."""
     from tests.unit.test_metrics import Sink
 
-    from p2p_kv.metrics import REQUEST_STATE, MetricsExporter
-    from p2p_kv.roles import Roles
+    from p2p_kv.node.roles import Roles
+    from p2p_kv.runtime.metrics import REQUEST_STATE, MetricsExporter
 
     peer = StandalonePeer(16, 4096, engine_id=f"gauge-{os.getpid()}")
     rt = peer.runtime

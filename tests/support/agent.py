@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from p2p_kv.peer import Timeouts
-from p2p_kv.standalone import StandalonePeer, block_pattern, make_key
+from p2p_kv.runtime.standalone import StandalonePeer, block_pattern, make_key
 from tests.support.faults import ControlFaults, DataFaults, install
 
 

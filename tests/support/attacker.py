@@ -55,8 +55,8 @@ import threading
 import time
 from typing import Any
 
-from p2p_kv.control import parse_peer
-from p2p_kv.handshake import SEALED, Identity, make_hello
+from p2p_kv.control.transport import parse_peer
+from p2p_kv.peer.handshake import SEALED, Identity, make_hello
 from p2p_kv.protocol import Hello, HelloAck, Region, decode, encode
 from tests.support.wire import RawConn, framed, standalone_identity
 
@@ -307,9 +307,9 @@ def lookup_churn(cfg: dict[str, Any]) -> dict[str, Any]:
 
     from p2p_kv.data import NixlDataTransport
     from p2p_kv.data.shm_copy import shared_region
-    from p2p_kv.handshake import frame_keys, handshake_mac
+    from p2p_kv.peer.handshake import frame_keys, handshake_mac
     from p2p_kv.protocol import Lookup
-    from p2p_kv.standalone import make_key
+    from p2p_kv.runtime.standalone import make_key
 
     secret = bytes.fromhex(cfg["secret"])
     block = cfg.get("block_bytes", 4096)

@@ -1,7 +1,7 @@
 """Fault injection around the real transports, for tests and benchmarks.
 
 The runtime reaches the network only through two objects,
-``TierRuntime.control`` (a :class:`~p2p_kv.control.ControlTransport`) and
+``TierRuntime.control`` (a :class:`~p2p_kv.control.transport.ControlTransport`) and
 ``TierRuntime.data`` (a :class:`~p2p_kv.data.NixlDataTransport`), so the
 injectors here are wrappers put in their place: no seam in ``src/`` is
 needed, and whatever survives the injector still crosses real TCP and
@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from p2p_kv.control import Inbound
+from p2p_kv.control.transport import Inbound
 from p2p_kv.protocol import ProtocolError, decode
 
 #: A reordered frame waits this long at most for a later one to overtake it.
@@ -105,7 +105,7 @@ class FaultCounts:
 
 
 class FaultyControl:
-    """A :class:`~p2p_kv.control.ControlTransport` with faults in between.
+    """A :class:`~p2p_kv.control.transport.ControlTransport` with faults in between.
 
     Everything not overridden here goes to the real transport. Delayed
     frames are released by the next :meth:`send` or :meth:`poll`, and
@@ -466,7 +466,7 @@ def install(
     *,
     seed: int = 0,
 ) -> tuple[FaultyControl, FaultyData]:
-    """Put both injectors into a :class:`~p2p_kv.runtime.TierRuntime`
+    """Put both injectors into a :class:`~p2p_kv.runtime.tier_runtime.TierRuntime`
     (before it has posted anything); returns them for tuning and counts."""
     fc = FaultyControl(runtime.control, control, seed=seed)
     fd = FaultyData(runtime.data, data or DataFaults(), seed=seed + 1)

@@ -11,9 +11,9 @@ from __future__ import annotations
 import socket
 import time
 
-from p2p_kv.control import HEADER, parse_peer
-from p2p_kv.handshake import Identity
-from p2p_kv.standalone import canonical_hashes
+from p2p_kv.control.transport import HEADER, parse_peer
+from p2p_kv.peer.handshake import Identity
+from p2p_kv.runtime.standalone import canonical_hashes
 
 
 def standalone_identity(

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from p2p_kv.procfs import socket_inode
+from p2p_kv.data.procfs import socket_inode
 from tests.support.sockets import tcp_connection
 
 

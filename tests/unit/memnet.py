@@ -13,13 +13,13 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from p2p_kv.handshake import Identity
-from p2p_kv.manager import JobResult, LoadManager
-from p2p_kv.membership import Membership, parse_peers
+from p2p_kv.node.manager import JobResult, LoadManager
+from p2p_kv.node.membership import Membership, parse_peers
+from p2p_kv.node.roles import Roles
 from p2p_kv.peer import Limits, PinResult, Timeouts
 from p2p_kv.peer.events import Cancel, Closed, Dial, Direction, PostRead, PostWrite
+from p2p_kv.peer.handshake import Identity
 from p2p_kv.protocol import Message, decode, encode
-from p2p_kv.roles import Roles
 
 BLOCK = 16
 NBLOCKS = 64

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from p2p_kv.config import (
+from p2p_kv.runtime.config import (
     _TIMEOUT_KEYS,
     _TIMEOUT_RANGES,
     TIMEOUT_S,
@@ -287,11 +287,11 @@ def test_a_deadline_in_milliseconds_is_refused_with_the_seconds_meant(
 def test_the_docs_table_is_the_schemas() -> None:
     """docs/configuration.md's table of keys is generated from the schema
     (TierConfig's fields): a key, default, range or meaning changed in one
-    place only fails here. Regenerate: ``python -c "from p2p_kv.config
+    place only fails here. Regenerate: ``python -c "from p2p_kv.runtime.config
     import markdown_table; print(markdown_table(), end='')"``."""
     from pathlib import Path
 
-    from p2p_kv.config import markdown_table
+    from p2p_kv.runtime.config import markdown_table
 
     docs = (Path(__file__).resolve().parents[2] / "docs/configuration.md").read_text()
     start = docs.index("-->\n", docs.index("<!-- generated from")) + 4
@@ -314,7 +314,7 @@ def test_every_key_has_a_line_and_a_variable() -> None:
 
 # -- vLLM's in-tree p2p tier's names, and the fleet ---------------------------
 # vLLM 0.32's P2PSecondaryTierManager (vllm/v1/kv_offload/tiering/p2p/
-# manager.py) takes ``host``, ``port`` and ``unbound_store_timeout_s`` from
+# node/manager.py) takes ``host``, ``port`` and ``unbound_store_timeout_s`` from
 # its entry and falls back to VLLM_P2P_SIDE_CHANNEL_HOST / _PORT (vllm/envs.py).
 
 
@@ -391,7 +391,7 @@ def test_a_bad_value_under_their_name_names_it() -> None:
 
 
 def test_peers_are_parsed_and_deduplicated() -> None:
-    from p2p_kv.membership import Entry
+    from p2p_kv.node.membership import Entry
 
     cfg = TierConfig.from_dict(
         {"peers": ["10.0.0.5:5800", "P2P.fleet.svc.:5800", "[fd00::0001]:5801"]},
@@ -473,7 +473,7 @@ def test_our_variables_are_names_vllm_does_not_police() -> None:
     may start so, and vLLM's rule, applied to them, finds nothing."""
     from dataclasses import fields
 
-    from p2p_kv.config import ENV_PREFIX
+    from p2p_kv.runtime.config import ENV_PREFIX
 
     ours = [ENV_PREFIX + f.name.upper() for f in fields(TierConfig)]
     assert not [v for v in ours if v.startswith("VLLM_")]
@@ -494,7 +494,7 @@ def test_our_variables_are_names_vllm_does_not_police() -> None:
 def test_a_deprecated_name_still_works_with_one_line(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from p2p_kv import config
+    from p2p_kv.runtime import config
 
     config._WARNED.discard("VLLM_P2P_KV_LOOKUP_TIMEOUT_S")
     env = {"VLLM_P2P_KV_LOOKUP_TIMEOUT_S": "5"}
@@ -547,7 +547,7 @@ def test_every_p2p_kv_variable_the_repository_reads_is_not_refused() -> None:
     import subprocess
     from pathlib import Path
 
-    from p2p_kv.config import OTHER_VARIABLES
+    from p2p_kv.runtime.config import OTHER_VARIABLES
 
     repo = Path(__file__).resolve().parents[2]
     files = subprocess.run(

@@ -27,7 +27,7 @@ from p2p_kv.data import (
     describe_region,
     ucx_tls_allows_peer_mode,
 )
-from p2p_kv.plan import plan_write
+from p2p_kv.data.plan import plan_write
 
 # -- descriptors ------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 """The directory and the requests it finds a source for.
 
-The arrays first (:mod:`p2p_kv.directory`: bounds, stale entries, 16 bytes
+The arrays first (:mod:`p2p_kv.node.directory`: bounds, stale entries, 16 bytes
 an entry), then three managers wired in memory (:mod:`tests.unit.memnet`)
 with a ``peers`` key naming them all: a request that names no source is
 answered from the directory with no round trip, loads the right bytes from
@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from p2p_kv.consumer_legs import Answer
-from p2p_kv.directory import (
+from p2p_kv.node.consumer_legs import Answer
+from p2p_kv.node.directory import (
     Directory,
     MemberBlocks,
     OwnHoldings,
@@ -22,8 +22,8 @@ from p2p_kv.directory import (
     pack,
     unpack,
 )
+from p2p_kv.node.roles import Roles
 from p2p_kv.protocol import Holdings, ProtocolError, decode, encode
-from p2p_kv.roles import Roles
 from tests.unit.memnet import NBLOCKS, Net, key
 
 

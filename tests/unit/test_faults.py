@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from p2p_kv.control import Inbound
+from p2p_kv.control.transport import Inbound
 from p2p_kv.protocol import Heartbeat, Lookup, encode
 from tests.support.faults import (
     REORDER_HOLD_S,

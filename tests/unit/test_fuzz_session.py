@@ -42,10 +42,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from p2p_kv.handshake import make_hello
-from p2p_kv.manager import Answer
+from p2p_kv.node.manager import Answer
 from p2p_kv.peer import Limits, Session
 from p2p_kv.peer.events import Closed
+from p2p_kv.peer.handshake import make_hello
 from p2p_kv.protocol import (
     MAX_FRAME_BYTES,
     Error,

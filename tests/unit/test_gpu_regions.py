@@ -28,8 +28,8 @@ from p2p_kv.data import agent as agent_mod
 from p2p_kv.data import staged as staged_mod
 from p2p_kv.data.cuda_ipc import export_cuda_region
 from p2p_kv.data.offer import CudaIpcRegion
-from p2p_kv.plan import WritePlan
-from p2p_kv.procfs import boot_id
+from p2p_kv.data.plan import WritePlan
+from p2p_kv.data.procfs import boot_id
 
 BS = 4096
 
@@ -530,9 +530,9 @@ def test_an_idle_runtime_frees_the_staging_of_a_read_given_up_on(
     runtime called it only while transfers were in flight: once the failed
     READ was reported, an idle engine held both until some other transfer
     came. Its polls (the waker's passes) must free them."""
-    from p2p_kv.control import ControlTransport
-    from p2p_kv.manager import LoadManager
-    from p2p_kv.runtime import TierRuntime, fresh_nonce
+    from p2p_kv.control.transport import ControlTransport
+    from p2p_kv.node.manager import LoadManager
+    from p2p_kv.runtime.tier_runtime import TierRuntime, fresh_nonce
 
     from .memnet import identity
 

@@ -13,7 +13,9 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.hashes import SHA256
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from p2p_kv.handshake import (
+from p2p_kv.node.manager import LoadManager
+from p2p_kv.peer import LinkState, Session
+from p2p_kv.peer.handshake import (
     SEALED,
     FrameKeys,
     FrameRefused,
@@ -24,8 +26,6 @@ from p2p_kv.handshake import (
     make_hello,
     seed_digest,
 )
-from p2p_kv.manager import LoadManager
-from p2p_kv.peer import LinkState, Session
 from p2p_kv.protocol import (
     PROTOCOL_VERSION,
     Abort,

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import pytest
 
-from p2p_kv.handshake import make_hello
 from p2p_kv.lifecycle import State
-from p2p_kv.manager import Answer
+from p2p_kv.node.manager import Answer
 from p2p_kv.peer import MAX_TALLY_KEYS, Limits, PinResult, Session, Timeouts
 from p2p_kv.peer.events import PostWrite
+from p2p_kv.peer.handshake import make_hello
 from p2p_kv.protocol import (
     Abort,
     AbortAck,

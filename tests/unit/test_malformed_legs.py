@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from p2p_kv.metrics import PROTOCOL_ERRORS, UNKNOWN, MetricsExporter
-from p2p_kv.roles import Roles
+from p2p_kv.node.roles import Roles
+from p2p_kv.runtime.metrics import PROTOCOL_ERRORS, UNKNOWN, MetricsExporter
 
 from .memnet import Net, key
 

@@ -11,10 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from p2p_kv.lifecycle import State
-from p2p_kv.manager import Answer, JobResult, LoadManager
+from p2p_kv.node.manager import Answer, JobResult, LoadManager
+from p2p_kv.node.roles import Roles
 from p2p_kv.peer import Timeouts, is_inbound
 from p2p_kv.protocol import Fetch, FetchOffer, decode, encode
-from p2p_kv.roles import Roles
 
 from .memnet import FAST_TIMEOUTS, Net, key, payload
 
@@ -825,9 +825,9 @@ def test_a_refused_peer_is_counted_once_however_much_it_says() -> None:
     """A session's refusal was tallied again for every frame the refused
     peer sent after it (they are ignored): the refusals metric grew with
     the peer's chatter, not with refusals."""
-    from p2p_kv.handshake import make_hello
+    from p2p_kv.peer.handshake import make_hello
     from p2p_kv.protocol import Heartbeat, Lookup
-    from p2p_kv.runtime import fresh_nonce
+    from p2p_kv.runtime.tier_runtime import fresh_nonce
 
     from .memnet import identity
 
@@ -847,8 +847,8 @@ def test_a_lookup_to_a_peer_that_never_answers_the_handshake_ends_at_its_deadlin
     handshake's (5 s), a request at a time."""
     import os
 
-    from p2p_kv.manager import LoadManager
-    from p2p_kv.roles import Source
+    from p2p_kv.node.manager import LoadManager
+    from p2p_kv.node.roles import Source
 
     from .memnet import identity
 
@@ -1037,7 +1037,7 @@ def test_a_lookup_of_more_keys_than_a_frame_lists_goes_in_several(
     """A Lookup lists at most MAX_KEYS keys (the peer refuses more): one
     step's keys past that went out in one frame, the peer dropped it, and
     the request waited for its lookup deadline to recompute."""
-    import p2p_kv.consumer_legs as consumer_module
+    import p2p_kv.node.consumer_legs as consumer_module
     import p2p_kv.peer.consumer as session_module
 
     monkeypatch.setattr(consumer_module, "MAX_KEYS", 3)

@@ -14,10 +14,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
 
-from p2p_kv.handshake import FrameRefused, make_hello
-from p2p_kv.manager import LoadManager
+from p2p_kv.node.manager import LoadManager
 from p2p_kv.peer import Session, Timeouts
 from p2p_kv.peer.events import Closed
+from p2p_kv.peer.handshake import FrameRefused, make_hello
 from p2p_kv.protocol import Hello, Message, ProtocolError, encode
 
 from .memnet import identity

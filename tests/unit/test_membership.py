@@ -6,15 +6,15 @@ is counted and reported once per address."""
 
 from __future__ import annotations
 
-from p2p_kv.manager import Answer, LoadManager
-from p2p_kv.membership import (
+from p2p_kv.node.manager import Answer, LoadManager
+from p2p_kv.node.membership import (
     MAX_REPORTED,
     NOT_A_MEMBER,
     Entry,
     Membership,
     parse_peers,
 )
-from p2p_kv.roles import Roles
+from p2p_kv.node.roles import Roles
 
 from .memnet import identity
 
@@ -134,7 +134,7 @@ class _Sink:
 
 
 def test_a_refused_source_is_exported_as_a_refusal_by_reason() -> None:
-    from p2p_kv.metrics import REFUSALS, MetricsExporter
+    from p2p_kv.runtime.metrics import REFUSALS, MetricsExporter
 
     m = _manager(Membership([Entry("10.0.0.5", 5800)]))
     exporter, sink = MetricsExporter(), _Sink()

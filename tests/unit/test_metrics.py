@@ -1,4 +1,4 @@
-"""p2p_kv.metrics: definitions, and stats from managers driven in memory."""
+"""p2p_kv.runtime.metrics: definitions, and stats from managers driven in memory."""
 
 from __future__ import annotations
 
@@ -6,8 +6,10 @@ from collections import defaultdict
 
 import pytest
 
-from p2p_kv.manager import LoadObservation
-from p2p_kv.metrics import (
+from p2p_kv.node.roles import Roles
+from p2p_kv.node.tallies import LoadObservation
+from p2p_kv.peer import MAX_TALLY_KEYS, tally
+from p2p_kv.runtime.metrics import (
     DEFINITIONS,
     FAILED_IDS,
     FAILURES,
@@ -35,8 +37,6 @@ from p2p_kv.metrics import (
     STAGING_HELD,
     MetricsExporter,
 )
-from p2p_kv.peer import MAX_TALLY_KEYS, tally
-from p2p_kv.roles import Roles
 
 from .memnet import Net, identity, key
 
@@ -362,9 +362,9 @@ def test_an_inbound_peer_is_named_by_its_hello_only_once_proven() -> None:
     """Anyone may connect and name itself in a Hello: a party without the
     secret filled every peer label (64 Hellos) for the life of the
     process. Until its proof checks an inbound peer is ``unknown``."""
-    from p2p_kv.metrics import UNKNOWN, session_peer
     from p2p_kv.peer import Session
     from p2p_kv.protocol import Hello
+    from p2p_kv.runtime.metrics import UNKNOWN, session_peer
 
     from .memnet import identity as ident
 
@@ -386,7 +386,7 @@ def test_failed_dials_are_exported_by_reason_alone() -> None:
     """A request naming an address where nothing listens, or another
     protocol answers, changes a counter an alert can see; the address is a
     client's choice, so it is no label."""
-    from p2p_kv.metrics import DIAL_FAILURES
+    from p2p_kv.runtime.metrics import DIAL_FAILURES
 
     net = make_net()
     m = net.engines["b"].manager

@@ -12,7 +12,7 @@ import pytest
 
 from p2p_kv.adapter import tier
 from p2p_kv.adapter.connector import decoder_leg
-from p2p_kv.roles import Roles, nixl_kv_id
+from p2p_kv.node.roles import Roles, nixl_kv_id
 
 #: What vllm-router 0.1.17 (--kv-connector nixl, its default) sets as the
 #: prefill request's kv_transfer_params (build_prefill_kv_transfer_params).

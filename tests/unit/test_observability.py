@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-from p2p_kv.metrics import DEFINITIONS, PREFIX
+from p2p_kv.runtime.metrics import DEFINITIONS, PREFIX
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "examples" / "grafana" / "p2p_kv.json"

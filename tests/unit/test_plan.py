@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from p2p_kv.plan import _plan_np, _plan_py, coalesce, plan_write
+from p2p_kv.data.plan import _plan_np, _plan_py, coalesce, plan_write
 
 # -- coalescing ---------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 """What ``/proc`` proves: which process holds the far end of a connection,
 which CUDA runtime is loaded, and who holds a file; and the sweep of files
-left in shared memory by engines that have exited (:mod:`p2p_kv.shm`)."""
+left in shared memory by engines that have exited (:mod:`p2p_kv.data.shm_file`)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from p2p_kv import shm
-from p2p_kv.procfs import (
+from p2p_kv.data import shm_file as shm
+from p2p_kv.data.procfs import (
     holders,
     holds_connection,
     loaded_library,
@@ -221,7 +221,7 @@ def test_sweep_removes_only_files_nobody_holds(
         _file(foreign)
         os.chown(foreign, 65534, 65534)
     before = _names(tmp_path)
-    with caplog.at_level(logging.INFO, logger="vllm.p2p_kv.shm"):
+    with caplog.at_level(logging.INFO, logger="vllm.p2p_kv.data.shm_file"):
         removed = shm.sweep(str(tmp_path))
     assert removed == [(str(dead), 3 << 20)]
     assert _names(tmp_path) == before - {dead.name}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from p2p_kv.lifecycle import State
-from p2p_kv.manager import Answer
+from p2p_kv.node.manager import Answer
 from p2p_kv.peer import Session, Timeouts
 from p2p_kv.protocol import (
     Lookup,

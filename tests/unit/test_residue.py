@@ -9,10 +9,10 @@ nobody declared at rest shows up as residue.
 
 from __future__ import annotations
 
-from p2p_kv.indexes import containers_of, holders_of
-from p2p_kv.manager import Answer, LoadManager
-from p2p_kv.requests import Request
-from p2p_kv.roles import Roles
+from p2p_kv.node.indexes import containers_of, holders_of
+from p2p_kv.node.manager import Answer, LoadManager
+from p2p_kv.node.requests import Request
+from p2p_kv.node.roles import Roles
 
 from .memnet import Net, key
 

@@ -30,8 +30,8 @@ from hypothesis.stateful import (
 )
 
 from p2p_kv.lifecycle import State
-from p2p_kv.manager import Answer
-from p2p_kv.roles import Roles
+from p2p_kv.node.manager import Answer
+from p2p_kv.node.roles import Roles
 
 from .memnet import FAST_TIMEOUTS, NBLOCKS, Net, key
 

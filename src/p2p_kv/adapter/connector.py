@@ -18,14 +18,14 @@ Routers that speak NixlConnector's contract (vllm-router
 ``kv_transfer_params: {"do_remote_decode": true, ...}`` and copy the
 response's ``kv_transfer_params``, whole, into the decode request. Such a
 prefill parks under an id p2p_kv derives from the request's id
-(:func:`p2p_kv.roles.nixl_kv_id`), and its response carries, in
+(:func:`p2p_kv.node.roles.nixl_kv_id`), and its response carries, in
 NixlConnector's keys::
 
     {"do_remote_prefill": true, "do_remote_decode": false,
      "remote_request_id": ID, "remote_host": HOST, "remote_port": PORT}
 
 ``remote_host``/``remote_port`` being this engine's p2p_kv tier: a decoder
-whose tier reads them (:meth:`p2p_kv.roles.Roles.parse`) pulls the blocks.
+whose tier reads them (:meth:`p2p_kv.node.roles.Roles.parse`) pulls the blocks.
 Everything else
 is ``OffloadingConnector``'s; select it with ``"kv_connector":
 "P2PKVConnector", "kv_connector_module_path": "p2p_kv.adapter.connector"``.
@@ -40,8 +40,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 )
 
 from p2p_kv.adapter.tier import local_address
-from p2p_kv.control import parse_peer
-from p2p_kv.roles import Roles
+from p2p_kv.control.transport import parse_peer
+from p2p_kv.node.roles import Roles
 
 
 def decoder_leg(params: Any, req_id: str = "") -> dict[str, Any] | None:

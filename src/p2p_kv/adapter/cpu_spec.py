@@ -40,8 +40,8 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from p2p_kv import shm
 from p2p_kv.adapter import versions
+from p2p_kv.data import shm_file as shm
 
 __all__ = ["HostCopyTieringSpec", "HostCopyWorker", "claim_amx_tiles"]
 
@@ -282,7 +282,7 @@ class HostCopyWorker(OffloadingWorker):
                 and region.fd is not None
                 and not shm.names_file(region.mmap_path, region.fd)
             ):
-                # The name is gone (:func:`p2p_kv.shm.release_name`) or now
+                # The name is gone (:func:`p2p_kv.data.shm_file.release_name`) or now
                 # another engine's: vLLM's cleanup would unlink it blindly.
                 region._creator = False
             region.cleanup()
@@ -302,7 +302,7 @@ class HostCopyTieringSpec(TieringOffloadingSpec):
         it made: nothing opens it by name any more, and an engine that is
         killed leaves nothing in ``/dev/shm``. Should this scheduler have
         made the file, workers still to come need the name: it stays, and
-        goes at shutdown or at a later start (:func:`p2p_kv.shm.sweep`)."""
+        goes at shutdown or at a later start (:func:`p2p_kv.data.shm_file.sweep`)."""
         manager = super().get_manager()
         region = getattr(self, "_scheduler_mmap", None)
         if (

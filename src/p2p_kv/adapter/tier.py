@@ -2,8 +2,8 @@
 
 Selected in ``kv_transfer_config.kv_connector_extra_config.secondary_tiers``
 with ``{"type": "P2PKVTier", "module_path": "p2p_kv.adapter.tier", ...keys
-of p2p_kv.config.TierConfig}``. This class translates vLLM's calls into
-:class:`~p2p_kv.runtime.TierRuntime` / :class:`~p2p_kv.manager.LoadManager`
+of p2p_kv.runtime.config.TierConfig}``. This class translates vLLM's calls into
+:class:`~p2p_kv.runtime.tier_runtime.TierRuntime` / :class:`~p2p_kv.node.manager.LoadManager`
 calls and nothing more: every decision lives below it. What differs
 between vLLM versions is read from one table
 (:mod:`p2p_kv.adapter.versions`), by the installed version.
@@ -22,12 +22,12 @@ from queue import Queue
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from p2p_kv.adapter import versions
-from p2p_kv.config import ConfigError, TierConfig, check_hash_seed, check_nixl
-from p2p_kv.handshake import Identity
-from p2p_kv.manager import Answer
-from p2p_kv.metrics import DEFINITIONS, MetricsExporter
+from p2p_kv.node.manager import Answer
+from p2p_kv.node.roles import Roles
 from p2p_kv.peer import PinResult
-from p2p_kv.roles import Roles
+from p2p_kv.peer.handshake import Identity
+from p2p_kv.runtime.config import ConfigError, TierConfig, check_hash_seed, check_nixl
+from p2p_kv.runtime.metrics import DEFINITIONS, MetricsExporter
 
 #: The installed vLLM's row of the version table: a vLLM known not to work
 #: is refused here, before an import below fails for another reason.
@@ -312,7 +312,7 @@ class P2PKVTier(SecondaryTierManager):
                         f"p2p_kv: port {self.cfg.port} + data-parallel rank {rank} "
                         f"is {port}, past 65535: set a port of at most {65535 - rank}"
                     )
-        from p2p_kv.stack import build_runtime
+        from p2p_kv.runtime.stack import build_runtime
 
         region = (
             primary_kv_view.cast("B") if primary_kv_view.ndim != 1 else primary_kv_view
@@ -553,7 +553,7 @@ class P2PKVTier(SecondaryTierManager):
     def build_metric_definitions(
         cls, extra_config: dict[str, Any]
     ) -> dict[str, OffloadingMetricMetadata]:
-        """p2p_kv.metrics.DEFINITIONS as vLLM metadata (per-peer labels)."""
+        """p2p_kv.runtime.metrics.DEFINITIONS as vLLM metadata (per-peer labels)."""
         out: dict[str, OffloadingMetricMetadata] = {}
         for name, d in DEFINITIONS.items():
             if d.kind == "histogram":
@@ -668,8 +668,8 @@ def _identity(
         )
     )
     seed = get_none_hash_seed()
-    from p2p_kv.handshake import seed_digest
-    from p2p_kv.stack import stated_identity
+    from p2p_kv.peer.handshake import seed_digest
+    from p2p_kv.runtime.stack import stated_identity
 
     # Everything `p2p-kv doctor --from-log` needs to check this engine from
     # another host; the seed and the secret only as a digest and a yes/no.

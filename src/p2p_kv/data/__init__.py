@@ -7,7 +7,7 @@ layers use; the package splits what it joins:
   here; descriptor arithmetic; checks of a peer's region. Pure.
 * ``agent.py``: the NIXL agent (loaded lazily), its backends and
   descriptor lists.
-* ``peers.py``: the peers' agents, loaded, retired and dropped.
+* ``remote_agents.py``: the peers' agents, loaded, retired and dropped.
 * ``transfer.py``: the :class:`~p2p_kv.data.transfer.Transfer` protocol
   every kind of transfer in flight implements, and the ledger that gives
   them up within their drain bound.

@@ -40,8 +40,8 @@ from typing import Any, Final
 
 import numpy as np
 
+from p2p_kv.data.plan import WritePlan
 from p2p_kv.data.regions import RegionInfo, RegionSpan, build_descs
-from p2p_kv.plan import WritePlan
 from p2p_kv.ratelog import PeerLog
 
 __all__ = [

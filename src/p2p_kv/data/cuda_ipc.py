@@ -29,8 +29,8 @@ import numpy as np
 import numpy.typing as npt
 
 from p2p_kv.data.offer import CudaIpcRegion, Source, check_peer
-from p2p_kv.plan import WritePlan
-from p2p_kv.procfs import boot_id, loaded_library, process_dir
+from p2p_kv.data.plan import WritePlan
+from p2p_kv.data.procfs import boot_id, loaded_library, process_dir
 
 __all__ = [
     "BATCH_MIN_RUNS",

@@ -15,10 +15,10 @@ from typing import Any, Final
 
 from p2p_kv.data.cuda_ipc import CudaCopier, CudaIpcMapping, export_cuda_region
 from p2p_kv.data.offer import Copier, CudaIpcRegion, Offer, ShmRegion, Source
+from p2p_kv.data.plan import Indices, WritePlan, plan_write
 from p2p_kv.data.regions import MEM_DRAM, MEM_VRAM, Peer, RegionSpan
 from p2p_kv.data.shm_copy import HostCopier, PeerMapping, find_backing
 from p2p_kv.data.transfer import Transfer
-from p2p_kv.plan import Indices, WritePlan, plan_write
 from p2p_kv.ratelog import PeerLog
 
 __all__ = ["IPC_MIN_RUNS", "LocalReads", "may_copy", "plan_copy"]

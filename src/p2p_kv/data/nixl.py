@@ -37,7 +37,7 @@ from p2p_kv.data.agent import (
     open_agent,
 )
 from p2p_kv.data.local import LocalReads, plan_copy
-from p2p_kv.data.peers import Peers
+from p2p_kv.data.plan import Indices, WritePlan, as_int_list, check_mapping, plan_write
 from p2p_kv.data.regions import (
     Peer,
     Region,
@@ -46,6 +46,7 @@ from p2p_kv.data.regions import (
     check_geometry,
     describe_region,
 )
+from p2p_kv.data.remote_agents import RemoteAgents
 from p2p_kv.data.staged import DEFAULT_READ_STAGING_BYTES, Staging
 from p2p_kv.data.transfer import (
     DEFAULT_DRAIN_TIMEOUT_S,
@@ -53,7 +54,6 @@ from p2p_kv.data.transfer import (
     NixlTransfer,
     release_quietly,
 )
-from p2p_kv.plan import Indices, WritePlan, as_int_list, check_mapping, plan_write
 from p2p_kv.ratelog import PeerLog
 
 __all__ = ["NixlDataTransport"]
@@ -162,7 +162,7 @@ class NixlDataTransport:
             fault=fault,
             prepare=_weakly(self._prepare),
         )
-        self._peers = Peers(
+        self._peers = RemoteAgents(
             name=self._name,
             lists=self._lists,
             span=span,

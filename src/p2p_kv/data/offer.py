@@ -25,9 +25,9 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from p2p_kv.data.plan import WritePlan
+from p2p_kv.data.procfs import boot_id, holds_connection
 from p2p_kv.data.transfer import Transfer
-from p2p_kv.plan import WritePlan
-from p2p_kv.procfs import boot_id, holds_connection
 
 __all__ = [
     "Copier",
@@ -71,7 +71,7 @@ Offer: TypeAlias = ShmRegion | CudaIpcRegion
 
 def check_peer(info: Offer, conn_inode: str, proc: int | None) -> None:
     """Refuse a region offer unless its pid (``proc``, its
-    :func:`~p2p_kv.procfs.process_dir`) is the peer at the far end of our
+    :func:`~p2p_kv.data.procfs.process_dir`) is the peer at the far end of our
     connection ``conn_inode``, on this boot of this host."""
     if info.boot_id != boot_id():
         raise ValueError("peer is on another host (boot id differs)")

@@ -6,7 +6,7 @@ against 11.5 GB/s for a plain memcpy, and into GPU memory UCX falls back to
 a software path at about 1% of a pinned ``cudaMemcpy`` (``shared/notes``).
 But a vLLM engine's primary tier already lives in a shared file
 (``SharedOffloadRegion`` maps ``/dev/shm/vllm_offload_*``), and a
-:class:`~p2p_kv.standalone.StandalonePeer` puts its region in a memfd. So a
+:class:`~p2p_kv.runtime.standalone.StandalonePeer` puts its region in a memfd. So a
 producer can tell a consumer on the same host *which open file* backs its
 region, and the consumer opens it read-only and copies the blocks itself:
 ``preadv`` into host memory (in parallel for large loads), a DMA from
@@ -48,8 +48,8 @@ import numpy as np
 import numpy.typing as npt
 
 from p2p_kv.data.offer import ShmRegion, Source, check_peer
-from p2p_kv.plan import WritePlan
-from p2p_kv.procfs import (
+from p2p_kv.data.plan import WritePlan
+from p2p_kv.data.procfs import (
     boot_id,
     mapping_of,
     process_dir,

@@ -47,10 +47,10 @@ import numpy.typing as npt
 
 from p2p_kv.data.agent import Lists, disconnected
 from p2p_kv.data.copy_out import INLINE_COPY_BYTES, Copying, CopyThreads
+from p2p_kv.data.plan import plan_write
 from p2p_kv.data.regions import MEM_VRAM, Peer, RegionSpan
 from p2p_kv.data.shm_copy import shared_region
 from p2p_kv.data.transfer import release_quietly
-from p2p_kv.plan import plan_write
 from p2p_kv.ratelog import PeerLog
 
 __all__ = [

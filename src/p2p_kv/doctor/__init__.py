@@ -57,7 +57,6 @@ import os
 import sys
 from collections.abc import Sequence
 
-from p2p_kv.config import ConfigError, TierConfig
 from p2p_kv.doctor.checks import (
     HASH_ALGOS,
     MAX_BLOCK_BYTES,
@@ -83,7 +82,8 @@ from p2p_kv.doctor.peer import (
     peer_command,
     sizes_from_layout,
 )
-from p2p_kv.handshake import Layout, parse_layout
+from p2p_kv.peer.handshake import Layout, parse_layout
+from p2p_kv.runtime.config import ConfigError, TierConfig
 
 __all__ = [
     "HASH_ALGOS",

@@ -15,12 +15,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from p2p_kv.config import (
+from p2p_kv.runtime.config import (
     ConfigError,
     TierConfig,
     check_hash_seed,
 )
-from p2p_kv.config import check_nixl as _config_check_nixl
+from p2p_kv.runtime.config import check_nixl as _config_check_nixl
 
 if TYPE_CHECKING:
     pass
@@ -266,7 +266,7 @@ def check_port(host: str, port: int) -> CheckResult:
     """The control socket binds ``host:port``, as the tier would bind it."""
     details: dict[str, Any] = {"host": host, "port": port}
     try:
-        from p2p_kv.control import ControlTransport
+        from p2p_kv.control.transport import ControlTransport
     except ImportError as exc:
         return CheckResult(
             "port", False, f"cannot test: {exc}", "reinstall p2p_kv", details
@@ -334,7 +334,7 @@ def check_seed(
     # Its digest, as the handshake carries it: the seed itself is what
     # keeps block hashes unguessable, and this report is pasted into bug
     # reports; engines that share KV show the same digest.
-    from p2p_kv.handshake import seed_digest
+    from p2p_kv.peer.handshake import seed_digest
 
     digest = seed_digest(seed).hex()[:16]
     return CheckResult(

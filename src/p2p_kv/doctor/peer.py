@@ -20,12 +20,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from p2p_kv.config import (
+from p2p_kv.runtime.config import (
     TIMEOUT_S,
     ConfigError,
     secret_problem,
 )
-from p2p_kv.config import check_nixl as _config_check_nixl
+from p2p_kv.runtime.config import check_nixl as _config_check_nixl
 
 if TYPE_CHECKING:
     from p2p_kv.peer import Session
@@ -37,7 +37,7 @@ from p2p_kv.doctor.checks import (
     CheckResult,
     _shown,
 )
-from p2p_kv.handshake import FIXES, parse_layout
+from p2p_kv.peer.handshake import FIXES, parse_layout
 
 _REFUSAL_FIXES = {
     "version": "run the same p2p_kv version on both sides",
@@ -252,7 +252,7 @@ def parse_identity_line(text: str) -> LoggedIdentity:
 def peer_command(ident: LoggedIdentity) -> tuple[str, list[str]]:
     """The ``p2p-kv doctor --peer`` command that checks the engine
     ``ident`` describes, and notes on what the shell that runs it needs."""
-    from p2p_kv.handshake import seed_digest
+    from p2p_kv.peer.handshake import seed_digest
 
     words = ["p2p-kv", "doctor", "--peer", ident.address]
     words += ["--layout", ident.layout, "--block-bytes", str(ident.block_bytes)]
@@ -302,7 +302,7 @@ def check_peer(peer: str, spec: PeerSpec, timeout_s: float = 5.0) -> CheckResult
     name = "peer"
     details: dict[str, Any] = {"peer": peer, "state": "error"}
     try:
-        from p2p_kv.control import parse_peer
+        from p2p_kv.control.transport import parse_peer
 
         host, port = parse_peer(peer)
     except ValueError as exc:
@@ -316,7 +316,7 @@ def check_peer(peer: str, spec: PeerSpec, timeout_s: float = 5.0) -> CheckResult
     except ConfigError as exc:
         return CheckResult(name, False, str(exc), _NIXL_FIX, details)
     if spec.peer_kind == "standalone":
-        from p2p_kv.standalone import canonical_hashes
+        from p2p_kv.runtime.standalone import canonical_hashes
 
         canon = canonical_hashes(spec.hash_seed)
     else:
@@ -420,7 +420,7 @@ def _seed_digest_problem(
 ) -> CheckResult | None:
     """``--seed-digest``: the seed here must be the engine's; told before
     dialing, as the peer's refusal cannot say whose seed is wrong."""
-    from p2p_kv.handshake import seed_digest
+    from p2p_kv.peer.handshake import seed_digest
 
     want = want.lower()
     if not (8 <= len(want) <= 64 and all(c in "0123456789abcdef" for c in want)):
@@ -456,10 +456,10 @@ def _handshake(
 ) -> CheckResult:
     import numpy as np
 
-    from p2p_kv.manager import Answer
+    from p2p_kv.node.manager import Answer
+    from p2p_kv.node.roles import Roles, Source, format_peer
     from p2p_kv.peer import Timeouts
-    from p2p_kv.roles import Roles, Source, format_peer
-    from p2p_kv.stack import build_runtime, stated_identity
+    from p2p_kv.runtime.stack import build_runtime, stated_identity
 
     name = "peer"
     target = format_peer(host, port)
@@ -578,7 +578,7 @@ def _not_ready(
             refusal_fix(reason),
             details,
         )
-    from p2p_kv.control import REFUSED
+    from p2p_kv.control.transport import REFUSED
 
     for marker, state, fix in (
         (

@@ -18,17 +18,10 @@ Until then its slots are counted as fenced.
 from __future__ import annotations
 
 from p2p_kv.lifecycle import Effect, Event, State
-from p2p_kv.peer.events import (
-    Cancel,
-    Direction,
-    LoadDone,
-    LoadResult,
-    PostRead,
-    TransferRef,
-)
+from p2p_kv.peer.events import Cancel, Direction, LoadDone, PostRead, TransferRef
 from p2p_kv.peer.link import Link
 from p2p_kv.peer.lookups import Lookups
-from p2p_kv.peer.records import Load, Probe
+from p2p_kv.peer.records import Load, LoadResult, Probe
 from p2p_kv.protocol import (
     MAX_KEYS,
     Abort,

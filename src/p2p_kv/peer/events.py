@@ -15,10 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TypeAlias
 
-if TYPE_CHECKING:
-    from p2p_kv.peer.records import Serve
+from p2p_kv.peer.records import LoadResult, Serve, StoreResult
 
 
 class Direction(Enum):
@@ -36,30 +35,6 @@ class TransferRef:
 
     direction: Direction
     ident: int
-
-
-@dataclass(slots=True)
-class LoadResult:
-    """Outcome of one consumer load job. ``request_finished`` travels with it:
-    a failure of a request that vLLM already finished must never mark the
-    request id as failed (that is the leak this project exists to avoid)."""
-
-    job_id: int
-    gen: int
-    success: bool
-    reason: str = ""
-    nbytes: int = 0
-    elapsed_s: float = 0.0
-    request_finished: bool = False
-
-
-@dataclass(slots=True)
-class StoreResult:
-    """Outcome of one producer-side store job (a pin or a parked store)."""
-
-    job_id: int
-    success: bool
-    reason: str = ""
 
 
 @dataclass(slots=True)

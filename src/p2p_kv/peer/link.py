@@ -16,7 +16,8 @@ from collections.abc import Callable, Sequence
 from enum import Enum
 from typing import NamedTuple
 
-from p2p_kv.handshake import (
+from p2p_kv.peer.events import SessionEvent
+from p2p_kv.peer.handshake import (
     SEALED,
     FrameKeys,
     FrameRefused,
@@ -29,7 +30,6 @@ from p2p_kv.handshake import (
     make_hello,
     verify_mac,
 )
-from p2p_kv.peer.events import SessionEvent
 from p2p_kv.peer.records import (
     KeyCount,
     Limits,
@@ -221,11 +221,11 @@ class Link:
         )
         return True
 
-    # -- sealing (with a shared secret; see p2p_kv.handshake) ----------------
+    # -- sealing (with a shared secret; see p2p_kv.peer.handshake) ----------------
 
     def seal(self, msg: Message, frame: bytes) -> bytes:
         """The frame to put on the wire for ``msg``: sealed (encrypted and
-        authenticated, :class:`~p2p_kv.handshake.FrameKeys`) once the link
+        authenticated, :class:`~p2p_kv.peer.handshake.FrameKeys`) once the link
         has keys, except the handshake's own two messages and a Goodbye
         sent before the peer's proof checked (a refusal: a peer that
         failed the handshake has no keys to open it, and must read why).

@@ -18,7 +18,6 @@ from p2p_kv.peer.events import (
     PinJob,
     PostWrite,
     StoreDone,
-    StoreResult,
     TransferRef,
     WantsParked,
 )
@@ -30,6 +29,7 @@ from p2p_kv.peer.records import (
     Pinner,
     PinResult,
     Serve,
+    StoreResult,
     all_miss,
 )
 from p2p_kv.protocol import (

@@ -23,7 +23,6 @@ from p2p_kv.lifecycle import (
     State,
     Tracked,
 )
-from p2p_kv.peer.events import LoadResult, StoreResult
 from p2p_kv.protocol import (
     MAX_TTL_MS,
     AbortAck,
@@ -34,6 +33,30 @@ from p2p_kv.protocol import (
     Message,
     TransferDone,
 )
+
+
+@dataclass(slots=True)
+class LoadResult:
+    """Outcome of one consumer load job. ``request_finished`` travels with it:
+    a failure of a request that vLLM already finished must never mark the
+    request id as failed (that is the leak this project exists to avoid)."""
+
+    job_id: int
+    gen: int
+    success: bool
+    reason: str = ""
+    nbytes: int = 0
+    elapsed_s: float = 0.0
+    request_finished: bool = False
+
+
+@dataclass(slots=True)
+class StoreResult:
+    """Outcome of one producer-side store job (a pin or a parked store)."""
+
+    job_id: int
+    success: bool
+    reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -494,7 +517,7 @@ def is_inbound(conn: str) -> bool:
 
 
 #: How a count of an Error the peer sent starts: its code is the peer's
-#: choice, counted apart from ours (p2p_kv.metrics gives it its own labels).
+#: choice, counted apart from ours (p2p_kv.runtime.metrics gives it its own labels).
 PEER_REASON: Final = "peer:"
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Final
 
-from p2p_kv.handshake import FrameRefused, HandshakeRefused, Identity
 from p2p_kv.lifecycle import Event, IllegalTransition, Machine
 from p2p_kv.peer.consumer import ConsumerSide
 from p2p_kv.peer.events import (
@@ -32,6 +31,7 @@ from p2p_kv.peer.events import (
     PostWrite,
     Subscribed,
 )
+from p2p_kv.peer.handshake import FrameRefused, HandshakeRefused, Identity
 from p2p_kv.peer.link import Link, LinkState, Loss
 from p2p_kv.peer.producer import ProducerSide
 from p2p_kv.peer.records import (

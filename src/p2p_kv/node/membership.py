@@ -13,7 +13,7 @@ engine dial an address of its choosing (the exhaustion vLLM advisory
 GHSA-frvg-qw88-hww9 was about). It is counted by reason (``refused``), and
 each address is reported once (``take_reports``) for the runtime's log.
 
-Pure: names are resolved by the runtime (:mod:`p2p_kv.resolver`), off the
+Pure: names are resolved by the runtime (:mod:`p2p_kv.runtime.resolver`), off the
 engine's thread, and handed in with :meth:`Membership.update`; nothing here
 touches a socket or a clock.
 """
@@ -24,8 +24,8 @@ import ipaddress
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from p2p_kv.indexes import residue_of
-from p2p_kv.roles import format_peer
+from p2p_kv.node.indexes import residue_of
+from p2p_kv.node.roles import format_peer
 
 #: Reason a source outside the membership is counted under.
 NOT_A_MEMBER = "not_a_member"

@@ -16,7 +16,7 @@ An engine killed before that point (during its start), or one whose region
 is vLLM's own, leaves its file behind: each start takes a new engine id, so
 such files pile up. :func:`sweep` removes those that no live process holds
 open or mapped, as the kernel proves it (a write lease) or, failing that,
-``/proc`` (:func:`p2p_kv.procfs.holders`).
+``/proc`` (:func:`p2p_kv.data.procfs.holders`).
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ import os
 import signal
 import stat
 
-from p2p_kv.procfs import holders, sees_every_process
+from p2p_kv.data.procfs import holders, sees_every_process
 
 __all__ = ["OFFLOAD_PREFIX", "names_file", "offload_path", "release_name", "sweep"]
 
-log = logging.getLogger("vllm.p2p_kv.shm")
+log = logging.getLogger("vllm.p2p_kv.data.shm_file")
 
 SHM_DIR = "/dev/shm"
 OFFLOAD_PREFIX = "vllm_offload_"
@@ -89,7 +89,7 @@ def sweep(
     any pid namespace, and while we hold the lease nobody can open it
     unnoticed, so the unlink happens under the proof. Where leases are not
     to be had (``/proc/sys/fs/leases-enable`` off, a filesystem without
-    them), ``/proc`` is the proof (:func:`p2p_kv.procfs.holders`), and
+    them), ``/proc`` is the proof (:func:`p2p_kv.data.procfs.holders`), and
     only where it lists every process of the host and lets us read the
     fds and maps of each; otherwise every file stays, and one line says
     why."""

@@ -28,12 +28,12 @@ What anyone who reaches the port can make us hold, and for how long:
   than the busiest takes the room of that one's oldest, and any other new
   one is closed. So a flood takes only its own addresses' room, and a
   member dialling from its own address gets in (``_admit``). Accepted
-  connections wait for a session in :class:`~p2p_kv.control_listen.Waiting`
+  connections wait for a session in :class:`~p2p_kv.control.listen.Waiting`
   (at most :data:`MAX_WAITING`, :data:`MAX_WAITING_PER_HOST` from one
   address), and the address holding the fewest is served first, so a
   member's dial does not queue behind a flood's. The session's
   handshake deadline closes any that stays silent. The kernel queues up to
-  :data:`~p2p_kv.control_listen.LISTEN_BACKLOG` connections for us to
+  :data:`~p2p_kv.control.listen.LISTEN_BACKLOG` connections for us to
   accept, so a member's dial is not dropped while a flood fills the
   queue. An accepted descriptor within :data:`FD_RESERVE` of the
   process's limit is closed at once, so a flood cannot take the
@@ -43,7 +43,7 @@ What anyone who reaches the port can make us hold, and for how long:
   the connection is trusted or its handshake deadline passes, and a longer
   one ends the connection. At most :data:`MAX_FRAMES_BEFORE_TRUST` frames
   come before trust (an honest handshake takes three), and one that does
-  not decode ends the connection (``frames.py``). After trust a frame is
+  not decode ends the connection (:mod:`p2p_kv.runtime.frames`). After trust a frame is
   at most :data:`MAX_WIRE_FRAME`; a longer one ends the connection.
 * **Per poll**: at most :data:`MAX_FRAMES_PER_POLL` frames from one
   connection and :data:`MAX_BYTES_PER_POLL` bytes over all, the peers we
@@ -59,9 +59,9 @@ What anyone who reaches the port can make us hold, and for how long:
   it the send fails and the session ends (the peer stopped reading).
 
 The pieces: one connection's bytes and the frame format are
-:class:`~p2p_kv.control_conn.Conn`'s (``control_conn.py``); binding the
+:class:`~p2p_kv.control.connection.Conn`'s (``connection.py``); binding the
 port and accepting from it within the descriptor reserve are
-:class:`~p2p_kv.control_listen.Listener`'s (``control_listen.py``). This
+:class:`~p2p_kv.control.listen.Listener`'s (``listen.py``). This
 module holds what spans connections: the poll set, the table of
 connections, dialling, the budgets shared by a poll, the bounds on
 connections still handshaking, and closing.
@@ -85,7 +85,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Final
 
-from p2p_kv.control_conn import (
+from p2p_kv.control.connection import (
     HEADER,
     LOST,
     MAX_FRAMES_BEFORE_TRUST,
@@ -98,7 +98,7 @@ from p2p_kv.control_conn import (
     Inbound,
     wire_size,
 )
-from p2p_kv.control_listen import (
+from p2p_kv.control.listen import (
     ACCEPT_PAUSE_S,
     ACCEPTS_PER_POLL,
     FD_RESERVE,

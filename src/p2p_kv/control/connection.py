@@ -8,7 +8,7 @@ state (trusted or not), and how many frames one poll takes from it. It
 never touches the poller, the table of connections, the byte budget shared
 by a poll, the counters or the bounds on connections still handshaking:
 those span every connection, so they are
-:class:`~p2p_kv.control.ControlTransport`'s, which owns the conns. What
+:class:`~p2p_kv.control.transport.ControlTransport`'s, which owns the conns. What
 goes wrong here comes back as the reason the connection is lost (a string)
 or a :class:`FramingError`, and the transport decides what follows.
 """

@@ -19,12 +19,12 @@ import numpy as np
 
 from p2p_kv.data.shm_copy import shared_region
 from p2p_kv.data.staged import DEFAULT_READ_STAGING_BYTES
-from p2p_kv.manager import Answer, JobResult, LoadManager
-from p2p_kv.membership import parse_peers
+from p2p_kv.node.manager import Answer, JobResult, LoadManager
+from p2p_kv.node.membership import parse_peers
+from p2p_kv.node.roles import Roles
 from p2p_kv.peer import PinResult, Timeouts
-from p2p_kv.resolver import Resolve, resolve_host
-from p2p_kv.roles import Roles
-from p2p_kv.stack import build_runtime, stated_identity
+from p2p_kv.runtime.resolver import Resolve, resolve_host
+from p2p_kv.runtime.stack import build_runtime, stated_identity
 
 
 def canonical_hashes(seed: str, block_tokens: int = 16) -> tuple[bytes, ...]:

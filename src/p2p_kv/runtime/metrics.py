@@ -12,7 +12,7 @@ every session's :class:`~p2p_kv.peer.SessionCounters` (and of the
 sessions the manager retired since) and sends the difference. Gauges are
 sent when they change; a label series that disappears (a peer gone) is set
 to zero once, since vLLM never removes a series. Load outcomes come from
-:attr:`~p2p_kv.manager.LoadManager.load_observations`.
+:attr:`~p2p_kv.node.manager.LoadManager.load_observations`.
 
 Label cardinality: ``peer`` is the address we dial (outbound) or, for an
 inbound session, the peer's Hello ``engine_id`` up to its first ``/`` (the
@@ -32,7 +32,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Literal, Protocol
 
-from p2p_kv.manager import LoadManager
+from p2p_kv.node.manager import LoadManager
 from p2p_kv.peer import PEER_REASON, Session, SessionCounters, is_inbound
 
 PREFIX = "vllm:kv_offload_p2p_"

@@ -5,7 +5,7 @@ every address it resolves to, and those change as pods come and go. A
 :class:`Resolver` thread resolves each name at start and every
 ``refresh_s`` after; the runtime takes what it found (:meth:`Resolver.take`)
 under its own lock and hands it to the pure
-:class:`~p2p_kv.membership.Membership`. A lookup can take seconds (a DNS
+:class:`~p2p_kv.node.membership.Membership`. A lookup can take seconds (a DNS
 server that does not answer), which the engine's thread never waits for.
 
 A name that no longer exists resolves to no address: its members go. Any
@@ -21,7 +21,7 @@ import socket
 import threading
 from collections.abc import Callable, Sequence
 
-from p2p_kv.membership import Entry
+from p2p_kv.node.membership import Entry
 from p2p_kv.ratelog import PeerLog
 
 log = logging.getLogger("vllm.p2p_kv")

@@ -1,17 +1,17 @@
 """The poll loop: transports in, manager in the middle, transports out.
 
 :class:`TierRuntime` owns the three parts of one engine's tier -- the pure
-:class:`~p2p_kv.manager.LoadManager`, the TCP
-:class:`~p2p_kv.control.ControlTransport` and the NIXL
+:class:`~p2p_kv.node.manager.LoadManager`, the TCP
+:class:`~p2p_kv.control.transport.ControlTransport` and the NIXL
 :class:`~p2p_kv.data.NixlDataTransport` -- and is where the clock comes
 from. The adapter calls it from vLLM's scheduler thread. What happens on
 each side of the manager has a module of its own, each a part the runtime
 owns and drives under its lock: frames in and out
-(:class:`~p2p_kv.frames.Frames`), the data plane's agents and transfers
-(:class:`~p2p_kv.transfers.Transfers`), the keep-alive thread that
-answers peers while the engine does not step (:class:`~p2p_kv.waker.Waker`),
+(:class:`~p2p_kv.runtime.frames.Frames`), the data plane's agents and transfers
+(:class:`~p2p_kv.runtime.transfers.Transfers`), the keep-alive thread that
+answers peers while the engine does not step (:class:`~p2p_kv.runtime.waker.Waker`),
 and, with ``peers`` naming hosts, the thread that resolves them
-(:class:`~p2p_kv.resolver.Resolver`), whose findings reach the manager's
+(:class:`~p2p_kv.runtime.resolver.Resolver`), whose findings reach the manager's
 membership here, under the lock.
 Here stay the poll loop, the pump that carries the manager's events out,
 and the engine's entry points.
@@ -40,11 +40,10 @@ from collections.abc import Callable, Iterable
 from queue import Queue
 from typing import Any
 
-from p2p_kv.control import ControlTransport
+from p2p_kv.control.transport import ControlTransport
 from p2p_kv.data import NixlDataTransport
-from p2p_kv.frames import Frames
-from p2p_kv.manager import JobResult, LoadManager
-from p2p_kv.metrics import MetricsExporter, StatsSink
+from p2p_kv.node.manager import JobResult, LoadManager
+from p2p_kv.node.roles import Roles
 from p2p_kv.peer import Pinner
 from p2p_kv.peer.events import (
     Cancel,
@@ -55,10 +54,11 @@ from p2p_kv.peer.events import (
     RuntimeEvent,
 )
 from p2p_kv.ratelog import PeerLog
-from p2p_kv.resolver import Resolver
-from p2p_kv.roles import Roles
-from p2p_kv.transfers import Transfers
-from p2p_kv.waker import WAKER_IDLE_S, Waker
+from p2p_kv.runtime.frames import Frames
+from p2p_kv.runtime.metrics import MetricsExporter, StatsSink
+from p2p_kv.runtime.resolver import Resolver
+from p2p_kv.runtime.transfers import Transfers
+from p2p_kv.runtime.waker import WAKER_IDLE_S, Waker
 
 log = logging.getLogger("vllm.p2p_kv")
 
@@ -82,7 +82,7 @@ DRAIN_TICK_MAX_S = 0.001
 
 
 def fresh_nonce() -> bytes:
-    """A handshake nonce for :class:`~p2p_kv.manager.LoadManager`
+    """A handshake nonce for :class:`~p2p_kv.node.manager.LoadManager`
     (``nonces=``): 16 bytes from the OS, so a peer cannot replay or reflect
     an old handshake. It lives here, beside the clock, because the core
     takes both from its caller."""
@@ -91,8 +91,8 @@ def fresh_nonce() -> bytes:
 
 class TierRuntime:
     """One engine's tier, driven from the engine's thread (and the
-    waker's): the facade the adapter, :mod:`p2p_kv.stack` and
-    :class:`~p2p_kv.standalone.StandalonePeer` call. Frames live in
+    waker's): the facade the adapter, :mod:`p2p_kv.runtime.stack` and
+    :class:`~p2p_kv.runtime.standalone.StandalonePeer` call. Frames live in
     :attr:`frames`, the data plane's bookkeeping in :attr:`transfers`, the
     keep-alive thread in :attr:`waker`; this class decides when to wait
     and carries the manager's events to them."""
@@ -266,7 +266,7 @@ class TierRuntime:
         now = self.clock()
         if not (wait if wait is not None else self.may_wait()):
             self._idle_streak = 0
-            self._sweep()
+            self.sweep()
             return
         backoff = 0.002 * (2 ** min(self._idle_streak, 20))
         self._idle_streak += 1
@@ -305,7 +305,7 @@ class TierRuntime:
                 break
         self._progress()
 
-    def _sweep(self) -> None:
+    def sweep(self) -> None:
         """Take what is there without waiting. The waker's pass: it leaves
         the engine's own idle backoff alone."""
         self._receive(0.0)

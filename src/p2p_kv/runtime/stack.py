@@ -1,13 +1,13 @@
 """The runtime stack, built in one place: the NIXL data plane, the control
-socket, the :class:`~p2p_kv.manager.LoadManager` and the
-:class:`~p2p_kv.runtime.TierRuntime` that drives them.
+socket, the :class:`~p2p_kv.node.manager.LoadManager` and the
+:class:`~p2p_kv.runtime.tier_runtime.TierRuntime` that drives them.
 
 The vLLM tier, the standalone peer (tests, benchmarks) and the doctor's
 peer check all run this same stack, so they are built by the same code:
 a default, a start-up order or a cleanup that differed between them would
 make the tests and the doctor check something other than what serves.
 What differs is passed in: the region, the configured values, and what the
-engine states about itself (its :class:`~p2p_kv.handshake.Identity`).
+engine states about itself (its :class:`~p2p_kv.peer.handshake.Identity`).
 
 No vLLM here: only :mod:`p2p_kv.adapter` imports it.
 """
@@ -19,15 +19,15 @@ from collections.abc import Callable, Sequence
 
 import msgspec
 
-from p2p_kv.control import ControlTransport
+from p2p_kv.control.transport import ControlTransport
 from p2p_kv.data import NixlDataTransport, Region, drain_timeout_for
 from p2p_kv.data.staged import DEFAULT_READ_STAGING_BYTES
-from p2p_kv.handshake import Identity
-from p2p_kv.manager import LoadManager
-from p2p_kv.membership import Entry, Membership
+from p2p_kv.node.manager import LoadManager
+from p2p_kv.node.membership import Entry, Membership
 from p2p_kv.peer import Timeouts
-from p2p_kv.resolver import Resolve, Resolver, resolve_host
-from p2p_kv.runtime import TierRuntime, fresh_nonce
+from p2p_kv.peer.handshake import Identity
+from p2p_kv.runtime.resolver import Resolve, Resolver, resolve_host
+from p2p_kv.runtime.tier_runtime import TierRuntime, fresh_nonce
 
 #: What an engine states in its Hello, from its data plane and its control
 #: address (``host:port``). Called once: while the stack is built, or with
@@ -142,7 +142,7 @@ def stated_identity(
     layout: str,
     secret: bytes | None,
 ) -> Identity:
-    """An :class:`~p2p_kv.handshake.Identity` whose block size, block count
+    """An :class:`~p2p_kv.peer.handshake.Identity` whose block size, block count
     and region are the data plane's own: what a peer READs and WRITEs is
     what was registered, never a number the caller restated."""
     return Identity(

@@ -1,16 +1,16 @@
 """The P2P load manager: one per engine, no I/O.
 
 It is what vLLM's tier calls reach (through the adapter) and what the
-transports feed (through :mod:`p2p_kv.runtime`). It composes one
+transports feed (through :mod:`p2p_kv.runtime.tier_runtime`). It composes one
 :class:`~p2p_kv.peer.Session` per peer connection (kept by
-:class:`~p2p_kv.peers.Peers`) with the engine-level state no single peer
+:class:`~p2p_kv.node.sessions.Peers`) with the engine-level state no single peer
 owns:
 
 * one :class:`Request` record per live engine request with a p2p leg: its
   consumer leg (``remote_kv_source`` or ``remote_prefiller``), stamped with
   a fresh *generation*; its producer leg (``remote_decoder``); and whether
   it failed, so :meth:`lookup` answers MISS until it finishes;
-* the parked-store registry for producer legs (:mod:`p2p_kv.parked`);
+* the parked-store registry for producer legs (:mod:`p2p_kv.node.parked`);
 * job bookkeeping, so every submitted job yields exactly one result.
 
 Finished means finished: :meth:`on_request_finished` pops the request's
@@ -32,14 +32,18 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 
-from p2p_kv.consumer_legs import Answer as Answer
-from p2p_kv.consumer_legs import Loads
-from p2p_kv.directory import fingerprint
-from p2p_kv.finder import Finder
-from p2p_kv.handshake import FrameRefused, Identity
-from p2p_kv.indexes import holders_of, residue_of, sizes_of
-from p2p_kv.membership import Membership
-from p2p_kv.parked import ParkedRegistry
+from p2p_kv.node.consumer_legs import Answer as Answer
+from p2p_kv.node.consumer_legs import Loads
+from p2p_kv.node.directory import fingerprint
+from p2p_kv.node.finder import Finder
+from p2p_kv.node.indexes import holders_of, residue_of, sizes_of
+from p2p_kv.node.membership import Membership
+from p2p_kv.node.parked import ParkedRegistry
+from p2p_kv.node.requests import Job, JobTable, Request, RequestTable
+from p2p_kv.node.requests import JobResult as JobResult
+from p2p_kv.node.roles import Roles, Source
+from p2p_kv.node.sessions import Peers, SessionWork
+from p2p_kv.node.tallies import FromTallies, LoadObservation, Tallies
 from p2p_kv.peer import (
     Limits,
     ParkedStore,
@@ -55,7 +59,6 @@ from p2p_kv.peer.events import (
     Dial,
     HoldingsHeard,
     LoadDone,
-    LoadResult,
     Orphaned,
     PinJob,
     PostRead,
@@ -64,16 +67,12 @@ from p2p_kv.peer.events import (
     ProbeAnswered,
     RuntimeEvent,
     StoreDone,
-    StoreResult,
     Subscribed,
     WantsParked,
 )
-from p2p_kv.peers import FromTallies, Peers, SessionWork, Tallies
+from p2p_kv.peer.handshake import FrameRefused, Identity
+from p2p_kv.peer.records import LoadResult, StoreResult
 from p2p_kv.protocol import Hello, Message, Subscribe
-from p2p_kv.requests import Job, JobTable, Request, RequestTable
-from p2p_kv.requests import JobResult as JobResult
-from p2p_kv.requests import LoadObservation as LoadObservation
-from p2p_kv.roles import Roles, Source
 
 #: The longest a cache reset's drain waits (an offered READ of 1 TB is held
 #: about 45 minutes at the default deadlines).
@@ -110,7 +109,7 @@ class LoadManager:
         #: One-sided READ of offered blocks (else every load is a Fetch).
         self.reads = reads
         self.reconnect_backoff_s = reconnect_backoff_s
-        #: Outbound sessions at once (p2p_kv.config.TierConfig.max_peers).
+        #: Outbound sessions at once (p2p_kv.runtime.config.TierConfig.max_peers).
         self.max_peers = max_peers
         #: Sessions peers open to us at once (TierConfig.max_inbound_peers).
         self.max_inbound = max_inbound

@@ -31,7 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from p2p_kv.membership import Entry, parse_peers
+from p2p_kv.node.membership import Entry, parse_peers
 from p2p_kv.peer import Timeouts
 
 ENV_PREFIX = "P2P_KV_"

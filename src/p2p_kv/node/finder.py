@@ -2,7 +2,7 @@
 
 With the ``peers`` key set, every engine keeps a session with each member
 it can reach and subscribes to what its primary tier holds
-(:mod:`p2p_kv.directory`). A request whose ``kv_transfer_params`` name no
+(:mod:`p2p_kv.node.directory`). A request whose ``kv_transfer_params`` name no
 source is then looked up there, key by key as vLLM asks: a key is a hit
 while at least one member holds every key asked so far (the longest
 prefix one member holds), answered at once, from memory. At load time the
@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from p2p_kv.directory import Directory, OwnHoldings, fingerprint, pack, unpack
-from p2p_kv.indexes import residue_of
-from p2p_kv.peer.events import LoadResult
+from p2p_kv.node.directory import Directory, OwnHoldings, fingerprint, pack, unpack
+from p2p_kv.node.indexes import residue_of
+from p2p_kv.peer.records import LoadResult
 from p2p_kv.protocol import MAX_FINGERPRINTS, Holdings
 
 #: How often the members are checked for one without a session (each

@@ -18,9 +18,9 @@ from collections.abc import Callable, Iterable
 
 import msgspec
 
-from p2p_kv.control import ControlTransport
+from p2p_kv.control.transport import ControlTransport
 from p2p_kv.data import NixlDataTransport, RegionInfo
-from p2p_kv.manager import LoadManager
+from p2p_kv.node.manager import LoadManager
 from p2p_kv.peer import is_inbound
 from p2p_kv.peer.events import Direction, TransferRef
 from p2p_kv.ratelog import PeerLog

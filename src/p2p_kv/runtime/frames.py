@@ -1,13 +1,13 @@
 """The control-plane side of the tier: the sessions' frames in and out.
 
-Frames arrive on the :class:`~p2p_kv.control.ControlTransport`'s
+Frames arrive on the :class:`~p2p_kv.control.transport.ControlTransport`'s
 connections and leave through it; in between they are opened (checked,
 their seal verified) or sealed by their session, and handed to or taken
-from the :class:`~p2p_kv.manager.LoadManager`. :class:`Frames` is that
+from the :class:`~p2p_kv.node.manager.LoadManager`. :class:`Frames` is that
 path, and the log lines a peer's frames can cause (bad frames, refused
 seals, a closed session's reason), each bounded by the shared
 :class:`~p2p_kv.ratelog.PeerLog`. It is the runtime's sibling of
-:class:`~p2p_kv.transfers.Transfers`: no thread and no wait of its own
+:class:`~p2p_kv.runtime.transfers.Transfers`: no thread and no wait of its own
 (the runtime decides how long a poll may block), run under the runtime's
 lock.
 """
@@ -18,14 +18,14 @@ import logging
 import time
 from collections.abc import Callable
 
-from p2p_kv.control import ControlTransport, dial_failure
-from p2p_kv.handshake import FrameRefused
-from p2p_kv.manager import LoadManager
-from p2p_kv.metrics import UNKNOWN, session_peer
+from p2p_kv.control.transport import ControlTransport, dial_failure
+from p2p_kv.node.manager import LoadManager
 from p2p_kv.peer import is_inbound
+from p2p_kv.peer.handshake import FrameRefused
 from p2p_kv.protocol import Heartbeat, Message, ProtocolError, encode
 from p2p_kv.ratelog import PeerLog
-from p2p_kv.transfers import Transfers
+from p2p_kv.runtime.metrics import UNKNOWN, session_peer
+from p2p_kv.runtime.transfers import Transfers
 
 log = logging.getLogger("vllm.p2p_kv")
 

@@ -4,9 +4,9 @@ A request's consumer leg names one peer (``remote_kv_source``: ask first;
 ``remote_prefiller``: every block is there). :class:`Loads` answers vLLM's
 per-block lookups from what the peer said, gathers the keys to ask into one
 Lookup per request and step, and turns a load job into one Fetch. It holds
-no state of its own: the records are the :class:`~p2p_kv.requests.RequestTable`'s,
-the jobs the :class:`~p2p_kv.requests.JobTable`'s, the sessions the
-:class:`~p2p_kv.peers.Peers`'.
+no state of its own: the records are the :class:`~p2p_kv.node.requests.RequestTable`'s,
+the jobs the :class:`~p2p_kv.node.requests.JobTable`'s, the sessions the
+:class:`~p2p_kv.node.sessions.Peers`'.
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from collections.abc import Callable, Sequence
 from enum import Enum
 from typing import Protocol
 
-from p2p_kv.handshake import Identity
-from p2p_kv.membership import Membership
+from p2p_kv.node.membership import Membership
+from p2p_kv.node.requests import Consumer, JobTable, RequestTable
+from p2p_kv.node.sessions import Peers
 from p2p_kv.peer import Session
-from p2p_kv.peer.events import LoadResult
-from p2p_kv.peers import Peers
+from p2p_kv.peer.handshake import Identity
+from p2p_kv.peer.records import LoadResult
 from p2p_kv.protocol import MAX_KEYS
-from p2p_kv.requests import Consumer, JobTable, RequestTable
 
 
 class Answer(Enum):

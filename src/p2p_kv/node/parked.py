@@ -17,10 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from p2p_kv.indexes import residue_of
 from p2p_kv.lifecycle import Event, State
+from p2p_kv.node.indexes import residue_of
 from p2p_kv.peer import ParkedStore, Serve, Session, Timeouts
-from p2p_kv.peer.events import StoreResult
+from p2p_kv.peer.records import StoreResult
 
 #: Finished producer requests remembered (see ``ParkedRegistry.finished``).
 MAX_FINISHED_KV = 65_536

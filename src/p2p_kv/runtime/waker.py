@@ -26,12 +26,13 @@ import logging
 import threading
 from collections.abc import Callable
 from queue import Queue
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from p2p_kv.control import wait_readable
-
-if TYPE_CHECKING:
-    from p2p_kv.runtime import TierRuntime
+from p2p_kv.control.transport import ControlTransport, wait_readable
+from p2p_kv.data import NixlDataTransport
+from p2p_kv.node.manager import LoadManager
+from p2p_kv.runtime.frames import Frames
+from p2p_kv.runtime.transfers import Transfers
 
 log = logging.getLogger("vllm.p2p_kv")
 
@@ -55,11 +56,42 @@ REWAKE_S = 0.05
 WAKER_IDLE_S = 0.2
 
 
+class Owner(Protocol):
+    """What the waker reads of the runtime that owns it
+    (:class:`~p2p_kv.runtime.tier_runtime.TierRuntime`): its parts, its
+    lock and clock, and the one pass that takes what arrived."""
+
+    @property
+    def lock(self) -> threading.RLock: ...
+
+    @property
+    def manager(self) -> LoadManager: ...
+
+    @property
+    def control(self) -> ControlTransport: ...
+
+    @property
+    def data(self) -> NixlDataTransport: ...
+
+    @property
+    def frames(self) -> Frames: ...
+
+    @property
+    def transfers(self) -> Transfers: ...
+
+    @property
+    def live_requests(self) -> int: ...
+
+    def clock(self) -> float: ...
+
+    def sweep(self) -> None: ...
+
+
 class Waker:
     """The thread that keeps one runtime's tier alive between engine steps,
     and the engine's sleep that relies on it."""
 
-    def __init__(self, rt: TierRuntime) -> None:
+    def __init__(self, rt: Owner) -> None:
         self._rt = rt
         #: The running thread, once started.
         self.thread: threading.Thread | None = None
@@ -150,7 +182,7 @@ class Waker:
             # waker spun (30-60% of a core) from the tier's start in vLLM's
             # Scheduler() to the engine's hash seed, or for good.
             return False, [], interval_s
-        rt._sweep()
+        rt.sweep()
         m, data = rt.manager, rt.data
         wanted = m.has_lookups_to_serve or m.results_ready()
         fds = rt.control.readiness_fds()

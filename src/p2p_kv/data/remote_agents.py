@@ -27,7 +27,7 @@ from p2p_kv.data.staged import Staging
 from p2p_kv.data.transfer import release_quietly
 from p2p_kv.ratelog import PeerLog
 
-__all__ = ["PREP_MAX_BLOCKS", "Peers"]
+__all__ = ["PREP_MAX_BLOCKS", "RemoteAgents"]
 
 logger = logging.getLogger("vllm.p2p_kv.data")
 
@@ -39,7 +39,7 @@ logger = logging.getLogger("vllm.p2p_kv.data")
 PREP_MAX_BLOCKS: Final = 1 << 17
 
 
-class Peers:
+class RemoteAgents:
     """Known and retiring peers, by agent name.
 
     Not thread-safe: the transport's lock covers it. ``fence`` gives up a

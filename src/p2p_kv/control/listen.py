@@ -1,14 +1,14 @@
 """The control port: binding it, and taking connections from it within the
 bounds that keep a flood from costing the process its descriptors.
 
-Split from :mod:`p2p_kv.control` because the listening socket fails in ways
+Split from :mod:`p2p_kv.control.transport` because the listening socket fails in ways
 that concern no connection once it exists: a bind that fails names the key
 to change; an accepted descriptor within :data:`FD_RESERVE` of the limit is
 closed before anything reads it; an accept that fails for want of
 descriptors or memory pauses accepting for :data:`ACCEPT_PAUSE_S` (the
 listener stays readable, and asking again at once would spin). What becomes
 of an accepted socket (its name, the bounds on connections still
-handshaking, its reads) is :class:`~p2p_kv.control.ControlTransport`'s.
+handshaking, its reads) is :class:`~p2p_kv.control.transport.ControlTransport`'s.
 
 The kernel's accept queue is first come, first served: a flood that fills
 it makes a member's dial wait behind thousands of the flood's connections

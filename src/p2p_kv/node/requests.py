@@ -14,15 +14,12 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from p2p_kv.indexes import residue_of
+from p2p_kv.node.indexes import residue_of
+from p2p_kv.node.roles import Source
+from p2p_kv.node.tallies import LoadObservation, Tallies
 from p2p_kv.peer import tally
-from p2p_kv.peer.events import LoadResult, StoreResult
-from p2p_kv.roles import Source
-
-if TYPE_CHECKING:
-    from p2p_kv.peers import Tallies
+from p2p_kv.peer.records import LoadResult, StoreResult
 
 
 @dataclass(slots=True)
@@ -40,18 +37,6 @@ class JobResult:
     req_id: str = ""
     kv_id: str = ""
     peer: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class LoadObservation:
-    """One finished load job, for the metrics (drained by p2p_kv.metrics)."""
-
-    peer: str
-    success: bool
-    elapsed_s: float  # the session's: Fetch to result
-    nbytes: int
-    reason: str
-    waited_s: float  # submit_load to get_finished_jobs: what vLLM waited
 
 
 @dataclass(slots=True, eq=False)
@@ -80,7 +65,7 @@ class Consumer:
 class Request:
     """One live engine request with a p2p leg: finishing it is popping it
     from :class:`RequestTable` and ending its legs
-    (:meth:`p2p_kv.manager.LoadManager._finish`)."""
+    (:meth:`p2p_kv.node.manager.LoadManager._finish`)."""
 
     req_id: str
     #: consumer leg: loads from a peer (None: it loads nothing)

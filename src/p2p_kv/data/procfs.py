@@ -8,7 +8,7 @@ proof can be made later, and the GPU copier finds the CUDA
 runtime torch loaded. Every reader is cheap enough for once-per-peer use
 and returns None/False rather than raising when ``/proc`` says nothing.
 :func:`holders` (which processes hold a file) is one pass over every
-process, for the rare sweep of files in shared memory (:mod:`p2p_kv.shm`).
+process, for the rare sweep of files in shared memory (:mod:`p2p_kv.data.shm_file`).
 """
 
 from __future__ import annotations
