@@ -14,6 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from p2p_kv.data.offer import ShmRegion
+from p2p_kv.data.plan import plan_write
+from p2p_kv.data.procfs import boot_id, socket_inode
 from p2p_kv.data.shm_copy import (
     PARALLEL_MIN_BYTES,
     HostCopier,
@@ -21,9 +23,7 @@ from p2p_kv.data.shm_copy import (
     find_backing,
     split_segments,
 )
-from p2p_kv.plan import plan_write
-from p2p_kv.procfs import boot_id, socket_inode
-from p2p_kv.standalone import shared_region
+from p2p_kv.runtime.standalone import shared_region
 
 BB = 4096
 

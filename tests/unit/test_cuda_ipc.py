@@ -13,7 +13,7 @@ import pytest
 from p2p_kv.data import cuda_ipc
 from p2p_kv.data.cuda_ipc import BATCH_MIN_RUNS, BATCH_STREAMS, batch_slices
 from p2p_kv.data.offer import CudaIpcRegion
-from p2p_kv.procfs import boot_id
+from p2p_kv.data.procfs import boot_id
 
 
 @pytest.mark.parametrize(
