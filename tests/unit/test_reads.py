@@ -25,7 +25,7 @@ from p2p_kv.protocol import (
 )
 
 from .memnet import POISON, Net, key, payload
-from .test_manager import (
+from .scenarios import (
     KEYS,
     assert_drained,
     collect_all,
