@@ -52,8 +52,7 @@ import os
 import platform
 import statistics
 import time
-import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -90,6 +89,7 @@ from benchmarks.harness import (  # noqa: E402
     median_round,
     met,
     serve_blocks,
+    serve_commands,
 )
 
 if TYPE_CHECKING:
@@ -115,89 +115,94 @@ _FETCH_TIMEOUT_S = 120.0
 def _raw_worker(conn: Any) -> None:
     """Either role: register a region, WRITE timed (producer), drain
     notifications (consumer), verify, copy staged bytes to the GPU."""
-    try:
-        from benchmarks import raw_nixl
-        from p2p_kv.data import describe_region
+    serve_commands(conn, _raw_handlers)
 
-        agent: Any = None
-        region: Any = None
-        reg: Any = None
-        span: Any = None
-        while True:
-            msg = conn.recv()
-            cmd = msg[0]
-            if cmd == "setup":
-                _, name, kind, device, nbytes, fill_it = msg
-                set_device(device)
-                region = make_region(kind, nbytes, device)
-                if fill_it:
-                    fill(region, device if kind == "vram" else "cpu")
-                agent = raw_nixl._make_agent(name)
-                span = describe_region(region)
-                reg = agent.register_memory(
-                    [(span.addr, span.nbytes, span.device_id, "")], span.mem_kind
+
+def _raw_handlers() -> dict[str, Callable[..., Any]]:
+    from benchmarks import raw_nixl
+    from p2p_kv.data import describe_region
+
+    held: dict[str, Any] = {}  # agent, region, reg, span: one region at a time
+
+    def setup(name: str, kind: str, device: str, nbytes: int, fill_it: bool) -> Any:
+        set_device(device)
+        region = make_region(kind, nbytes, device)
+        if fill_it:
+            fill(region, device if kind == "vram" else "cpu")
+        agent = raw_nixl._make_agent(name)
+        span = describe_region(region)
+        reg = agent.register_memory(
+            [(span.addr, span.nbytes, span.device_id, "")], span.mem_kind
+        )
+        held.update(agent=agent, region=region, reg=reg, span=span)
+        return agent.get_agent_metadata(), span
+
+    def run(
+        remote: str, rspan: Any, bs: int, runs: Any, reps: int, stop: bytes
+    ) -> list[float]:
+        agent, span = held["agent"], held["span"]
+        seconds = raw_nixl.timed_transfers(
+            agent,
+            (span.addr, span.device_id, span.mem_kind),
+            remote,
+            (rspan.addr, rspan.device_id, rspan.mem_kind),
+            bs,
+            runs,
+            reps,
+            "WRITE",
+            timeout_s=_TIMEOUT_S / 2,
+        )
+        agent.send_notif(remote, stop)
+        return list(seconds)
+
+    def serve(stop: bytes) -> None:
+        agent = held["agent"]
+        while not any(stop in v for v in agent.get_new_notifs().values()):
+            time.sleep(0.0005)
+
+    def verify(bs: int, src: Any, dst: Any) -> Any:
+        sync()
+        return wrong_blocks(held["region"], bs, src, dst)
+
+    def clear_blocks(bs: int, dst: Any) -> None:
+        clear(held["region"], bs, dst)
+        sync()
+
+    def h2d(bs: int, runs: Any, device: str, reps: int) -> list[float]:
+        # Staging's second half: pinned host -> GPU, the same runs.
+        region = held["region"]
+        torch = torch_module()
+        gpu = torch.empty(region.numel(), dtype=torch.uint8, device=device)
+        seconds = []
+        for i in range(reps + 2):
+            sync()
+            t0 = time.perf_counter()
+            for _s, d, c in runs:
+                gpu[d * bs : (d + c) * bs].copy_(
+                    region[d * bs : (d + c) * bs], non_blocking=True
                 )
-                conn.send(("ok", (agent.get_agent_metadata(), span)))
-            elif cmd == "peer":
-                conn.send(("ok", agent.add_remote_agent(msg[1])))
-            elif cmd == "run":
-                _, remote, rspan, bs, runs, reps, stop = msg
-                seconds = raw_nixl.timed_transfers(
-                    agent,
-                    (span.addr, span.device_id, span.mem_kind),
-                    remote,
-                    (rspan.addr, rspan.device_id, rspan.mem_kind),
-                    bs,
-                    runs,
-                    reps,
-                    "WRITE",
-                    timeout_s=_TIMEOUT_S / 2,
-                )
-                agent.send_notif(remote, stop)
-                conn.send(("ok", seconds))
-            elif cmd == "serve":
-                stop = msg[1]
-                while not any(stop in v for v in agent.get_new_notifs().values()):
-                    time.sleep(0.0005)
-                conn.send(("ok", None))
-            elif cmd == "verify":
-                _, bs, src, dst = msg
-                sync()
-                conn.send(("ok", wrong_blocks(region, bs, src, dst)))
-            elif cmd == "clear":
-                _, bs, dst = msg
-                clear(region, bs, dst)
-                sync()
-                conn.send(("ok", None))
-            elif cmd == "h2d":
-                # Staging's second half: pinned host -> GPU, the same runs.
-                _, bs, runs, device, reps = msg
-                torch = torch_module()
-                gpu = torch.empty(region.numel(), dtype=torch.uint8, device=device)
-                seconds = []
-                for i in range(reps + 2):
-                    sync()
-                    t0 = time.perf_counter()
-                    for _s, d, c in runs:
-                        gpu[d * bs : (d + c) * bs].copy_(
-                            region[d * bs : (d + c) * bs], non_blocking=True
-                        )
-                    sync()
-                    if i >= 2:
-                        seconds.append(time.perf_counter() - t0)
-                del gpu
-                conn.send(("ok", seconds))
-            elif cmd == "teardown":
-                if agent is not None:
-                    agent.deregister_memory(reg)
-                agent = region = reg = None
-                empty_cache()
-                conn.send(("ok", None))
-            elif cmd == "exit":
-                conn.send(("ok", None))
-                return
-    except BaseException:
-        conn.send(("err", traceback.format_exc()))
+            sync()
+            if i >= 2:
+                seconds.append(time.perf_counter() - t0)
+        del gpu
+        return seconds
+
+    def teardown() -> None:
+        if held.get("agent") is not None:
+            held["agent"].deregister_memory(held["reg"])
+        held.clear()
+        empty_cache()
+
+    return {
+        "setup": setup,
+        "peer": lambda md: held["agent"].add_remote_agent(md),
+        "run": run,
+        "serve": serve,
+        "verify": verify,
+        "clear": clear_blocks,
+        "h2d": h2d,
+        "teardown": teardown,
+    }
 
 
 class RawGpuPair(WorkerPair):

@@ -393,6 +393,26 @@ class FetchPair:
 # ---------------------------------------------------------------------------
 
 
+def serve_commands(
+    conn: Any, handlers: Callable[[], dict[str, Callable[..., Any]]]
+) -> None:
+    """A :class:`WorkerPair` worker's loop: each message is ``(command,
+    *args)``, answered ``("ok", handlers[command](*args))``; ``exit`` ends
+    it. ``handlers`` is called first, in the worker, so what it imports
+    (NIXL, vLLM) and builds fails as any command does: the parent gets
+    ``("err", traceback)`` rather than a worker that never answers."""
+    try:
+        table = handlers()
+        while True:
+            command, *args = conn.recv()
+            if command == "exit":
+                conn.send(("ok", None))
+                return
+            conn.send(("ok", table[command](*args)))
+    except BaseException:
+        conn.send(("err", traceback.format_exc()))
+
+
 class WorkerPair:
     """Two spawned worker processes driven over pipes: each message is a
     tuple, each reply ``("ok", value)`` or ``("err", traceback)``. Reused

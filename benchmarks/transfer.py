@@ -66,9 +66,8 @@ import platform
 import statistics
 import sys
 import time
-import traceback
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -89,6 +88,7 @@ from benchmarks.harness import (
     producer_host,
     scattered_mapping,
     serve_blocks,
+    serve_commands,
     summary,
 )
 from benchmarks.raw_nixl import RawNixlPair, measure_memcpy
@@ -235,9 +235,9 @@ class P2PPair(FetchPair):
         total, submit = self.timed_fetches(path, src, dst, repeats, verify=verify)
         nbytes = num_blocks * self.block_bytes
         used = sum(
-            s.counters.loads_fetched
+            s.link.counters.loads_fetched
             if path in ("write", "pd")
-            else s.counters.loads_read
+            else s.link.counters.loads_read
             for s in consumer.manager.sessions()
         )
         copies = consumer.runtime.data.local_reads
@@ -292,73 +292,73 @@ class P2PPair(FetchPair):
 def _vllm_worker(conn: Any) -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # its INFO goes to stdout
-    try:
-        from vllm.v1.kv_offload.tiering.p2p.data.nixl import NixlTransport
+    serve_commands(conn, _vllm_handlers)
 
-        transport: Any = None
-        buf: Any = None
-        while True:
-            msg = conn.recv()
-            cmd = msg[0]
-            if cmd == "setup":
-                _, name, num_blocks, block_bytes, seed = msg
-                if seed is None:
-                    buf = np.ones(num_blocks * block_bytes, dtype=np.uint8)
-                else:
-                    buf = np.random.default_rng(seed).integers(
-                        0, 256, num_blocks * block_bytes, dtype=np.uint8
-                    )
-                view = memoryview(buf).cast("B", (num_blocks, block_bytes))
-                transport = NixlTransport(name, view)
-                if not transport.available:
-                    raise RuntimeError("vLLM NixlTransport: NIXL agent unavailable")
-                rows = buf.reshape(num_blocks, block_bytes)
-                conn.send(
-                    (
-                        "ok",
-                        (
-                            transport.get_agent_metadata(),
-                            transport.base_addr,
-                            [zlib.crc32(r.data) for r in rows],
-                        ),
-                    )
-                )
-            elif cmd == "peer":
-                _, md, base, num_blocks, block_bytes = msg
-                transport.add_remote_peer("peer", md, base, num_blocks, block_bytes)
-                conn.send(("ok", None))
-            elif cmd == "run":
-                _, src, dst, repeats = msg
-                seconds = []
-                for i in range(repeats + 2):
-                    t0 = time.perf_counter()
-                    tid = transport.write_blocks("peer", src, dst)
-                    deadline = time.monotonic() + _TIMEOUT_S
-                    while True:
-                        res = transport.poll("peer")
-                        if tid in res.failed:
-                            raise RuntimeError("vLLM NixlTransport write failed")
-                        if tid in res.done:
-                            break
-                        if time.monotonic() > deadline:
-                            raise TimeoutError("vLLM NixlTransport write hung")
-                    if i >= 2:
-                        seconds.append(time.perf_counter() - t0)
-                conn.send(("ok", seconds))
-            elif cmd == "crcs":
-                _, block_bytes, slots = msg
-                rows = buf.reshape(-1, block_bytes)
-                conn.send(("ok", [zlib.crc32(rows[s].data) for s in slots]))
-            elif cmd == "teardown":
-                if transport is not None:
-                    transport.close()
-                transport = buf = None
-                conn.send(("ok", None))
-            elif cmd == "exit":
-                conn.send(("ok", None))
-                return
-    except BaseException:
-        conn.send(("err", traceback.format_exc()))
+
+def _vllm_handlers() -> dict[str, Callable[..., Any]]:
+    from vllm.v1.kv_offload.tiering.p2p.data.nixl import NixlTransport
+
+    held: dict[str, Any] = {}  # the transport and its buffer
+
+    def setup(
+        name: str, num_blocks: int, block_bytes: int, seed: int | None
+    ) -> tuple[Any, int, list[int]]:
+        if seed is None:
+            buf = np.ones(num_blocks * block_bytes, dtype=np.uint8)
+        else:
+            buf = np.random.default_rng(seed).integers(
+                0, 256, num_blocks * block_bytes, dtype=np.uint8
+            )
+        view = memoryview(buf).cast("B", (num_blocks, block_bytes))
+        transport = NixlTransport(name, view)
+        if not transport.available:
+            raise RuntimeError("vLLM NixlTransport: NIXL agent unavailable")
+        held.update(transport=transport, buf=buf)
+        rows = buf.reshape(num_blocks, block_bytes)
+        return (
+            transport.get_agent_metadata(),
+            transport.base_addr,
+            [zlib.crc32(r.data) for r in rows],
+        )
+
+    def peer(md: Any, base: int, num_blocks: int, block_bytes: int) -> None:
+        held["transport"].add_remote_peer("peer", md, base, num_blocks, block_bytes)
+
+    def run(src: list[int], dst: list[int], repeats: int) -> list[float]:
+        transport = held["transport"]
+        seconds = []
+        for i in range(repeats + 2):
+            t0 = time.perf_counter()
+            tid = transport.write_blocks("peer", src, dst)
+            deadline = time.monotonic() + _TIMEOUT_S
+            while True:
+                res = transport.poll("peer")
+                if tid in res.failed:
+                    raise RuntimeError("vLLM NixlTransport write failed")
+                if tid in res.done:
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError("vLLM NixlTransport write hung")
+            if i >= 2:
+                seconds.append(time.perf_counter() - t0)
+        return seconds
+
+    def crcs(block_bytes: int, slots: list[int]) -> list[int]:
+        rows = held["buf"].reshape(-1, block_bytes)
+        return [zlib.crc32(rows[s].data) for s in slots]
+
+    def teardown() -> None:
+        if held.get("transport") is not None:
+            held["transport"].close()
+        held.clear()
+
+    return {
+        "setup": setup,
+        "peer": peer,
+        "run": run,
+        "crcs": crcs,
+        "teardown": teardown,
+    }
 
 
 class VllmPair(WorkerPair):
