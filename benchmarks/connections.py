@@ -48,8 +48,8 @@ from typing import Any
 from p2p_kv.node.manager import LoadManager
 from p2p_kv.peer import Timeouts
 from p2p_kv.peer.events import Closed
-from p2p_kv.peer.handshake import FrameRefused, Identity, make_hello
-from p2p_kv.protocol import ProtocolError, encode
+from p2p_kv.peer.handshake import Identity, make_hello
+from p2p_kv.protocol import encode
 
 TARGET_US = 1_000.0
 COUNTS = (500, 1_000, 2_000, 4_000)
@@ -96,26 +96,10 @@ def poll(m: LoadManager, frames: Sequence[tuple[str, bytes]], now: float) -> int
     Returns the sessions retired in it."""
     for conn, frame in frames:
         m.peers.on_inbound(now, conn)
-        session = m.session(conn)
-        if session is None or session.closed:
-            continue
-        try:
-            msg = session.link.open(frame)
-        except ProtocolError as exc:
-            m.on_bad_frame(conn, exc.reason)
-            continue
-        except FrameRefused as exc:
-            m.on_frame_refused(conn, exc)
-            continue
-        m.on_message(conn, msg, now)
+        m.receive_frame(conn, frame, now)
     m.tick(now)
     closed = [peer for peer, ev in m.take_events() if isinstance(ev, Closed)]
-    for peer, msgs in m.take_outgoing(now):
-        session = m.session(peer)
-        for msg in msgs:
-            frame = encode(msg)
-            if session is not None:
-                session.link.seal(msg, frame)
+    m.take_frames(now)
     for peer in closed:
         m.on_invalidated(peer, now)
     m.end_step(now)

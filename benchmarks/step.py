@@ -1,11 +1,11 @@
 """Cost of the LoadManager poll loop, per engine step.
 
 One *step* is what the runtime does every engine step, timed as one unit:
-``flush``, ``take_events``, ``take_outgoing``, ``tick``,
-``get_finished_jobs``, ``serve``
-(only when ``has_lookups_to_serve``) and ``end_step``. Routing what a step
-returned (encode -> decode -> the peer's ``on_message``), engine calls such
-as ``submit_load`` and the data plane are outside the timed region.
+``flush``, ``take_events``, ``take_frames`` (its messages encoded),
+``tick``, ``get_finished_jobs``, ``serve`` (only when
+``has_lookups_to_serve``) and ``end_step``. Routing what a step returned
+(its frames to the peer's ``receive_frame``), engine calls such as
+``submit_load`` and the data plane are outside the timed region.
 
 Cases, all on one consumer engine wired in memory to 1 or 16 producer
 engines through the real codec (no sockets, a virtual clock that advances
@@ -53,7 +53,6 @@ from p2p_kv.node.roles import Roles, Source
 from p2p_kv.peer import Limits, PinResult, Timeouts
 from p2p_kv.peer.events import Cancel, Closed, Dial, PostWrite, RuntimeEvent
 from p2p_kv.peer.handshake import Identity
-from p2p_kv.protocol import Message, decode, encode
 
 TARGET_IDLE_NS = 5_000
 BLOCK_BYTES = 16
@@ -100,7 +99,7 @@ class Pinner:
 @dataclass
 class Output:
     events: list[tuple[str, RuntimeEvent]]
-    outgoing: list[tuple[str, list[Message]]]
+    outgoing: list[tuple[str, list[bytes]]]
     finished: list[JobResult]
 
 
@@ -148,7 +147,7 @@ class Cluster:
         m = self.managers[name]
         m.loads.flush(now)
         events = m.take_events()
-        outgoing = m.take_outgoing(now)
+        outgoing = m.take_frames(now)
         m.tick(now)
         finished = m.get_finished_jobs(now)
         if m.has_lookups_to_serve:
@@ -164,12 +163,12 @@ class Cluster:
                 inbound = self.managers[peer].peers.on_inbound(self.now)
                 self.routes[(name, peer)] = (peer, inbound)
                 self.routes[(peer, inbound)] = (name, peer)
-        for peer, msgs in out.outgoing:
+        for peer, frames in out.outgoing:
             dst = self.routes.get((name, peer))
             if dst is None:
                 continue
-            for msg in msgs:
-                self.managers[dst[0]].on_message(dst[1], decode(encode(msg)), self.now)
+            for frame in frames:
+                self.managers[dst[0]].receive_frame(dst[1], frame, self.now)
         for peer, event in out.events:
             match event:
                 case PostWrite(ref, _, _, notif) if self.hold_writes:
@@ -338,7 +337,7 @@ def connected(sessions: int) -> tuple[Cluster, Requests]:
     cl = Cluster(sessions)
     rq = Requests(cl)
     rq.serve_many(sessions, batch=sessions)  # opens (and warms) every session
-    ready = [s for s in cl.consumer.sessions() if s.ready]
+    ready = [s for s in cl.consumer.sessions() if s.link.ready]
     assert len(ready) == sessions, "sessions did not come up"
     return cl, rq
 

@@ -253,7 +253,7 @@ def test_fetch_into_gpu_memory(pair: tuple[Any, str, str, Any, str]) -> None:
     if copies:
         assert consumer.runtime.data._local.copier.mode == COPY_MODES[path]
     # Only the write path lets the producer write into our slots.
-    written = sum(s.counters.loads_written for s in consumer.manager.sessions())
+    written = sum(s.link.counters.loads_written for s in consumer.manager.sessions())
     assert written == (len(mappings) if path == "write" else 0)
 
 

@@ -55,7 +55,7 @@ def test_a_proven_inbound_peers_line_names_its_metrics_label(
         consumer.open("req", producer.address, "kv")
         end = time.monotonic() + 10
         while not (sessions := list(producer.manager.sessions())) or not all(
-            s.ready for s in sessions
+            s.link.ready for s in sessions
         ):
             assert time.monotonic() < end, "no session came up"
             consumer.step(wait=False)
@@ -66,7 +66,7 @@ def test_a_proven_inbound_peers_line_names_its_metrics_label(
         with caplog.at_level(logging.INFO, logger="vllm.p2p_kv"):
             consumer.close()
             closed = True
-            while not session.closed or producer.manager.session(session.peer):
+            while not session.link.closed or producer.manager.session(session.peer):
                 assert time.monotonic() < end, "the session never closed"
                 producer.step(wait=False)
         lines = [

@@ -1118,7 +1118,8 @@ def test_a_region_passed_off_under_another_peers_name_is_refused(
     reads it, so the known agent keeps its state and its session; should
     NIXL ever load it (a format the check does not know), the known agent
     is fenced and dropped, never left half-invalidated."""
-    from p2p_kv.data import NixlDataTransport, peers
+    from p2p_kv.data import NixlDataTransport
+    from p2p_kv.data import remote_agents as peers
 
     bs, n = 4 * KIB, 16
     bufs = [

@@ -520,7 +520,7 @@ def test_connections_past_max_inbound_peers_are_refused_without_locking_out_the_
         bye = mallory.step_until(v, Goodbye)
         assert "peers connected" in bye.reason, bye
         assert refusals[("other", "too_many_inbound")] == 1
-        ready = [s for s in v.manager.sessions() if s.ready]
+        ready = [s for s in v.manager.sessions() if s.link.ready]
         assert len(ready) == 1 and ready[0].peer.startswith("in:")
     finally:
         for raw in (first, second, mallory):
@@ -568,7 +568,7 @@ def test_a_peer_cannot_abort_or_complete_another_peers_transfer(
 
     def stale() -> int:
         return sum(
-            s.counters.protocol_errors.get("stale_transfer_done", 0)
+            s.link.counters.protocol_errors.get("stale_transfer_done", 0)
             for s in [*v.manager.sessions(), *v.manager.retired_sessions]
         )
 
@@ -656,7 +656,7 @@ def test_a_reply_for_an_old_generation_does_not_complete_the_new_one(
         errors = {
             k: n
             for s in [*v.manager.sessions(), *v.manager.retired_sessions]
-            for k, n in s.counters.protocol_errors.items()
+            for k, n in s.link.counters.protocol_errors.items()
         }
         assert errors.get("stale_transfer_done", 0) >= 1, errors
     finally:
@@ -748,7 +748,7 @@ def test_producer_offering_slots_outside_its_region_is_refused(
         errors = {
             k: c
             for s in [*m.sessions(), *m.retired_sessions]
-            for k, c in s.counters.protocol_errors.items()
+            for k, c in s.link.counters.protocol_errors.items()
         }
         assert errors.get("offer_out_of_range", 0) >= 1, errors
         rt.end_request("offer-req")
@@ -853,7 +853,7 @@ def test_a_party_without_the_secret_costs_a_session_and_a_line_at_most(
         auth = sum(n for (_, why), n in m.refusals.items() if why == "auth")
         assert auth == 2, m.refusals
         sessions = [*m.retired_sessions, *m.sessions()]
-        assert len(sessions) == 2, [s.close_reason for s in sessions]
+        assert len(sessions) == 2, [s.link.close_reason for s in sessions]
         lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
         assert len(lines) == 1, lines
     finally:
@@ -903,11 +903,11 @@ def test_before_the_handshake_a_large_frame_is_refused_unparsed() -> None:
         got += small.recv(1.0, until=Hello)
         small.greet(me, next(x for x in got if isinstance(x, Hello)), None)
         end = time.monotonic() + 10
-        while not (session.ready or session.closed):
+        while not (session.link.ready or session.link.closed):
             assert time.monotonic() < end, session.link
             peer.step(wait=False)
         # Ready: the runtime then refuses our made-up region, no sooner.
-        assert session.ready or "data-plane region" in session.close_reason
+        assert session.link.ready or "data-plane region" in session.link.close_reason
     finally:
         big.close()
         small.close()
@@ -930,7 +930,7 @@ def test_a_goodbye_cannot_write_lines_into_our_log(
             while not peer.manager.retired_sessions and time.monotonic() < end:
                 peer.step(wait=False)
         (gone,) = peer.manager.retired_sessions
-        assert "forged line" in gone.close_reason
+        assert "forged line" in gone.link.close_reason
         said = [r.getMessage() for r in caplog.records if "closed" in r.getMessage()]
         assert said and all("\n" not in line for line in said), said
     finally:

@@ -61,7 +61,7 @@ def test_a_stalled_peer_keeps_its_session_and_serves_after(
     first = cons.fetch(prod.address, "kv-first", keys, [0, 1, 2, 3])
     assert first.ok, first
     session = cons.manager.session(prod.address)
-    assert session is not None and session.ready
+    assert session is not None and session.link.ready
     for i in range(STALLS):
         os.kill(prod.proc.pid, signal.SIGSTOP)
         try:
@@ -70,9 +70,9 @@ def test_a_stalled_peer_keeps_its_session_and_serves_after(
             os.kill(prod.proc.pid, signal.SIGCONT)
         step_for(cons, 0.3)
         now = cons.manager.session(prod.address)
-        assert now is session and session.ready, (
+        assert now is session and session.link.ready, (
             f"stall {i + 1} of {STALL_S} s dropped the session: "
-            f"{session.close_reason or 'replaced'}"
+            f"{session.link.close_reason or 'replaced'}"
         )
     after = cons.fetch(prod.address, "kv-after", keys, [4, 5, 6, 7])
     assert after.ok, after

@@ -433,8 +433,8 @@ def path_counts(c: StandalonePeer) -> tuple[int, int]:
     """(loads READ one-sided, loads Fetched) over the consumer's sessions."""
     sessions = list(c.manager.sessions())
     return (
-        sum(s.counters.loads_read for s in sessions),
-        sum(s.counters.loads_fetched for s in sessions),
+        sum(s.link.counters.loads_read for s in sessions),
+        sum(s.link.counters.loads_fetched for s in sessions),
     )
 
 
@@ -638,10 +638,12 @@ def test_mismatched_peer_is_refused_and_misses(
         assert elapsed < 1.0, elapsed
         refusals = {r for (p, r) in c.manager.refusals if p == peer}
         assert refusals == {reason}, c.manager.refusals
-        print(f"\nrefused in {1e3 * elapsed:.1f} ms: {session and session.refusal}")
-        assert session is not None and session.refusal is not None
-        assert session.refusal.reason == reason
-        assert says in str(session.refusal), str(session.refusal)
+        print(
+            f"\nrefused in {1e3 * elapsed:.1f} ms: {session and session.link.refusal}"
+        )
+        assert session is not None and session.link.refusal is not None
+        assert session.link.refusal.reason == reason
+        assert says in str(session.link.refusal), str(session.link.refusal)
         finish_request(c, req)
         settle(c, prod, name)
 
@@ -869,7 +871,7 @@ def test_a_peer_whose_data_plane_failed_is_dialled_again(
         assert out.hits == 4 and out.job_done and not out.ok, out
         monkeypatch.setattr(agent, "transfer", real)
         (gone,) = cons.manager.retired_sessions
-        assert "data plane failed" in gone.close_reason, gone.close_reason
+        assert "data plane failed" in gone.link.close_reason, gone.link.close_reason
         end = time.monotonic() + 10
         while True:  # past the reconnect backoff, a new session
             out = cons.fetch(prod.address, "kv2", keys, [8, 9, 10, 11])
@@ -933,8 +935,8 @@ def test_a_write_the_producer_cannot_stop_ends_the_session_not_the_load(
         while not prod.manager.retired_sessions and time.monotonic() < end:
             prod.step(wait=False)
         (gone,) = prod.manager.retired_sessions
-        assert "could not stop" in gone.close_reason, gone.close_reason
-        assert gone.counters.failures.get("write_timeout") == 1
+        assert "could not stop" in gone.link.close_reason, gone.link.close_reason
+        assert gone.link.counters.failures.get("write_timeout") == 1
         end = time.monotonic() + 10  # the consumer wakes up
         while 1 not in cons.results and time.monotonic() < end:
             cons.step(wait=False)
@@ -1162,20 +1164,20 @@ def test_a_producer_that_dropped_our_session_is_dialled_again(
         cons.runtime.flush()
         end = time.monotonic() + 5
         while not any(
-            (s.close_reason or "").startswith("outbox_full")
+            (s.link.close_reason or "").startswith("outbox_full")
             for s in prod.manager.retired_sessions
         ):
             assert time.monotonic() < end, "the producer kept our session"
             step_both()
         t_drop = time.monotonic()
-        while first is not None and not first.closed:
+        while first is not None and not first.link.closed:
             assert time.monotonic() - t_drop < 2.0, (
                 "our session outlived the producer's: "
                 f"{cons.manager.session(prod.address)}"
             )
             step_both()
         assert first is not None
-        assert (first.close_reason or "").startswith("peer_down: connection lost")
+        assert (first.link.close_reason or "").startswith("peer_down: connection lost")
         for req in ("a", "b", "c"):
             cons.runtime.end_request(req)
         backoff = time.monotonic() + cons.manager.reconnect_backoff_s

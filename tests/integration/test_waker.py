@@ -842,7 +842,7 @@ def test_a_short_abort_ack_deadline_does_not_end_the_session(
         (session,) = m.sessions()
         rt.submit_load(7, "r", keys, [4, 5, 6, 7])  # the producer stalls now
         assert not _stepped_to_result(consumer, 7).success
-        assert not session.closed, session.close_reason
+        assert not session.link.closed, session.link.close_reason
     finally:
         consumer.close()
         producer.close()

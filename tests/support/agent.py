@@ -103,7 +103,7 @@ class Agent:
         m, rt = self.peer.manager, self.peer.runtime
         session_errors: dict[str, int] = {}
         for s in [*m.sessions(), *m.retired_sessions]:
-            for k, v in s.counters.protocol_errors.items():
+            for k, v in s.link.counters.protocol_errors.items():
                 session_errors[k] = session_errors.get(k, 0) + v
         out = {
             "state": m.state_report(),

@@ -17,9 +17,23 @@ from p2p_kv.node.manager import JobResult, LoadManager
 from p2p_kv.node.membership import Membership, parse_peers
 from p2p_kv.node.roles import Roles
 from p2p_kv.peer import Limits, PinResult, Timeouts
-from p2p_kv.peer.events import Cancel, Closed, Dial, Direction, PostRead, PostWrite
+from p2p_kv.peer.events import (
+    BadConnection,
+    BadFrame,
+    Cancel,
+    Closed,
+    Dial,
+    Direction,
+    Hangup,
+    NotSent,
+    PostRead,
+    PostWrite,
+    RegionKnown,
+    RuntimeEvent,
+    SealRefused,
+    Trusted,
+)
 from p2p_kv.peer.handshake import Identity
-from p2p_kv.protocol import Message, decode, encode
 
 BLOCK = 16
 NBLOCKS = 64
@@ -190,6 +204,14 @@ class Net:
         self.unstoppable_writes = False
         #: writes that landed in a slot no in-flight job owned (fence broken)
         self.violations: list[str] = []
+        #: what the edge said (bad frames, refused seals, messages not
+        #: sent): a well-behaved peer causes none, so each fails the test
+        #: unless the test sends bad frames itself (``strict = False``)
+        self.said: list[tuple[str, str, RuntimeEvent]] = []
+        self.strict = True
+        #: what each engine's edge told its runtime of its connections
+        #: (Trusted, RegionKnown, Hangup), in order
+        self.edge: list[tuple[str, str, RuntimeEvent]] = []
 
     def addr(self, name: str) -> str:
         return f"{name}:1"
@@ -232,9 +254,9 @@ class Net:
             while events := m.take_events():
                 for peer, event in events:
                     self._carry(name, peer, event, closed)
-            for peer, msgs in m.take_outgoing(self.now):
-                for msg in msgs:
-                    self.queue.append((name, peer, encode(msg)))
+            for peer, frames in m.take_frames(self.now):
+                for frame in frames:
+                    self.queue.append((name, peer, frame))
             for peer, event in m.take_events():  # what sending ended
                 self._carry(name, peer, event, closed)
             for peer in closed:
@@ -254,7 +276,7 @@ class Net:
                 if link is not None and link.up:
                     link.up = False
                     if other is not None:
-                        self.engines[other[0]].manager.on_disconnected(
+                        self.engines[other[0]].manager.connection_lost(
                             other[1], "closed", self.now
                         )
                 m.on_invalidated(peer, self.now)
@@ -270,7 +292,7 @@ class Net:
         self,
         name: str,
         peer: str,
-        event: Dial | PostRead | PostWrite | Cancel | Closed,
+        event: RuntimeEvent,
         closed: list[str],
     ) -> None:
         """Do what one of engine ``name``'s events asks, as the runtime
@@ -283,7 +305,7 @@ class Net:
                     inbound = self.engines[target].manager.peers.on_inbound(self.now)
                     self.links.append(Link((name, peer), (target, inbound)))
                 else:
-                    m.on_disconnected(peer, "unreachable", self.now)
+                    m.connection_lost(peer, "unreachable", self.now)
             case Cancel(ref) if ref.direction is Direction.WRITE:
                 if self.unstoppable_writes:
                     # Given up on but still running (NIXL over TCP to a
@@ -304,6 +326,13 @@ class Net:
                 self.writes.append((name, peer, event))
             case Closed():
                 closed.append(peer)
+            case Trusted() | RegionKnown() | Hangup():
+                # memnet's data plane needs no agent and its links no trust;
+                # a hung-up connection's frames were dropped unread
+                self.edge.append((name, peer, event))
+            case BadFrame() | BadConnection() | SealRefused() | NotSent():
+                self.said.append((name, peer, event))
+                assert not self.strict, f"{name} <- {peer}: {event}"
 
     def deliver_all(self) -> None:
         queue, self.queue = self.queue, []
@@ -315,13 +344,10 @@ class Net:
         other = self._other(name, peer)
         if other is None:
             return
-        manager = self.engines[other[0]].manager
-        session = manager.session(other[1])
-        # As the runtime takes it: before its session is ready a peer may
-        # send only a greeting (a well-behaved one never sends more, so a
-        # refusal here fails the test).
-        msg: Message = decode(frame) if session is None else session.link.open(frame)
-        manager.on_message(other[1], msg, self.now)
+        # As the runtime hands it in: before its session is ready a peer
+        # may send only a greeting (a well-behaved one never sends more, so
+        # a refusal here fails the test, at the event it causes).
+        self.engines[other[0]].manager.receive_frame(other[1], frame, self.now)
 
     def complete_writes(self, ok: bool = True) -> None:
         """End every transfer in flight: writes and reads."""
@@ -390,9 +416,9 @@ class Net:
         for link in self.links:
             if {link.a[0], link.b[0]} == {a, b} and link.up:
                 link.up = False
-                self.engines[link.a[0]].manager.on_disconnected(
+                self.engines[link.a[0]].manager.connection_lost(
                     link.a[1], "cut", self.now
                 )
-                self.engines[link.b[0]].manager.on_disconnected(
+                self.engines[link.b[0]].manager.connection_lost(
                     link.b[1], "cut", self.now
                 )

@@ -15,6 +15,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from p2p_kv.node.manager import LoadManager
 from p2p_kv.peer import LinkState, Session
+from p2p_kv.peer.events import RegionKnown
 from p2p_kv.peer.handshake import (
     SEALED,
     FrameKeys,
@@ -84,7 +85,7 @@ class Wire:
                     self.frames.append(frame)
                     self.sent[name].append(msg)
                     self.wire[name].append(frame)
-                    if not dst.closed:
+                    if not dst.link.closed:
                         dst.receive(dst.link.open(frame), now)
             if not moved:
                 return
@@ -110,11 +111,11 @@ def test_matching_peers_become_ready_with_the_same_config(
     secret: bytes | None,
 ) -> None:
     w = pair(ident("a", secret=secret), ident("b", secret=secret))
-    assert w.a.state is LinkState.HANDSHAKING and not w.a.ready
+    assert w.a.link.state is LinkState.HANDSHAKING and not w.a.link.ready
     w.pump()
-    assert w.a.ready and w.b.ready
-    assert w.a.refusal is None and w.b.refusal is None
-    ha, hb = w.b.peer_hello, w.a.peer_hello  # a's hello as b saw it, and back
+    assert w.a.link.ready and w.b.link.ready
+    assert w.a.link.refusal is None and w.b.link.refusal is None
+    ha, hb = w.b.link.peer_hello, w.a.link.peer_hello  # a's hello as b saw it, and back
     assert ha is not None and hb is not None
     assert (ha.engine_id, hb.engine_id) == ("a", "b")
     for field in (
@@ -141,22 +142,27 @@ def test_matching_peers_become_ready_with_the_same_config(
         assert region.region == f"region-of-{name}".encode()
         sealed = [f[0] == SEALED for f in w.wire[name]]
         assert sealed == [False, False, secret is not None]
-    assert w.a.peer_region == b"region-of-b" and w.b.peer_region == b"region-of-a"
-    assert not w.a.counters.protocol_errors and not w.b.counters.protocol_errors
+    assert (
+        w.a.link.peer_region == b"region-of-b"
+        and w.b.link.peer_region == b"region-of-a"
+    )
+    assert (
+        not w.a.link.counters.protocol_errors and not w.b.link.counters.protocol_errors
+    )
 
 
 def test_ready_sessions_carry_requests() -> None:
     w = pair(ident("a"), ident("b"))
     w.a.send_lookup("kv1", 1, [b"k1", b"k2"], 0.0)  # queued until ready
     w.pump()
-    assert w.b.has_lookups_to_serve
+    assert w.b.producer.has_lookups_to_serve
 
 
 def test_different_num_blocks_is_fine() -> None:
     w = pair(ident("a", num_blocks=64), ident("b", num_blocks=4096))
     w.pump()
-    assert w.a.ready and w.b.ready
-    assert w.a.peer_hello is not None and w.a.peer_hello.num_blocks == 4096
+    assert w.a.link.ready and w.b.link.ready
+    assert w.a.link.peer_hello is not None and w.a.link.peer_hello.num_blocks == 4096
 
 
 # ---------------------------------------------------------------------------
@@ -177,11 +183,11 @@ MISMATCHES = [
 
 
 def assert_refused(s: Session, reason: str) -> None:
-    assert s.refusal is not None, "not refused"
-    assert s.refusal.reason == reason
-    assert s.state is LinkState.CLOSED and s.closed and not s.ready
-    assert s.counters.refused == {reason: 1}
-    assert s.close_reason.startswith("refused")
+    assert s.link.refusal is not None, "not refused"
+    assert s.link.refusal.reason == reason
+    assert s.link.state is LinkState.CLOSED and s.link.closed and not s.link.ready
+    assert s.link.counters.refused == {reason: 1}
+    assert s.link.close_reason.startswith("refused")
 
 
 @pytest.mark.parametrize(
@@ -225,8 +231,8 @@ def test_different_secrets_are_refused_as_auth() -> None:
     w.pump()
     # Hellos match (both authenticated); each side's MAC check fails.
     assert_refused(w.a, "auth")
-    assert w.b.closed and not w.b.ready
-    assert w.b.refusal is not None and w.b.refusal.reason == "auth"
+    assert w.b.link.closed and not w.b.link.ready
+    assert w.b.link.refusal is not None and w.b.link.refusal.reason == "auth"
     for name in "ab":
         types = sent_types(w.sent[name])
         assert types[:2] == [Hello, HelloAck] and types[-1] is Goodbye
@@ -257,7 +263,7 @@ def test_the_manager_takes_each_session_nonce_from_its_caller() -> None:
     nonces = iter([b"N1" * 8, b"N2" * 8])
     m = LoadManager(ident("a"), nonces=lambda: next(nonces))
     first, second = m.peers.on_inbound(0.0), m.peers.on_inbound(0.0)
-    hellos = dict(m.take_outgoing(0.0))
+    hellos = {p: [decode(f) for f in fs] for p, fs in m.take_frames(0.0)}
     assert [h.nonce for (h,) in (hellos[first], hellos[second])] == [
         b"N1" * 8,
         b"N2" * 8,
@@ -369,7 +375,7 @@ def test_a_layout_refusal_names_the_field_both_values_and_the_fix(
     w.pump()
     assert_refused(w.a, reason)
     assert_refused(w.b, reason)
-    refusal = w.a.refusal
+    refusal = w.a.link.refusal
     assert refusal is not None
     assert refusal.detail == (
         f"{detail} (peer's KV layout {theirs!r} differs from ours {TIER_LAYOUT!r})"
@@ -408,7 +414,7 @@ def test_layouts_not_in_the_tiers_form_are_refused_whole() -> None:
 def test_a_seed_refusal_names_both_digests_without_a_secret() -> None:
     w = pair(ident("a"), ident("b", hash_seed="another-seed"))
     w.pump()
-    refusal = w.a.refusal
+    refusal = w.a.link.refusal
     assert refusal is not None and refusal.reason == "hash_seed"
     theirs, ours = seed_digest("another-seed").hex()[:16], seed_digest(SEED).hex()[:16]
     assert f"seed digest {theirs} there, {ours} here" in refusal.detail
@@ -493,15 +499,15 @@ def test_request_message_before_handshake_gets_an_error(msg: Message) -> None:
     hello, reply = a.take_outbox(0.0)
     assert isinstance(hello, Hello)
     assert isinstance(reply, Error) and reply.code == "before_handshake"
-    assert a.counters.protocol_errors == {"before_handshake": 1}
-    assert a.state is LinkState.HANDSHAKING
+    assert a.link.counters.protocol_errors == {"before_handshake": 1}
+    assert a.link.state is LinkState.HANDSHAKING
     assert a.sizes() == dict.fromkeys(a.sizes(), 0)
     assert a.link.take_events() == []
     # ... and the handshake still completes afterwards.
     b = Session("in:1", ident("b"), 0.0, nonce=b"B" * 16)
     b.receive(decode(encode(hello)), 0.0)
     Wire(a, b).pump()
-    assert a.ready and b.ready
+    assert a.link.ready and b.link.ready
 
 
 def test_hello_ack_before_hello_is_an_error() -> None:
@@ -510,25 +516,25 @@ def test_hello_ack_before_hello_is_an_error() -> None:
     a.receive(decode(encode(HelloAck(mac=b""))), 0.0)
     (reply,) = a.take_outbox(0.0)
     assert isinstance(reply, Error) and reply.code == "unexpected_hello_ack"
-    assert not a.closed
+    assert not a.link.closed
 
 
 def test_refused_session_ignores_everything_after() -> None:
     w = pair(ident("a"), ident("b", layout="other"))
     w.pump()
-    assert w.a.closed
+    assert w.a.link.closed
     w.a.receive(Lookup(req="kv1", gen=1, seq=1, keys=[b"k"]), 1.0)
     w.a.receive(make_hello(ident("b"), b"C" * 16), 1.0)
     assert w.a.take_outbox(1.0) == []
-    assert w.a.counters.refused == {"layout": 1}
+    assert w.a.link.counters.refused == {"layout": 1}
 
 
 def test_handshake_timeout_closes() -> None:
     a = Session("b:1", ident("a"), 0.0, nonce=b"A" * 16)
-    a.tick(a.timeouts.handshake_s - 0.01)
-    assert not a.closed
-    a.tick(a.timeouts.handshake_s)
-    assert a.closed and a.close_reason.startswith("handshake_timeout")
+    a.tick(a.link.timeouts.handshake_s - 0.01)
+    assert not a.link.closed
+    a.tick(a.link.timeouts.handshake_s)
+    assert a.link.closed and a.link.close_reason.startswith("handshake_timeout")
 
 
 # ---------------------------------------------------------------------------
@@ -698,7 +704,7 @@ def test_sessions_seal_every_frame_after_the_handshake() -> None:
     handshake's own frames stay plain (a peer without keys reads them)."""
     w = pair(ident("a", secret=SECRET), ident("b", secret=SECRET))
     w.pump()
-    assert w.a.ready and w.b.ready
+    assert w.a.link.ready and w.b.link.ready
     frame = encode(LOOKUP)
     sealed = w.a.link.seal(LOOKUP, frame)
     assert sealed[0] == SEALED and frame not in sealed
@@ -709,7 +715,7 @@ def test_sessions_seal_every_frame_after_the_handshake() -> None:
         w.b.link.open(frame)  # plain where a sealed one is due
     assert not w.b.link.admits_plain(LOOKUP)
     assert w.b.link.admits_plain(HelloAck(mac=b""))
-    hello = w.a.peer_hello
+    hello = w.a.link.peer_hello
     assert hello is not None and w.a.link.seal(hello, b"hello") == b"hello"
     assert w.a.link.seal(HelloAck(mac=b""), b"ack") == b"ack"
 
@@ -722,7 +728,10 @@ def test_a_region_blob_is_unreadable_on_the_wire_only_with_a_secret(
     encrypted) under a secret; without one plain, blob and all."""
     w = pair(ident("a", secret=secret), ident("b", secret=secret))
     w.pump()
-    assert w.a.peer_region == b"region-of-b" and w.b.peer_region == b"region-of-a"
+    assert (
+        w.a.link.peer_region == b"region-of-b"
+        and w.b.link.peer_region == b"region-of-a"
+    )
     for name in "ab":
         frames = [
             f
@@ -786,11 +795,11 @@ def test_a_goodbye_after_our_proof_checked_is_sealed_and_taken() -> None:
     deliver(b, a)  # B's Hello: A queues its HelloAck
     deliver(a, b)  # A's Hello and HelloAck: B checks it, queues its Region
     deliver(b, a)  # B's HelloAck and Region: A checks, is ready
-    assert a.ready and not b.ready  # A's Region has not reached B
+    assert a.link.ready and not b.link.ready  # A's Region has not reached B
     b.close("shutdown")
     deliver(b, a)
-    assert a.closed and a.refusal is None
-    assert a.close_reason == "peer_down: peer said goodbye: shutdown"
+    assert a.link.closed and a.link.refusal is None
+    assert a.link.close_reason == "peer_down: peer said goodbye: shutdown"
 
 
 def test_an_identity_shows_neither_its_seed_nor_its_secret() -> None:
@@ -798,3 +807,32 @@ def test_an_identity_shows_neither_its_seed_nor_its_secret() -> None:
     sends only its digest, and a logged or printed Identity showed it."""
     me = Identity("e", "sha256", "s33d-value", (b"x",), "L", 1, 1, secret=b"k3y")
     assert "s33d-value" not in repr(me) and "k3y" not in repr(me)
+
+
+@pytest.mark.parametrize("secret", [None, b"s" * 32], ids=["no-secret", "secret"])
+def test_the_edge_tells_the_runtime_of_trust_and_regions_as_events(
+    secret: bytes | None,
+) -> None:
+    """The runtime learns that a peer proved itself and that its region may
+    be loaded from the node's events, not by reading the session. A peer
+    that dialled us is told of as trusted, but its region (NIXL metadata,
+    which UCX takes unchecked) reaches the runtime only if it proved the
+    shared secret; the peer we dialled, whom our client named, always."""
+    from .memnet import Net, identity
+
+    net = Net(identities={n: identity(n, secret=secret) for n in ("a", "b")})
+    b = net.engines["b"].manager
+    b.on_new_request("r1", net.roles("a", "kv1"), net.now)
+    b.lookup("r1", b"k" * 12)
+    net.run()
+    seen = {(name, type(ev).__name__): ev for name, _, ev in net.edge}
+    assert ("a", "Trusted") in seen and ("b", "Trusted") in seen
+    assert seen[("b", "RegionKnown")] == RegionKnown(b"a")  # a's region
+    if secret is None:
+        assert ("a", "RegionKnown") not in seen
+    else:
+        assert seen[("a", "RegionKnown")] == RegionKnown(b"b")
+    # Each once, in the order the handshake went: trust before the region.
+    for name in ("a", "b"):
+        kinds = [type(ev).__name__ for n, _, ev in net.edge if n == name]
+        assert kinds == ["Trusted", "RegionKnown"][: len(kinds)]

@@ -68,7 +68,7 @@ def wire(msg: Message) -> Message:
 
 def inject(net: Net, to: str, msg: Message) -> None:
     """A frame from the other engine arrives at ``to``'s manager."""
-    net.engines[to].manager.on_message(peer_key(net, to), wire(msg), net.now)
+    net.engines[to].manager.receive_frame(peer_key(net, to), encode(msg), net.now)
 
 
 def poke(net: Net, to: str, msg: Message) -> list[Message]:
@@ -79,7 +79,7 @@ def poke(net: Net, to: str, msg: Message) -> list[Message]:
 
 
 def errors(net: Net, engine: str) -> dict[str, int]:
-    return dict(session(net, engine).counters.protocol_errors)
+    return dict(session(net, engine).link.counters.protocol_errors)
 
 
 def serve_of(net: Net, kv_id: str) -> tuple[int, State]:
@@ -178,7 +178,7 @@ def test_consumer_load_into_out_of_range_slot_fails_cleanly() -> None:
     b = net.engines["b"]
     b.collect(net.now)
     assert [r.success for r in b.results[job]] == [False]
-    assert session(net, "b").counters.failures == {"slot_out_of_range": 1}
+    assert session(net, "b").link.counters.failures == {"slot_out_of_range": 1}
     assert errors(net, "a") == {}
     assert b.region == bytearray(len(b.region))  # nothing landed anywhere
     net.hold_writes = False
@@ -437,12 +437,13 @@ def test_a_second_hello_ends_the_session_adopting_nothing() -> None:
     net = make_net()
     probe(net, "r1", "kv1")
     sb = session(net, "b")
-    first = sb.peer_hello
+    first = sb.link.peer_hello
     (bye,) = poke(net, "b", make_hello(identity("a", layout="other"), b"n" * 16))
     assert isinstance(bye, Goodbye)
-    assert sb.closed and sb.peer_hello is first and sb.refusal is None
+    assert sb.link.closed and sb.link.peer_hello is first and sb.link.refusal is None
     assert (
-        sb.close_reason == "peer_down: the peer began a new session on our connection"
+        sb.link.close_reason
+        == "peer_down: the peer began a new session on our connection"
     )
     assert errors(net, "b") == {"duplicate_hello": 1}
     finish(net, "r1")
@@ -463,9 +464,10 @@ def test_a_second_hello_from_a_dialler_leaves_its_connection_done_with() -> None
     sa = session(net, "a")
     conn = sa.peer
     inject(net, "a", make_hello(identity("b"), b"m" * 16))
-    assert sa.closed
+    assert sa.link.closed
     assert (
-        sa.close_reason == "peer_down: the peer began a new session on our connection"
+        sa.link.close_reason
+        == "peer_down: the peer began a new session on our connection"
     )
     assert m.peers.on_inbound(net.now, conn) == conn  # refused: no new session
     assert m.session(conn) is sa
@@ -483,7 +485,7 @@ def test_a_goodbye_leaves_its_connection_to_close() -> None:
     m = net.engines["a"].manager
     sa = session(net, "a")
     inject(net, "a", Goodbye(reason="shutdown"))
-    assert sa.closed
+    assert sa.link.closed
     assert sa.peer not in m.peers.refused_inbound
     finish(net, "r1")
     net.run()
@@ -524,22 +526,22 @@ def test_all_peers_together_stay_under_the_engine_wide_key_bounds() -> None:
         m.on_request_finished(kv_id, net.now)
         net.run()
     a = net.engines["a"].manager
-    sb, sc = [s for s in a.sessions() if s.ready]
-    a.on_message(sb.peer, wire(Lookup("g1", 1, 1, KEYS)), net.now)  # 4 of 6
-    a.on_message(sc.peer, wire(Lookup("g2", 1, 1, KEYS)), net.now)  # 8 > 6
+    sb, sc = [s for s in a.sessions() if s.link.ready]
+    a.receive_frame(sb.peer, encode(Lookup("g1", 1, 1, KEYS)), net.now)  # 4 of 6
+    a.receive_frame(sc.peer, encode(Lookup("g2", 1, 1, KEYS)), net.now)  # 8 > 6
     assert a.pending_lookup_keys() == 4
-    assert sc.counters.protocol_errors == {"limit_engine_pending_keys": 1}
+    assert sc.link.counters.protocol_errors == {"limit_engine_pending_keys": 1}
     net.serve()  # the engine's window empties the queue: room again
-    a.on_message(sc.peer, wire(Lookup("g3", 1, 1, KEYS)), net.now)
+    a.receive_frame(sc.peer, encode(Lookup("g3", 1, 1, KEYS)), net.now)
     assert a.pending_lookup_keys() == 4
-    a.on_message(sb.peer, wire(Fetch("p1", 1, 7, KEYS, [1, 2, 3, 4])), net.now)
-    a.on_message(sc.peer, wire(Fetch("p2", 1, 8, KEYS, [5, 6, 7, 8])), net.now)
+    a.receive_frame(sb.peer, encode(Fetch("p1", 1, 7, KEYS, [1, 2, 3, 4])), net.now)
+    a.receive_frame(sc.peer, encode(Fetch("p2", 1, 8, KEYS, [5, 6, 7, 8])), net.now)
     assert a.waiting_fetch_keys() == 4
-    assert sc.counters.protocol_errors["limit_engine_waiting_fetch_keys"] == 1
+    assert sc.link.counters.protocol_errors["limit_engine_waiting_fetch_keys"] == 1
     parked_wait = a.timeouts.parked_wait_s + 1.0
     net.settle(parked_wait, 0.5)
     assert a.waiting_fetch_keys() == 0  # the keys left with the state
-    a.on_message(sc.peer, wire(Fetch("p3", 1, 9, KEYS, [5, 6, 7, 8])), net.now)
+    a.receive_frame(sc.peer, encode(Fetch("p3", 1, 9, KEYS, [5, 6, 7, 8])), net.now)
     assert a.waiting_fetch_keys() == 4
     net.settle(parked_wait, 0.5)
 
@@ -551,12 +553,12 @@ def test_pins_stay_under_max_pinned_blocks_within_one_serve_window() -> None:
     net = make_net(limits=limits, timeouts=Timeouts(pin_ttl_s=1.0))
     probe(net, "r1", "kv1")  # 4 pinned
     sa = session(net, "a")
-    assert sa.pinned_blocks == 4
+    assert sa.producer.pinned_blocks == 4
     inject(net, "a", Lookup("g1", 1, 1, KEYS))  # fits: 8 pinned
     inject(net, "a", Lookup("g2", 1, 2, KEYS))  # would make 12: refused
     net.serve()
-    assert sa.pinned_blocks == 8
-    assert sa.counters.refused == {"limit_pinned_blocks": 1}
+    assert sa.producer.pinned_blocks == 8
+    assert sa.link.counters.refused == {"limit_pinned_blocks": 1}
     answers = {
         m.req: m.hits for m in sa.take_outbox(net.now) if isinstance(m, LookupResp)
     }
@@ -565,7 +567,7 @@ def test_pins_stay_under_max_pinned_blocks_within_one_serve_window() -> None:
     for _ in range(20):  # g1's pins end at their deadline
         net.advance(0.1)
         net.run(1)
-    assert sa.pinned_blocks == 0
+    assert sa.producer.pinned_blocks == 0
     healthy_request(net, "r2", "kv2", [30, 31, 32, 33])
     assert_drained(net)
 
@@ -603,7 +605,7 @@ def test_peer_over_max_serves_gets_refusals_and_state_stays_bounded() -> None:
     for _ in range(12):
         net.advance(0.1)
         net.run(1)
-    assert sa.sizes()["serves"] == 0 and sa.ready
+    assert sa.sizes()["serves"] == 0 and sa.link.ready
     healthy_request(net, "r2", "kv2", [30, 31, 32, 33])
     assert_drained(net)
 
@@ -678,16 +680,16 @@ def test_an_engine_that_cannot_pin_costs_one_lookup_not_the_window() -> None:
     a = net.engines["a"]
     peer = peer_key(net, "a")
     for seq, req in enumerate(("x", "y", "z"), start=1):
-        a.manager.on_message(peer, wire(Lookup(req, 1, seq, KEYS)), net.now)
+        a.manager.receive_frame(peer, encode(Lookup(req, 1, seq, KEYS)), net.now)
     a.manager.serve(FlakyPinner(a), net.now)  # does not raise
     answers = {
         m.req: m.hits
-        for _, msgs in a.manager.take_outgoing(net.now)
-        for m in msgs
+        for _, frames in a.manager.take_frames(net.now)
+        for m in map(decode, frames)
         if isinstance(m, LookupResp)
     }
     assert answers == {"x": [True] * 4, "y": [False] * 4, "z": [True] * 4}
-    assert session(net, "a").counters.failures == {"pin_error": 1}
+    assert session(net, "a").link.counters.failures == {"pin_error": 1}
     net.settle(2.0, 0.1)  # the pins end at their deadline and come back
     assert_drained(net)
 
@@ -713,16 +715,16 @@ def test_a_write_past_its_deadline_is_answered_only_once_it_cannot_land(
     for _ in range(30):  # past both sides' deadlines
         net.advance(0.1)
         net.run(1)
-    assert sa.counters.failures.get("write_timeout") == 1
+    assert sa.link.counters.failures.get("write_timeout") == 1
     b = net.engines["b"]
     b.collect(net.now)
     (result,) = b.results[job]
     assert not result.success
     if stops:
-        assert sa.ready and sb.ready  # answered, and the session goes on
+        assert sa.link.ready and sb.link.ready  # answered, and the session goes on
     else:
-        assert sa.closed and "could not stop" in sa.close_reason
-        assert sb.closed
+        assert sa.link.closed and "could not stop" in sa.link.close_reason
+        assert sb.link.closed
     net.hold_writes = False  # the WRITE would land now: its link is gone
     net.run()
     finish(net, "r1")
@@ -739,13 +741,13 @@ def test_session_whose_outbox_is_not_drained_is_closed() -> None:
         for src, dst in ((a, b), (b, a)):
             for msg in src.take_outbox(0.0):
                 dst.receive(wire(msg), 0.0)
-    assert a.ready and b.ready
+    assert a.link.ready and b.link.ready
     # The peer keeps sending and never reads our replies.
     for i in range(1000):
         b.receive(wire(Abort(f"r{i}", 1)), 0.0)
         assert len(b.link._outbox) <= limits.max_outbox
     assert b.take_outbox(0.0) == []  # lost when its outbox is taken
-    assert b.closed and b.close_reason.startswith("outbox_full")
+    assert b.link.closed and b.link.close_reason.startswith("outbox_full")
     assert b.sizes() == dict.fromkeys(b.sizes(), 0)
 
 
@@ -756,12 +758,12 @@ def test_manager_closes_a_peer_that_does_not_drain() -> None:
     a = net.engines["a"].manager
     peer = peer_key(net, "a")
     for i in range(100):  # nobody takes a's outgoing frames meanwhile
-        a.on_message(peer, wire(Abort(f"r{i}", 1)), net.now)
+        a.receive_frame(peer, encode(Abort(f"r{i}", 1)), net.now)
     sa = a.session(peer)
     assert sa is not None
-    assert a.take_outgoing(net.now) == []  # the next pump sends nothing
-    assert sa.closed
-    assert sa.close_reason.startswith("outbox_full")
+    assert a.take_frames(net.now) == []  # the next pump sends nothing
+    assert sa.link.closed
+    assert sa.link.close_reason.startswith("outbox_full")
     net.run()
     assert a.session(peer) is None  # invalidated and dropped
     assert not any(link.up for link in net.links)
@@ -790,12 +792,12 @@ def test_outbox_overflow_inside_a_serve_window_closes_cleanly() -> None:
     a = net.engines["a"].manager
     peer = peer_key(net, "a")
     for seq in range(1, 21):  # one-key lookups, one (req, gen)
-        a.on_message(peer, wire(Lookup("x", 7, seq, [KEYS[seq % 4]])), net.now)
+        a.receive_frame(peer, encode(Lookup("x", 7, seq, [KEYS[seq % 4]])), net.now)
     net.serve()  # answers all 20: only 8 fit
     sa = a.session(peer)
-    assert sa is not None and not sa.closed
-    assert a.take_outgoing(net.now) == []
-    assert sa.closed and sa.close_reason.startswith("outbox_full")
+    assert sa is not None and not sa.link.closed
+    assert a.take_frames(net.now) == []
+    assert sa.link.closed and sa.link.close_reason.startswith("outbox_full")
     net.run()
     assert a.session(peer) is None
     net.settle(3.0, 0.1)  # offered pins are held to their deadline, then freed
@@ -834,10 +836,10 @@ def test_a_write_past_its_deadline_before_it_was_posted_ends_at_once() -> None:
     a = net.engines["a"].manager
     net.now += 60.0
     a.tick(net.now)
-    replies = [m for _, msgs in a.take_outgoing(net.now) for m in msgs]
+    replies = [decode(f) for _, frames in a.take_frames(net.now) for f in frames]
     assert TransferDone("kv1", gen, job, False, "write deadline") in replies
     assert not [e for _, e in a.take_events() if isinstance(e, PostWrite)]
-    assert session(net, "a").counters.failures == {"write_timeout": 1}
+    assert session(net, "a").link.counters.failures == {"write_timeout": 1}
     for msg in replies:
         inject(net, "b", msg)
     net.run()

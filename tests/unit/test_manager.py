@@ -172,7 +172,7 @@ def test_a_load_that_timed_out_is_one_failure_however_it_ends(reads: bool) -> No
     collect_all(net)
     assert [(r.success, r.reason) for r in b.results[job]] == [(False, "timeout")]
     (s,) = b.manager.sessions()
-    assert s.counters.failures == {"timeout": 1}
+    assert s.link.counters.failures == {"timeout": 1}
     assert b.manager.fallbacks == {"timeout": 1}
     b.manager.on_request_finished("r1", net.now)
     net.run()
@@ -194,7 +194,7 @@ def test_aborting_one_request_waits_out_its_write_and_spares_the_others() -> Non
     collect_all(net)
     assert [r.success for r in b.results[j2]] == [True]
     assert len(b.results[j1]) == 1
-    assert not any(s.close_reason for s in b.manager.sessions())
+    assert not any(s.link.close_reason for s in b.manager.sessions())
     assert b.manager.requests.failed_ids() == frozenset()
     b.manager.on_request_finished("r2", net.now)
     net.run()
@@ -213,13 +213,17 @@ def test_reused_id_gets_a_real_remote_lookup() -> None:
     net.run()
     collect_all(net)
     lookups_before = sum(
-        s.counters.lookups for s in b.manager.sessions() if not s.peer.startswith("in:")
+        s.link.counters.lookups
+        for s in b.manager.sessions()
+        if not s.peer.startswith("in:")
     )
     # Same kv_request_id, same engine request id, different prompt.
     answers = probe(net, "r1", "kv1", [KEYS[0], key(50)])
     assert answers == [Answer.HIT, Answer.MISS]
     lookups_after = sum(
-        s.counters.lookups for s in b.manager.sessions() if not s.peer.startswith("in:")
+        s.link.counters.lookups
+        for s in b.manager.sessions()
+        if not s.peer.startswith("in:")
     )
     assert lookups_after == lookups_before + 1
     b.manager.on_request_finished("r1", net.now)

@@ -17,8 +17,8 @@ from types import FrameType
 from p2p_kv.node.manager import LoadManager
 from p2p_kv.peer import Session, Timeouts
 from p2p_kv.peer.events import Closed
-from p2p_kv.peer.handshake import FrameRefused, make_hello
-from p2p_kv.protocol import Hello, Message, ProtocolError, encode
+from p2p_kv.peer.handshake import make_hello
+from p2p_kv.protocol import Hello, Message, encode
 
 from .memnet import identity
 
@@ -39,34 +39,14 @@ def manager(
     )
 
 
-def receive(m: LoadManager, conn: str, frame: bytes, now: float) -> None:
-    """One inbound frame, as the runtime's receive loop takes it."""
-    session = m.session(conn)
-    if session is None or session.closed:
-        return
-    try:
-        msg = session.link.open(frame)
-    except ProtocolError as exc:
-        m.on_bad_frame(conn, exc.reason)
-        return
-    except FrameRefused as exc:
-        m.on_frame_refused(conn, exc)
-        return
-    m.on_message(conn, msg, now)
-
-
 def pump(m: LoadManager, now: float) -> dict[str, list[bytes]]:
     """The runtime's pump, the transports cut out: what leaves, by peer,
     as it would go on the wire; closed sessions are retired."""
     m.tick(now)
     closed = [peer for peer, ev in m.take_events() if isinstance(ev, Closed)]
     sent: dict[str, list[bytes]] = {}
-    for peer, msgs in m.take_outgoing(now):
-        session = m.session(peer)
-        frames = sent.setdefault(peer, [])
-        for msg in msgs:
-            frame = encode(msg)
-            frames.append(frame if session is None else session.link.seal(msg, frame))
+    for peer, frames in m.take_frames(now):
+        sent.setdefault(peer, []).extend(frames)
     for peer in closed:
         m.on_invalidated(peer, now)
     m.end_step(now)
@@ -126,11 +106,11 @@ def flood(n: int, budget: float = float("inf")) -> int:
     with counting_calls(budget) as calls:
         for conn, frame in frames:
             m.peers.on_inbound(1.0, conn)
-            receive(m, conn, frame, 1.0)
+            m.receive_frame(conn, frame, 1.0)
         out = pump(m, 1.0)
         left = [s.peer for s in m.sessions()]
         for conn in left[MAX_INBOUND // 2 :]:
-            m.on_disconnected(conn, "the stranger hung up", 2.0)
+            m.connection_lost(conn, "the stranger hung up", 2.0)
         pump(m, 2.0)
         pump(m, 1.0 + HANDSHAKE_S)
     if calls[0] > budget:
@@ -143,7 +123,7 @@ def flood(n: int, budget: float = float("inf")) -> int:
     assert m.refusals[("other", "too_many_handshaking")] == n - MAX_INBOUND
     assert not list(m.sessions())
     assert not any(m.state_report().values()), m.state_report()
-    reasons = [s.close_reason for s in m.retired_sessions]
+    reasons = [s.link.close_reason for s in m.retired_sessions]
     assert reasons[-MAX_INBOUND // 2 :] == [
         "handshake_timeout: no handshake in time"
     ] * (MAX_INBOUND // 2)
@@ -192,7 +172,9 @@ class Dialler:
         if only is not None:
             msgs = [next(msg for msg in msgs if isinstance(msg, only))]
         for msg in msgs:
-            receive(self.m, self.conn, self.session.link.seal(msg, encode(msg)), now)
+            self.m.receive_frame(
+                self.conn, self.session.link.seal(msg, encode(msg)), now
+            )
 
     def hear(self, now: float) -> None:
         frames, self.inbox = self.inbox, []
@@ -229,7 +211,9 @@ class Port:
         return session
 
     def handshaking(self) -> list[str]:
-        return [s.peer for s in self.m.sessions() if not s.ready and not s.closed]
+        return [
+            s.peer for s in self.m.sessions() if not s.link.ready and not s.link.closed
+        ]
 
     def refused(self, reason: str) -> int:
         return self.m.refusals.get(("other", reason), 0)
@@ -246,20 +230,20 @@ def test_past_max_inbound_the_oldest_still_handshaking_goes_and_the_ready_stay()
     port = Port(max_inbound=2)
     a = port.dial("in:a", 0.0)
     port.greet(a, 0.0)
-    assert a.session.ready
+    assert a.session.link.ready
     for conn in ("in:b", "in:c"):
         port.dial(conn, 0.0).say(0.0, only=Hello)  # a Hello, nothing more yet
     d = port.dial("in:d", 0.0)  # two handshaking: the oldest, b, makes way
-    assert port.session("in:b").close_reason == (
+    assert port.session("in:b").link.close_reason == (
         "closed: refused: 2 connections still handshaking, max_inbound_peers"
     )
     assert port.refused("too_many_handshaking") == 1
     port.greet(port.diallers["in:c"], 0.0)  # ready: a and c; d handshaking
-    assert port.session("in:c").ready
+    assert port.session("in:c").link.ready
     e = port.dial("in:e", 0.0)  # d and e handshaking: nobody made way
     assert port.handshaking() == ["in:d", "in:e"]
     port.greet(d, 0.0)  # a third ready one is refused as it is proven
-    assert d.session.closed and "2 peers connected" in d.session.close_reason
+    assert d.session.link.closed and "2 peers connected" in d.session.link.close_reason
     assert port.m.session("in:d") is None  # refused and retired
     assert port.refused("too_many_inbound") == 1
     # A ready one closed by a caller the manager does not hear from (the
@@ -267,12 +251,12 @@ def test_past_max_inbound_the_oldest_still_handshaking_goes_and_the_ready_stay()
     # place at once: e gets in.
     port.session("in:a").close("bad data-plane region")
     port.greet(e, 0.0)
-    assert port.session("in:e").ready
+    assert port.session("in:e").link.ready
     assert port.refused("too_many_inbound") == 1
     # Handshaking ones that hang up or run out of time leave the count too.
     port.dial("in:f", 0.0)
     port.dial("in:g", 0.0)
-    port.m.on_disconnected("in:f", "hung up", 0.1)
+    port.m.connection_lost("in:f", "hung up", 0.1)
     port.dial("in:h", 0.1)  # g and h handshaking: nobody made way
     assert port.refused("too_many_handshaking") == 1
     port.step(0.1)  # arms their deadlines
@@ -281,7 +265,7 @@ def test_past_max_inbound_the_oldest_still_handshaking_goes_and_the_ready_stay()
         port.dial(conn, 10.0)
     assert port.refused("too_many_handshaking") == 2  # i made way for k
     assert port.handshaking() == ["in:j", "in:k"]
-    assert {s.peer for s in port.m.sessions() if s.ready} == {"in:c", "in:e"}
+    assert {s.peer for s in port.m.sessions() if s.link.ready} == {"in:c", "in:e"}
 
 
 def test_a_refused_connection_leaves_nothing_to_the_cyclic_collector() -> None:
@@ -299,10 +283,11 @@ def test_a_refused_connection_leaves_nothing_to_the_cyclic_collector() -> None:
         for i in range(50):
             conn = f"in:{i}"
             m.peers.on_inbound(0.0, conn)
-            receive(m, conn, encode(make_hello(other, i.to_bytes(16, "big"))), 0.0)
+            m.receive_frame(conn, encode(make_hello(other, i.to_bytes(16, "big"))), 0.0)
             pump(m, 0.0)
         assert (
-            sum(s.counters.refused.get("layout", 0) for s in m.retired_sessions) == 50
+            sum(s.link.counters.refused.get("layout", 0) for s in m.retired_sessions)
+            == 50
         )
         m.retired_sessions.clear()
         gc.set_debug(gc.DEBUG_SAVEALL)

@@ -155,7 +155,7 @@ def test_a_source_that_left_the_fleet_is_not_dialled_again() -> None:
     m.on_new_request("r", _roles("10.0.0.7", 5800), 0.0)
     assert [p for p, _ in m.take_events()] == ["10.0.0.7:5800"]
     assert m.lookup("r", b"a" * 16) is Answer.RETRY
-    m.on_disconnected("10.0.0.7:5800", "lost", 0.1)
+    m.connection_lost("10.0.0.7:5800", "lost", 0.1)
     m.take_events()
     m.on_invalidated("10.0.0.7:5800", 0.1)
     assert m.session("10.0.0.7:5800") is None

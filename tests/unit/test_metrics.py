@@ -373,7 +373,7 @@ def test_an_inbound_peer_is_named_by_its_hello_only_once_proven() -> None:
     other = Session("x:1", them, 0.0, nonce=b"\1" * 16)
     (hello,) = [m for m in other.take_outbox(0.0) if isinstance(m, Hello)]
     s.receive(hello, 0.0)
-    assert s.peer_hello is not None and not s.proven
+    assert s.link.peer_hello is not None and not s.proven
     assert session_peer(s) == UNKNOWN
     for msg in s.take_outbox(0.0):
         other.receive(msg, 0.0)  # our Hello and proof

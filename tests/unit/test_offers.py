@@ -8,7 +8,6 @@ import pytest
 from p2p_kv.lifecycle import State
 from p2p_kv.node.manager import Answer
 from p2p_kv.peer import Timeouts
-from p2p_kv.protocol import encode
 
 from .memnet import FAST_TIMEOUTS, Net, key, payload
 from .scenarios import (
@@ -42,7 +41,7 @@ def test_a_load_too_late_in_its_offer_to_read_is_fetched() -> None:
         (result,) = net.engines["b"].collect(net.now)
         assert result.job_id == job and result.success
         (s,) = net.engines["b"].manager.sessions()
-        assert (s.counters.loads_read, s.counters.loads_fetched) == (
+        assert (s.link.counters.loads_read, s.link.counters.loads_fetched) == (
             (1, 0) if path == "read" else (0, 1)
         ), path
         net.engines["b"].manager.on_request_finished("r1", net.now)
@@ -104,7 +103,7 @@ def test_a_lookup_of_more_keys_than_a_frame_lists_goes_in_several(
     net = make_net(reads=False)
     assert probe(net, "r1", "kv1") == [Answer.HIT] * 4
     (session,) = list(net.engines["b"].manager.sessions())
-    assert session.counters.lookups == 2
+    assert session.link.counters.lookups == 2
     # A Fetch could not list the four: the load fails at once.
     fails_at_once_and_drains(net, load(net, "r1", [5, 6, 7, 8]))
 
@@ -154,8 +153,8 @@ def test_an_answer_from_a_new_serve_does_not_revive_an_expired_offer() -> None:
     a.collect(net.now)
     net.deliver_all()  # the Lookup reaches a: a new serve
     net.serve()
-    for peer, msgs in a.manager.take_outgoing(net.now):
-        net.queue += [("a", peer, encode(m)) for m in msgs]
+    for peer, frames in a.manager.take_frames(net.now):
+        net.queue += [("a", peer, f) for f in frames]
     net.deliver_all()  # its answer reaches b before any tick of b's
     assert [b.manager.lookup("r1", k) for k in keys] == [Answer.HIT] * 3
     job = load(net, "r1", [1, 2, 3], keys)

@@ -275,8 +275,8 @@ def test_a_decoder_reads_parked_stores_so_no_producer_write_reaches_its_slots(
     (store,) = [r for rs in a.results.values() for r in rs]
     assert store.success  # served: by the decoder's READ or our WRITE
     (session,) = b.manager.sessions()
-    assert session.counters.loads_fetched == 1
-    assert session.counters.loads_written == (0 if reads else 1)
+    assert session.link.counters.loads_fetched == 1
+    assert session.link.counters.loads_written == (0 if reads else 1)
     finish_and_drain(net)
 
 
@@ -322,7 +322,7 @@ def test_an_abort_crossing_the_offer_is_acked_and_nothing_is_read() -> None:
     (result,) = b.results[job]
     assert (result.success, result.reason) == (False, "abort")
     (session,) = b.manager.sessions()
-    assert session.counters.protocol_errors == {"stale_fetch_offer": 1}
+    assert session.link.counters.protocol_errors == {"stale_fetch_offer": 1}
     assert not net.reads and not b.manager.state_report()["fenced_slots"]
     assert_drained(net)
 
@@ -356,8 +356,8 @@ def test_a_bad_fetch_offer_fails_its_load_as_such_not_as_an_abort() -> None:
         (False, "bad_fetch_offer")
     ]
     (session,) = b.manager.sessions()
-    assert session.counters.failures == {"bad_fetch_offer": 1}
-    assert session.counters.protocol_errors == {"bad_fetch_offer": 1}
+    assert session.link.counters.failures == {"bad_fetch_offer": 1}
+    assert session.link.counters.protocol_errors == {"bad_fetch_offer": 1}
     assert not net.reads and b.manager.requests.failed_ids() == {"d1"}  # recomputes
     b.manager.on_request_finished("d1", net.now)
     net.run()
@@ -414,8 +414,8 @@ def test_a_second_fetch_cannot_hold_offered_stores_longer() -> None:
     held_until = serve.deadline
     net.advance(1.0)
     again = Fetch(req, gen, 999, KEYS, [60, 61, 62, 63], read=True)
-    a.manager.on_message(sa.peer, again, net.now)
-    assert sa.counters.protocol_errors == {"duplicate_fetch": 1}
+    a.manager.receive_frame(sa.peer, encode(again), net.now)
+    assert sa.link.counters.protocol_errors == {"duplicate_fetch": 1}
     assert serve.deadline == held_until
     net.hold_writes = False
     net.run()

@@ -72,7 +72,7 @@ def test_a_hit_is_read_one_sided_and_released_without_a_reply() -> None:
     # The producer released its pins on the Release, and answered nothing.
     assert sent(net, "a") in ([], ["Heartbeat"])
     assert list(session(net, "a").serves()) == []
-    assert session(net, "a").counters.bytes_served == 4 * 16
+    assert session(net, "a").link.counters.bytes_served == 4 * 16
     b.manager.on_request_finished("r1", net.now)
     net.run()
     collect_all(net)
@@ -209,13 +209,13 @@ def test_a_fetch_after_the_pins_lifetime_fails_at_once() -> None:
     net = make_net(timeouts=timeouts)
     probe(net, "r1", "kv1")
     wait(net, 1.5)  # the producer's pins end with their lifetime
-    assert session(net, "a").pinned_blocks == 0
+    assert session(net, "a").producer.pinned_blocks == 0
     job = load(net, "r1", SLOTS)
     net.run()
     (result,) = net.engines["b"].collect(net.now)
     assert (result.job_id, result.success) == (job, False)
     assert result.reason == "peer: not pinned"
-    assert session(net, "a").counters.failures == {"fetch_not_pinned": 1}
+    assert session(net, "a").link.counters.failures == {"fetch_not_pinned": 1}
     net.engines["b"].manager.on_request_finished("r1", net.now)
     net.run()
     collect_all(net)
@@ -242,7 +242,7 @@ def test_a_read_that_ends_after_its_window_fails_even_with_whole_bytes() -> None
     assert b.block(SLOTS[0]) == POISON  # what a late read can see
     (result,) = b.collect(net.now)
     assert result.job_id == job and not result.success
-    assert session(net, "b").counters.failures == {"read_late": 1}
+    assert session(net, "b").link.counters.failures == {"read_late": 1}
     assert b.manager.requests.failed_ids() == {"r1"}  # still live: recompute it
 
 
@@ -299,7 +299,7 @@ def test_only_our_data_plane_ends_a_read() -> None:
     gen = ld.gen
     s.receive(TransferDone("kv1", gen, job, True), net.now)
     assert load_state(net) is State.READING
-    assert s.counters.protocol_errors == {"stale_transfer_done": 1}
+    assert s.link.counters.protocol_errors == {"stale_transfer_done": 1}
     net.hold_writes = False
     net.run()
     assert [r.success for r in net.engines["b"].collect(net.now)] == [True]
@@ -367,7 +367,7 @@ def test_offer_outside_the_peer_region_is_ignored() -> None:
     net.queue[net.queue.index(item)] = (item[0], item[1], encode(bad))
     net.deliver_all()
     s_b = session(net, "b")
-    assert s_b.counters.protocol_errors == {"offer_out_of_range": 1}
+    assert s_b.link.counters.protocol_errors == {"offer_out_of_range": 1}
     assert s_b.sizes()["offers"] == 0
     load(net, "r1", [3], [KEYS[0]])
     net.step(deliver=False)
@@ -396,7 +396,7 @@ def test_release_and_revoke_from_a_stranger_change_nothing() -> None:
     assert serve2.state is State.WRITING
     a2.receive(Release("kv1", serve2.gen, 4), net2.now)
     assert serve2.state is State.WRITING
-    assert a2.counters.protocol_errors == {"illegal": 1}
+    assert a2.link.counters.protocol_errors == {"illegal": 1}
 
 
 def test_a_second_load_of_one_request_fails_at_once() -> None:
@@ -475,7 +475,7 @@ def test_a_read_given_up_before_it_was_posted_fails_at_once(how: str) -> None:
     assert [(r.job_id, r.success, r.reason) for r in results] == [(job, False, how)]
     assert session(net, "b").sizes()["loads"] == 0
     # Counted once, as an abort in flight is (an unposted abort was not).
-    assert session(net, "b").counters.failures == {how: 1}
+    assert session(net, "b").link.counters.failures == {how: 1}
     net.step(deliver=False)
     assert net.reads == [], "a given-up READ reached the data plane"
     assert sent(net, "b") == ["Release"]
@@ -509,5 +509,5 @@ def test_pins_alone_ask_for_no_engine_steps() -> None:
     net = make_net()
     probe(net, "r1", "kv1")
     a = net.engines["a"].manager
-    assert session(net, "a").pinned_blocks == 4
+    assert session(net, "a").producer.pinned_blocks == 4
     assert not a.has_pending_work()

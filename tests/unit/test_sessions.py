@@ -114,12 +114,12 @@ def test_a_lost_session_keeps_none_of_what_it_had_armed() -> None:
     (session,) = b.sessions()
     assert len(session.link._timers) >= 50
     net.run(3)
-    assert session.ready and session.peer_region is not None
+    assert session.link.ready and session.link.peer_region is not None
     net.cut("a", "b")
     net.run()
     assert session in b.retired_sessions
     assert session.link._timers == []
-    assert session.peer_region is None
+    assert session.link.peer_region is None
 
 
 def test_a_result_the_engine_has_not_collected_keeps_its_session_ticking() -> None:
@@ -136,12 +136,12 @@ def test_a_result_the_engine_has_not_collected_keeps_its_session_ticking() -> No
     (sb,) = b.manager.sessions()
     (sa,) = a.manager.sessions()
     assert b.manager.results_ready()  # done, and buffered for b's engine
-    for _ in range(round(2 * sb.timeouts.liveness_s / 0.1)):
+    for _ in range(round(2 * sb.link.timeouts.liveness_s / 0.1)):
         net.advance(0.1)
         net.step()  # b's runtime pumps; b's engine does not collect
         a.collect(net.now)
-    assert not sa.closed, sa.close_reason
-    assert not sb.closed, sb.close_reason
+    assert not sa.link.closed, sa.link.close_reason
+    assert not sb.link.closed, sb.link.close_reason
     (result,) = b.collect(net.now)
     assert result.job_id == job and result.success
     b.manager.on_request_finished("r1", net.now)
@@ -155,16 +155,17 @@ def test_a_refused_peer_is_counted_once_however_much_it_says() -> None:
     peer sent after it (they are ignored): the refusals metric grew with
     the peer's chatter, not with refusals."""
     from p2p_kv.peer.handshake import make_hello
-    from p2p_kv.protocol import Heartbeat, Lookup
+    from p2p_kv.protocol import Heartbeat, Lookup, encode
     from p2p_kv.runtime.tier_runtime import fresh_nonce
 
     from .memnet import identity
 
     a = Net().engines["a"].manager
     peer = a.peers.on_inbound(0.0, "in:stranger")
-    a.on_message(peer, make_hello(identity("x", hash_seed="other"), fresh_nonce()), 0.0)
+    hello = make_hello(identity("x", hash_seed="other"), fresh_nonce())
+    a.receive_frame(peer, encode(hello), 0.0)
     for msg in (Heartbeat(seq=1), Lookup("r", 1, 1, [key(1)]), Heartbeat(seq=2)):
-        a.on_message(peer, msg, 0.0)
+        a.receive_frame(peer, encode(msg), 0.0)
     assert a.refusals == {(peer, "hash_seed"): 1}
 
 
@@ -193,7 +194,7 @@ def test_a_lookup_to_a_peer_that_never_answers_the_handshake_ends_at_its_deadlin
     m.end_step(m.timeouts.lookup_s)
     assert m.lookup("r1", k) is Answer.MISS
     (session,) = m.sessions()
-    assert session.counters.failures == {"lookup_timeout": 1}
+    assert session.link.counters.failures == {"lookup_timeout": 1}
 
 
 def one_idle_session_at_max_peers() -> tuple[Net, LoadManager]:
@@ -219,7 +220,7 @@ def test_a_new_peer_past_max_peers_takes_the_place_of_an_idle_one() -> None:
     net, b = one_idle_session_at_max_peers()
     (idle,) = b.sessions()
     b.on_new_request("r2", net.roles("c", "kv2"), net.now)
-    assert idle.closed and b.dials_refused == 0
+    assert idle.link.closed and b.dials_refused == 0
     assert [b.lookup("r2", k) for k in KEYS] == [Answer.RETRY] * 4
     net.run()
     assert [b.lookup("r2", k) for k in KEYS] == [Answer.HIT] * 4

@@ -501,17 +501,18 @@ def _counters(tier: Any) -> dict[str, Any]:
     m = rt.manager
     sessions = list(m.sessions())
     return {
-        "bytes_loaded": sum(s.counters.bytes_loaded for s in sessions),
-        "bytes_served": sum(s.counters.bytes_served for s in sessions),
-        "lookups": sum(s.counters.lookups for s in sessions),
-        "hits": sum(s.counters.hits for s in sessions),
-        "loads_fetched": sum(s.counters.loads_fetched for s in sessions),
-        "loads_written": sum(s.counters.loads_written for s in sessions),
+        "bytes_loaded": sum(s.link.counters.bytes_loaded for s in sessions),
+        "bytes_served": sum(s.link.counters.bytes_served for s in sessions),
+        "lookups": sum(s.link.counters.lookups for s in sessions),
+        "hits": sum(s.link.counters.hits for s in sessions),
+        "loads_fetched": sum(s.link.counters.loads_fetched for s in sessions),
+        "loads_written": sum(s.link.counters.loads_written for s in sessions),
         "refusals": {f"{p}:{r}": n for (p, r), n in m.refusals.items()},
         "limit_refusals": dict(m.limit_refusals),
         # who each live session is with: its peer's engine id once known
         "peer_engines": sorted(
-            s.peer_hello.engine_id if s.peer_hello else s.peer for s in sessions
+            s.link.peer_hello.engine_id if s.link.peer_hello else s.peer
+            for s in sessions
         ),
         "fallbacks": dict(m.fallbacks),
         # the directory (with a peers key): entries by member, loads moved
@@ -519,8 +520,8 @@ def _counters(tier: Any) -> dict[str, Any]:
         if m.finder is None
         else {p: len(b) for p, b in m.finder.directory.members.items()},
         "failovers": 0 if m.finder is None else m.finder.failovers,
-        "failures": [dict(s.counters.failures) for s in sessions],
-        "protocol_errors": [dict(s.counters.protocol_errors) for s in sessions],
+        "failures": [dict(s.link.counters.failures) for s in sessions],
+        "protocol_errors": [dict(s.link.counters.protocol_errors) for s in sessions],
     }
 
 

@@ -114,7 +114,7 @@ class Source(Protocol):
     @property
     def copy_always(self) -> bool:
         """Whether our copy beats NIXL for every load from it, whatever its
-        runs (otherwise only for many runs: see ``p2p_kv.data.copies``)."""
+        runs (otherwise only for many runs: see ``p2p_kv.data.local``)."""
         ...
 
     def map(self) -> None: ...

@@ -493,13 +493,15 @@ def _handshake(
             return CheckResult(name, False, "could not start a session", "", details)
         rt.pump()
         connected = False  # the dial ever connected (the session closes it)
-        while not (session.ready or session.closed) and time.monotonic() < end:
+        while (
+            not (session.link.ready or session.link.closed) and time.monotonic() < end
+        ):
             rt.poll(wait=True)
             connected = connected or control.connected(target)
         details["handshake_ms"] = round((time.monotonic() - t0) * 1000, 2)
-        if not session.ready:
+        if not session.link.ready:
             return _not_ready(session, target, timeout_s, details, connected)
-        hello = session.peer_hello
+        hello = session.link.peer_hello
         details["peer_engine_id"] = hello.engine_id if hello else None
         # One lookup proves the peer's session is READY too and that its
         # engine answers: a real engine's steps (or tier thread) serve it.
@@ -511,7 +513,7 @@ def _handshake(
         while answer is Answer.RETRY and time.monotonic() < end:
             rt.poll(wait=True)
             answer = m.lookup(req, key)
-        if session.closed:
+        if session.link.closed:
             return _not_ready(session, target, timeout_s, details, connected)
         if answer is Answer.RETRY:
             details["state"] = "no_answer"
@@ -552,7 +554,7 @@ def _not_ready(
     details: dict[str, Any],
     connected: bool,
 ) -> CheckResult:
-    refusal = session.refusal
+    refusal = session.link.refusal
     if refusal is not None:
         details.update(state="refused", by="us", reason=refusal.reason)
         details["detail"] = refusal.detail
@@ -563,7 +565,7 @@ def _not_ready(
             refusal_fix(refusal.reason),
             details,
         )
-    why = str(session.close_reason)
+    why = str(session.link.close_reason)
     marker = "said goodbye: refused: "
     if marker in why:
         said = why.split(marker, 1)[1]
@@ -602,7 +604,7 @@ def _not_ready(
         if marker in why:
             details.update(state=state, detail=why)
             return CheckResult("peer", False, f"{target}: {_shown(why)}", fix, details)
-    if session.closed and not why.startswith("handshake_timeout"):
+    if session.link.closed and not why.startswith("handshake_timeout"):
         details.update(state="closed", detail=why)
         return CheckResult(
             "peer",

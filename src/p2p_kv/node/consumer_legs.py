@@ -76,7 +76,7 @@ class Loads:
         session = self._peers.sessions.get(consumer.source.peer)
         if session is None and consumer.refused:
             return Answer.MISS
-        if session is not None and session.closed:
+        if session is not None and session.link.closed:
             return Answer.MISS
         if consumer.fetched:
             # One fetch per generation: the peer released its pins with it
@@ -172,7 +172,7 @@ class Loads:
         """Load ``keys`` of a registered job from the leg's peer: a READ of
         what its lookup offered, or a Fetch."""
         session = self._peers.sessions.get(consumer.source.peer)
-        if session is None or session.closed:
+        if session is None or session.link.closed:
             self._jobs.results.append(
                 LoadResult(job_id, consumer.gen, False, "peer_down")
             )

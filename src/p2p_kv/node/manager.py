@@ -54,25 +54,39 @@ from p2p_kv.peer import (
     tally,
 )
 from p2p_kv.peer.events import (
+    BadConnection,
+    BadFrame,
     Cancel,
     Closed,
     Dial,
+    Hangup,
     HoldingsHeard,
     LoadDone,
+    NotSent,
     Orphaned,
     PinJob,
     PostRead,
     PostWrite,
     ProbeAnswer,
     ProbeAnswered,
+    RegionKnown,
     RuntimeEvent,
+    SealRefused,
     StoreDone,
     Subscribed,
+    Trusted,
     WantsParked,
 )
 from p2p_kv.peer.handshake import FrameRefused, Identity
 from p2p_kv.peer.records import LoadResult, StoreResult
-from p2p_kv.protocol import Hello, Message, Subscribe
+from p2p_kv.protocol import (
+    Heartbeat,
+    Hello,
+    Message,
+    ProtocolError,
+    Subscribe,
+    encode,
+)
 
 #: The longest a cache reset's drain waits (an offered READ of 1 TB is held
 #: about 45 minutes at the default deadlines).
@@ -290,7 +304,7 @@ class LoadManager:
             return
         session = self.peers.sessions.get(consumer.source.peer)
         # Answered misses are stale entries; a lost session's are not.
-        stale = [] if session is None or session.closed else missing
+        stale = [] if session is None or session.link.closed else missing
         self._fail_over(req, stale, "directory_stale" if stale else "peer_down", now)
 
     def _fail_over(
@@ -377,7 +391,7 @@ class LoadManager:
         to_serve, self.work.to_serve = self.work.to_serve, set()
         for peer in to_serve:
             session = self.peers.sessions.get(peer)
-            if session is not None and session.has_lookups_to_serve:
+            if session is not None and session.producer.has_lookups_to_serve:
                 try:
                     session.producer.serve_lookups(pinner, now)
                 finally:
@@ -386,20 +400,113 @@ class LoadManager:
                     # come.
                     self._touch(session)
 
-    # -- transport-facing --
+    # -- the edge: frames in and out, connections opened and lost --
 
-    def on_message(self, peer: str, msg: Message, now: float) -> None:
-        session = self.peers.sessions.get(peer)
+    def receive_frame(self, conn: str, frame: bytes, now: float) -> bool:
+        """One frame that arrived on connection ``conn``, as the transport
+        cut it; True if it was work (anything but a heartbeat, or the end of
+        the connection). Its session opens it (the seal checked, then
+        decoded as the handshake's stage admits); nothing a peer sends
+        raises here: what the runtime must do or say arrives as events
+        (:meth:`take_events`)."""
+        session = self.peers.sessions.get(conn)
         if session is None:
-            return
-        refused = session.refusal is not None
-        closed = session.closed
-        greeting = not session.ready
+            # Refused (max_inbound) or its session ended: its frames go
+            # unread, and an inbound connection closes.
+            if is_inbound(conn):
+                self.work.out.append((conn, Hangup()))
+            return False
+        if session.link.closed:
+            return False  # ended in this poll: the pump retires it
+        try:
+            msg = session.link.open(frame)
+        except ProtocolError as exc:
+            tally(self.protocol_errors, exc.reason, "other")
+            ended = not session.proven
+            self.work.out.append((conn, BadFrame(exc.reason, str(exc), ended)))
+            if ended:
+                # An honest peer's greeting always decodes: before its
+                # proof, one that does not ends the connection, so a stream
+                # of them costs its sender a new connection each.
+                self.connection_lost(
+                    conn, f"a bad frame before the handshake: {exc}", now
+                )
+            return ended
+        except FrameRefused as exc:
+            # A party without the secret is speaking (over one TCP
+            # connection nothing else loses or reorders a frame).
+            self.work.out.append((conn, SealRefused(str(exc))))
+            session.refuse_frame(exc)
+            self._tally_refusal(conn, session)
+            self._touch(session)
+            self.peers.remember_refused(conn)
+            return True
+        self._on_message(conn, session, msg, now)
+        return not isinstance(msg, Heartbeat)
+
+    def take_frames(self, now: float) -> list[tuple[str, list[bytes]]]:
+        """What every session has to say, as frames for the wire: encoded,
+        and sealed once its link has keys. A message that does not encode
+        (a bound the protocol keeps) is left out, and said
+        (:class:`NotSent`)."""
+        out = []
+        for peer in list(self.work.dirty):
+            session = self.peers.sessions.get(peer)
+            if session is None:
+                continue
+            msgs = session.take_outbox(now)
+            if not msgs:
+                if session.link.closed:
+                    self._touch(session)  # lost for an overflowing outbox
+                continue
+            frames = []
+            for msg in msgs:
+                try:
+                    frames.append(session.link.seal(msg, encode(msg)))
+                except ProtocolError as exc:
+                    self.work.out.append((peer, NotSent(type(msg).__name__, str(exc))))
+            out.append((peer, frames))
+        return out
+
+    def connection_lost(
+        self, conn: str, why: str, now: float, *, bad: str = "", failure: str = ""
+    ) -> None:
+        """Connection ``conn`` ended (``why``). ``bad``: the transport ended
+        it for what the peer sent below the protocol (counted as that
+        reason); ``failure``: the control plane's code for a dial that
+        ended, counted in ``dial_failures`` while the peer had not proved
+        itself (a source a request named that is no p2p_kv peer: a wrong
+        port, a dead pod, a name that does not resolve)."""
+        session = self.peers.sessions.get(conn)
+        if not is_inbound(conn):
+            if failure and session is not None and not session.proven:
+                self.on_dial_failed(conn, failure)
+        elif bad:
+            tally(self.protocol_errors, bad, "other")
+            if session is not None and not session.link.closed:
+                # (The tail of a connection already refused, for a seal or
+                # a handshake, was said once: no more.)
+                self.work.out.append((conn, BadConnection(bad, why)))
+        if session is not None:
+            session.peer_lost(why)
+            self._touch(session)
+
+    def refuse_region(self, peer: str, why: str) -> None:
+        """The peer's data-plane region (:class:`RegionKnown`) could not be
+        loaded: its session ends, since no byte can move with it."""
+        self.peers.close_session(peer, f"bad data-plane region: {why}")
+
+    def _on_message(
+        self, peer: str, session: Session, msg: Message, now: float
+    ) -> None:
+        refused = session.link.refusal is not None
+        closed = session.link.closed
+        greeting = not session.link.ready
         session.receive(msg, now)
         if not refused:
             self._tally_refusal(peer, session)
-        ended = session.closed and not closed
-        if ended and (session.refusal is not None or isinstance(msg, Hello)):
+        ended = session.link.closed and not closed
+        if ended and (session.link.refusal is not None or isinstance(msg, Hello)):
             # Refused, or ended by a second Hello: one inbound connection,
             # one session. (Not a Goodbye's end: its connection closes next,
             # and each remembered would push a refused one out of the list.)
@@ -407,23 +514,23 @@ class LoadManager:
         if (
             ended
             and self.finder is not None
-            and session.refusal is not None
-            and session.refusal.reason == "self"
+            and session.link.refusal is not None
+            and session.link.refusal.reason == "self"
             and not is_inbound(peer)
         ):
             # The peers key names every engine, this one too, and the
             # address we listen on was not the one listed: never again.
             self.finder.myself.add(peer)
-        if greeting and session.ready and is_inbound(peer):
+        if greeting and session.link.ready and is_inbound(peer):
             self.peers.on_ready(session)
-        elif greeting and session.ready:
+        elif greeting and session.link.ready:
             hello = session.link.peer_hello
             if hello is not None and self.tallies.met(peer, hello.engine_id):
                 self.on_dial_failed(peer, "restarted")
             if self.finder is not None:
                 self._member_ready(session)
         self._touch(session)
-        if session.has_lookups_to_serve:
+        if session.producer.has_lookups_to_serve:
             self.work.to_serve.add(peer)
         self._bind_parked(now)
 
@@ -459,24 +566,9 @@ class LoadManager:
     def _tally_refusal(self, peer: str, session: Session) -> None:
         """Count a session's refusal once, when it happens (a refused
         session's later frames are ignored, not counted again)."""
-        if session.refusal is not None:
-            reason = session.refusal.reason
+        if session.link.refusal is not None:
+            reason = session.link.refusal.reason
             tally(self.refusals, (peer, reason), ("other", reason))
-
-    def on_frame_refused(self, peer: str, exc: FrameRefused) -> None:
-        """A frame from ``peer`` failed its seal: its session ends."""
-        session = self.peers.sessions.get(peer)
-        if session is not None and not session.closed:
-            session.refuse_frame(exc)
-            self._tally_refusal(peer, session)
-            self._touch(session)
-            self.peers.remember_refused(peer)
-
-    def on_disconnected(self, peer: str, reason: str, now: float) -> None:
-        session = self.peers.sessions.get(peer)
-        if session is not None:
-            session.peer_lost(reason)
-            self._touch(session)
 
     def on_write_unstoppable(self, peer: str, write_id: int) -> None:
         """A write given up on may still land: its session ends (see
@@ -509,19 +601,6 @@ class LoadManager:
             if not isinstance(event, (PostRead, PostWrite))
             or ((s := sessions.get(peer)) is not None and s.posting(event))
         ]
-
-    def take_outgoing(self, now: float) -> list[tuple[str, list[Message]]]:
-        out = []
-        for peer in list(self.work.dirty):
-            session = self.peers.sessions.get(peer)
-            if session is None:
-                continue
-            msgs = session.take_outbox(now)
-            if msgs:
-                out.append((peer, msgs))
-            elif session.closed:
-                self._touch(session)  # lost for an overflowing outbox
-        return out
 
     def on_read_done(self, peer: str, job_id: int, ok: bool, now: float) -> None:
         session = self.peers.sessions.get(peer)
@@ -581,7 +660,7 @@ class LoadManager:
         updates = finder.updates()
         for peer in list(finder.subscribers) if updates else ():
             session = self.peers.sessions.get(peer)
-            if session is None or session.closed:
+            if session is None or session.link.closed:
                 finder.subscribers.discard(peer)
                 continue
             for msg in updates:
@@ -650,7 +729,7 @@ class LoadManager:
                     if self.finder is not None:
                         self.finder.left(peer)
                     work.out.append((peer, event))
-                case PostRead() | PostWrite() | Cancel():
+                case PostRead() | PostWrite() | Cancel() | Trusted() | RegionKnown():
                     work.out.append((peer, event))
 
     def _apply_answer(self, answer: ProbeAnswer) -> None:

@@ -168,7 +168,7 @@ class ParkedRegistry:
             session = self._session_of(peer)
             if (
                 session is None
-                or session.closed
+                or session.link.closed
                 or serve.state is not State.FETCH_WAITING
             ):
                 continue

@@ -129,7 +129,7 @@ class Peers:
         closed, in the backoff, or refused for ``max_peers``. ``busy``: the
         peers live requests name (never closed for room)."""
         session = self.sessions.get(peer)
-        if session is not None and not session.closed:
+        if session is not None and not session.link.closed:
             session.used_at = now
             return session
         if session is not None:
@@ -166,7 +166,7 @@ class Peers:
         idle = [
             s
             for p, s in self.dialled.items()
-            if not s.closed and not s.active and p not in busy
+            if not s.link.closed and not s.active and p not in busy
         ]
         if not idle:
             return False
@@ -197,9 +197,10 @@ class Peers:
         return session
 
     def close_session(self, peer: str, reason: str) -> bool:
-        """Drop one peer's session (the peer hears Goodbye); False if none."""
+        """Drop one peer's session (the peer hears Goodbye); False if there
+        is none open."""
         session = self.sessions.get(peer)
-        if session is None:
+        if session is None or session.link.closed:
             return False
         session.close(reason)
         self._touch(session)
@@ -305,7 +306,7 @@ class Peers:
         )
         report.update(dict.fromkeys(SESSION_KEYS, 0))
         sessions = self.sessions.values()
-        report["fenced_slots"] = sum(s.fenced_slots for s in sessions)
+        report["fenced_slots"] = sum(s.consumer.fenced_slots for s in sessions)
         for session in sessions:
             for name, size in session.sizes().items():
                 report[name] = report.get(name, 0) + size
@@ -350,14 +351,14 @@ class SessionWork:
             return
         for peer in self.dirty:
             session = sessions.get(peer)
-            if session is not None and not session.closed:
+            if session is not None and not session.link.closed:
                 deadline = session.next_deadline()
                 if deadline != float("inf"):
                     heapq.heappush(self.deadlines, (deadline, peer))
         self.dirty = {
             p
             for p in self.dirty
-            if (s := sessions.get(p)) is not None and (s.has_output or s.closed)
+            if (s := sessions.get(p)) is not None and (s.has_output or s.link.closed)
         }
         # Stale heap entries (a session re-armed several times) are cheap to
         # skip but must not pile up: rebuild when they dominate.

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TypeAlias
 
+from p2p_kv.peer.handshake import HandshakeRefused
 from p2p_kv.peer.records import LoadResult, Serve, StoreResult
 
 
@@ -124,9 +125,81 @@ class Orphaned:
 @dataclass(frozen=True, slots=True)
 class Closed:
     """The session ended (``reason``). The owner invalidates the peer's data
-    agent and then calls ``confirm_invalidated``: fenced loads end then."""
+    agent and then calls ``confirm_invalidated``: fenced loads end then.
+    ``refusal`` is the handshake's refusal, if that ended it (its reason,
+    both values and the fix, for the operator's line); ``proven`` whether
+    the peer had proved itself first (a dialled peer that never did is an
+    address our clients named wrong)."""
 
     reason: str
+    refusal: HandshakeRefused | None = None
+    proven: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Trusted:
+    """The peer proved itself (its HelloAck checked): its connection may
+    carry frames of any legal size and leaves the bounds on connections
+    still handshaking."""
+
+
+@dataclass(frozen=True, slots=True)
+class RegionKnown:
+    """The session is ready and the peer's data-plane region (``region``, a
+    ``RegionInfo``, encoded) may be loaded. Never for a peer that dialled
+    us without proving the shared secret: NIXL hands a peer's metadata to
+    UCX unchecked, and some of it (a worker address) aborts the process
+    when malformed, so only peers our own clients named or that proved the
+    secret get that far. One that did not is never written to: it READs
+    what we offer."""
+
+    region: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class BadFrame:
+    """A frame of the peer's did not decode (``reason``, ``detail``): counted
+    in ``protocol_errors``. ``ended``: it came before the handshake, so the
+    connection ended (an honest peer's greeting always decodes, and a
+    stream of bad ones costs its sender a connection each); otherwise the
+    frame was dropped and the session goes on."""
+
+    reason: str
+    detail: str
+    ended: bool
+
+
+@dataclass(frozen=True, slots=True)
+class BadConnection:
+    """The transport ended the peer's connection for what it sent below the
+    protocol (``reason``, e.g. a frame over the size bound; ``why``)."""
+
+    reason: str
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
+class SealRefused:
+    """A frame failed its seal (forged, replayed, reordered, or plain where
+    a sealed one is due): a party without the secret is speaking, and the
+    session ended."""
+
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class NotSent:
+    """A message of ours (``what``) did not encode within the protocol's
+    bounds (``detail``): it was not sent."""
+
+    what: str
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class Hangup:
+    """A frame came on an inbound connection with no session (refused at
+    ``max_inbound``, or its session ended): close the connection, unread."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,7 +222,9 @@ class Dial:
 
 
 SessionEvent: TypeAlias = (
-    PostRead
+    Trusted
+    | RegionKnown
+    | PostRead
     | PostWrite
     | Cancel
     | LoadDone
@@ -164,5 +239,18 @@ SessionEvent: TypeAlias = (
 )
 
 #: What the manager hands the runtime, each with its peer: the session
-#: events that need the transports, and its own dials.
-RuntimeEvent: TypeAlias = PostRead | PostWrite | Cancel | Closed | Dial
+#: events that need the transports or a log line, and its own dials.
+RuntimeEvent: TypeAlias = (
+    Trusted
+    | RegionKnown
+    | PostRead
+    | PostWrite
+    | Cancel
+    | Closed
+    | Dial
+    | BadFrame
+    | BadConnection
+    | SealRefused
+    | NotSent
+    | Hangup
+)

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from enum import Enum
 from typing import NamedTuple
 
-from p2p_kv.peer.events import SessionEvent
+from p2p_kv.peer.events import SessionEvent, Trusted
 from p2p_kv.peer.handshake import (
     SEALED,
     FrameKeys,
@@ -315,6 +315,7 @@ class Link:
         except HandshakeRefused as err:
             return self.refuse(err)
         self.acked = True
+        self.emit(Trusted())
         # Only now, to a peer that proved itself: whoever holds our region
         # can write our KV cache. With a secret its frame is sealed (see
         # seal), which encrypts it.

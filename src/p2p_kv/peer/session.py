@@ -29,10 +29,11 @@ from p2p_kv.peer.events import (
     HoldingsHeard,
     PostRead,
     PostWrite,
+    RegionKnown,
     Subscribed,
 )
 from p2p_kv.peer.handshake import FrameRefused, HandshakeRefused, Identity
-from p2p_kv.peer.link import Link, LinkState, Loss
+from p2p_kv.peer.link import Link, Loss
 from p2p_kv.peer.producer import ProducerSide
 from p2p_kv.peer.records import (
     PEER_REASON,
@@ -41,8 +42,8 @@ from p2p_kv.peer.records import (
     Load,
     Probe,
     Serve,
-    SessionCounters,
     Timeouts,
+    is_inbound,
 )
 from p2p_kv.protocol import (
     Abort,
@@ -113,42 +114,6 @@ class Session:
     # -- what the link knows ---------------------------------------------------
 
     @property
-    def timeouts(self) -> Timeouts:
-        return self.link.timeouts
-
-    @property
-    def limits(self) -> Limits:
-        return self.link.limits
-
-    @property
-    def counters(self) -> SessionCounters:
-        return self.link.counters
-
-    @property
-    def state(self) -> LinkState:
-        return self.link.state
-
-    @property
-    def ready(self) -> bool:
-        return self.link.ready
-
-    @property
-    def closed(self) -> bool:
-        return self.link.closed
-
-    @property
-    def close_reason(self) -> str:
-        return self.link.close_reason
-
-    @property
-    def refusal(self) -> HandshakeRefused | None:
-        return self.link.refusal
-
-    @property
-    def peer_hello(self) -> Hello | None:
-        return self.link.peer_hello
-
-    @property
     def proven(self) -> bool:
         """The peer proved itself (its HelloAck checked): what it says of
         itself, its engine id included, may be believed."""
@@ -159,12 +124,6 @@ class Session:
         """The peer proved the shared secret (there is one, and its
         HelloAck checked)."""
         return self.link.acked and self.link.me.secret is not None
-
-    @property
-    def peer_region(self) -> bytes | None:
-        """The peer's data-plane region (``RegionInfo``, encoded), set
-        before the session is ready."""
-        return self.link.peer_region
 
     def refuse_frame(self, err: FrameRefused) -> None:
         """A frame failed its seal (forged, replayed, reordered, or plain):
@@ -218,7 +177,9 @@ class Session:
         self.consumer.lose(loss.kind)
         self.producer.lose(loss.kind)
         self.link.forget()
-        self.link.emit(Closed(self.link.close_reason))
+        self.link.emit(
+            Closed(self.link.close_reason, self.link.refusal, self.link.acked)
+        )
 
     # -- input -----------------------------------------------------------------------
 
@@ -238,6 +199,8 @@ class Session:
                 return
             case Region():
                 if link.on_region(msg):
+                    if not is_inbound(self.peer) or self.proven_secret:
+                        link.emit(RegionKnown(msg.region))
                     self.consumer.flush()
                 return
             case Goodbye():
@@ -299,10 +262,6 @@ class Session:
 
     # -- the producer's calls ------------------------------------------------------
 
-    @property
-    def has_lookups_to_serve(self) -> bool:
-        return self.producer.has_lookups_to_serve
-
     def on_write_unstoppable(
         self, write_id: int, event: Event = Event.WRITES_FAILED
     ) -> None:
@@ -323,10 +282,6 @@ class Session:
         engine's counts (and whatever it drops later, only its own)."""
         self.producer.pending.detach()
         self.producer.waiting.detach()
-
-    @property
-    def pinned_blocks(self) -> int:
-        return self.producer.pinned_blocks
 
     # -- time ------------------------------------------------------------------------
 
@@ -381,11 +336,6 @@ class Session:
 
     def serves(self) -> Iterator[Serve]:
         return iter(self.producer.serves())
-
-    @property
-    def fenced_slots(self) -> int:
-        """Destination slots a transfer may still land in."""
-        return self.consumer.fenced_slots
 
     @property
     def peer_transfers(self) -> bool:

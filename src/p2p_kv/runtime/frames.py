@@ -1,15 +1,17 @@
-"""The control-plane side of the tier: the sessions' frames in and out.
+"""The control-plane side of the tier: the bytes between the control
+transport and the sans-IO node, and the lines they cause.
 
 Frames arrive on the :class:`~p2p_kv.control.transport.ControlTransport`'s
-connections and leave through it; in between they are opened (checked,
-their seal verified) or sealed by their session, and handed to or taken
-from the :class:`~p2p_kv.node.manager.LoadManager`. :class:`Frames` is that
-path, and the log lines a peer's frames can cause (bad frames, refused
-seals, a closed session's reason), each bounded by the shared
-:class:`~p2p_kv.ratelog.PeerLog`. It is the runtime's sibling of
-:class:`~p2p_kv.runtime.transfers.Transfers`: no thread and no wait of its own
-(the runtime decides how long a poll may block), run under the runtime's
-lock.
+connections and go to the :class:`~p2p_kv.node.manager.LoadManager` as
+they came (:meth:`~p2p_kv.node.manager.LoadManager.receive_frame`); the
+frames it has to send (:meth:`~p2p_kv.node.manager.LoadManager.take_frames`,
+sealed by their sessions) go back out. What a peer's frames cause that an
+operator must hear (a bad frame, a refused seal, a closed session's
+reason) reaches :class:`Frames` as the node's events, and becomes one line
+each, bounded by the shared :class:`~p2p_kv.ratelog.PeerLog`. It is the
+runtime's sibling of :class:`~p2p_kv.runtime.transfers.Transfers`: no
+thread and no wait of its own (the runtime decides how long a poll may
+block), run under the runtime's lock.
 """
 
 from __future__ import annotations
@@ -21,8 +23,7 @@ from collections.abc import Callable
 from p2p_kv.control.transport import ControlTransport, dial_failure
 from p2p_kv.node.manager import LoadManager
 from p2p_kv.peer import is_inbound
-from p2p_kv.peer.handshake import FrameRefused
-from p2p_kv.protocol import Heartbeat, Message, ProtocolError, encode
+from p2p_kv.peer.events import BadConnection, BadFrame, Closed, NotSent, SealRefused
 from p2p_kv.ratelog import PeerLog
 from p2p_kv.runtime.metrics import UNKNOWN, session_peer
 from p2p_kv.runtime.transfers import Transfers
@@ -99,116 +100,71 @@ class Frames:
             now = self._clock()
             conn = inbound.conn
             if inbound.lost:
-                if not is_inbound(conn):
-                    session = m.session(conn)
-                    if session is not None and not session.proven:
-                        # A source a request named that is no p2p_kv peer
-                        # (a wrong port, a dead pod, a name that does not
-                        # resolve): counted by what the operator must fix.
-                        m.on_dial_failed(conn, dial_failure(inbound.why))
-                elif inbound.bad:
-                    m.on_bad_frame(conn, inbound.bad)
-                    session = m.session(conn)
-                    if session is not None and not session.closed:
-                        # (The tail of a connection already refused, for a
-                        # seal or a handshake, was said once: no more.)
-                        self._peer_log.warning(
-                            inbound.bad, conn, "connection ended: %s", inbound.why
-                        )
-                m.on_disconnected(conn, inbound.why, now)
-                work = True
-                continue
-            if inbound.new:
-                m.peers.on_inbound(now, conn)
-                continue
-            session = m.session(conn)
-            if session is None:
-                # A connection refused (max_inbound) or whose session ended:
-                # its frames go unread.
-                if is_inbound(conn):
-                    self.control.close_conn(conn)
-                continue
-            if session.closed:
-                # Ended in this poll (the pump retires it): the rest of its
-                # frames go unread.
-                continue
-            try:
-                msg = session.link.open(inbound.frame)
-            except ProtocolError as exc:
-                m.on_bad_frame(conn, exc.reason)
-                if not session.proven:
-                    # An honest peer's greeting always decodes: before its
-                    # proof, one that does not ends the connection, so a
-                    # stream of them costs its sender a new connection each.
-                    self._peer_log.warning(
-                        "bad_frame",
-                        conn,
-                        "closed: a bad frame before the handshake: %s",
-                        exc,
-                    )
-                    m.on_disconnected(
-                        conn, f"a bad frame before the handshake: {exc}", now
-                    )
-                    work = True
-                    continue
-                self._peer_log.warning(
-                    "bad_frame", conn, "dropped a bad frame (protocol_errors): %s", exc
+                m.connection_lost(
+                    conn,
+                    inbound.why,
+                    now,
+                    bad=inbound.bad,
+                    failure=dial_failure(inbound.why),
                 )
-                continue
-            except FrameRefused as exc:
-                self._refuse(conn, exc)
                 work = True
-                continue
-            if not isinstance(msg, Heartbeat):
-                work = True
-            m.on_message(conn, msg, now)
-            if session.proven:
-                self.control.trust(conn)
-            self._transfers.maybe_add_agent(conn)
+            elif inbound.new:
+                m.peers.on_inbound(now, conn)
+            else:
+                work |= m.receive_frame(conn, inbound.frame, now)
+                self._transfers.prove_pending(conn)
         return work
 
-    def _refuse(self, conn: str, exc: FrameRefused) -> None:
-        """A frame that failed its seal ends its session: a party without
-        the secret is speaking (over one TCP connection nothing else loses
-        or reorders a frame). The refusals metric counts each; the log
-        says so at most once per interval (such a party may open
-        connection after connection)."""
-        self.manager.on_frame_refused(conn, exc)
-        self._peer_log.warning(
-            "auth", conn, "refused a frame whose seal does not check: %s", exc
-        )
-
     def send_all(self, now: float) -> None:
-        """Seal and send what every session has to say."""
-        for peer, msgs in self.manager.take_outgoing(now):
-            self._send(peer, msgs, now)
+        """Send what every session has to say."""
+        for peer, frames in self.manager.take_frames(now):
+            why = self.control.send(peer, frames)
+            if why:
+                self.manager.connection_lost(peer, f"send failed: {why}", now)
 
-    def _send(self, peer: str, msgs: list[Message], now: float) -> None:
-        frames = []
-        session = self.manager.session(peer)
-        for msg in msgs:
-            try:
-                frame = encode(msg)
-                frames.append(
-                    frame if session is None else session.link.seal(msg, frame)
+    def say(
+        self, peer: str, event: BadFrame | BadConnection | SealRefused | NotSent
+    ) -> None:
+        """The line an event of the edge causes. A peer chooses how often
+        these happen, so each kind is said at most once per interval per
+        peer (the metrics count every one)."""
+        match event:
+            case BadFrame(_, detail, True):
+                self._peer_log.warning(
+                    "bad_frame",
+                    peer,
+                    "closed: a bad frame before the handshake: %s",
+                    detail,
                 )
-            except ProtocolError as exc:
+            case BadFrame(_, detail, False):
+                self._peer_log.warning(
+                    "bad_frame",
+                    peer,
+                    "dropped a bad frame (protocol_errors): %s",
+                    detail,
+                )
+            case BadConnection(reason, why):
+                self._peer_log.warning(reason, peer, "connection ended: %s", why)
+            case SealRefused(detail):
+                # A refused seal ends its session: the refusals metric counts
+                # each; such a party may open connection after connection.
+                self._peer_log.warning(
+                    "auth",
+                    peer,
+                    "refused a frame whose seal does not check: %s",
+                    detail,
+                )
+            case NotSent(what, detail):
                 log.error(
                     "p2p_kv: not sending %s to %s: %s",
-                    type(msg).__name__,
+                    what,
                     self.peer_name(peer),
-                    exc,
+                    detail,
                 )
-        why = self.control.send(peer, frames)
-        if why:
-            self.manager.on_disconnected(peer, f"send failed: {why}", now)
 
-    def log_close(self, peer: str) -> None:
+    def log_close(self, peer: str, closed: Closed) -> None:
         """Say once why a session closed, if anyone needs to hear it."""
-        session = self.manager.session(peer)
-        if session is None:
-            return
-        if session.refusal is not None:
+        if closed.refusal is not None:
             # A refused handshake (wrong secret, another layout): the
             # operator's fix is on one side or the other. Any party can
             # cause it, so at most one line per reason per interval. Its
@@ -216,13 +172,13 @@ class Frames:
             # line (``auth``) shares: one event, one line.
             # The detail names the peer's value and ours, then the fix.
             self._peer_log.warning(
-                session.refusal.reason,
+                closed.refusal.reason,
                 peer,
                 "handshake refused: %.700s; fix: %s",
-                session.refusal,
-                session.refusal.fix,
+                closed.refusal,
+                closed.refusal.fix,
             )
-        elif session.close_reason and not (session.proven or is_inbound(peer)):
+        elif closed.reason and not (closed.proven or is_inbound(peer)):
             # A peer our clients named that we never got a session with:
             # unresolvable, refused, unreachable, silent, or refusing us
             # (its Goodbye says why): requests naming it recompute.
@@ -230,11 +186,11 @@ class Frames:
                 "dial_failed",
                 peer,
                 "no session: %.300r; requests naming it recompute",
-                session.close_reason,
+                closed.reason,
             )
-        elif session.close_reason:
+        elif closed.reason:
             # The reason may be the peer's text (its Goodbye): the PeerLog
             # line shows it as %r, cut.
             self._peer_log.info(
-                "session_closed", peer, "session closed: %.300r", session.close_reason
+                "session_closed", peer, "session closed: %.300r", closed.reason
             )

@@ -270,7 +270,7 @@ def session_peer(session: Session) -> str:
     engine id is."""
     if not is_inbound(session.peer):
         return session.peer[:MAX_PEER_LABEL]
-    hello = session.peer_hello
+    hello = session.link.peer_hello
     if hello is None or not session.proven:
         # Anyone may connect and name itself: a party without the secret
         # filled every peer label (64 Hellos) before this.
@@ -358,7 +358,7 @@ class MetricsExporter:
         )
 
     def _session_deltas(self, session: Session, sink: StatsSink) -> None:
-        c = session.counters
+        c = session.link.counters
         seen = self._seen.get(session) or SessionCounters()
         label: tuple[str, ...] | None = None
 
@@ -448,9 +448,12 @@ class MetricsExporter:
         }
         for session in sessions:
             peer = self.peer(session_peer(session))
-            key: tuple[str, tuple[str, ...]] = (SESSIONS, (peer, session.state.value))
+            key: tuple[str, tuple[str, ...]] = (
+                SESSIONS,
+                (peer, session.link.state.value),
+            )
             now[key] = now.get(key, 0) + 1
-            fenced = session.fenced_slots
+            fenced = session.consumer.fenced_slots
             if fenced:
                 key = (FENCED_SLOTS, (peer,))
                 now[key] = now.get(key, 0) + fenced

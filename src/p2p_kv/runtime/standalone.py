@@ -120,14 +120,11 @@ class StandalonePeer:
         #: when the last step's finished_jobs returned (perf_counter)
         self.results_at = 0.0
         self._jobs = itertools.count(1)
-
-    @property
-    def address(self) -> str:
-        return self.runtime.control.address
-
-    @property
-    def manager(self) -> LoadManager:
-        return self.runtime.manager
+        #: where peers dial it (the control socket is bound by now)
+        self.address: str = self.runtime.control.address
+        #: the runtime's manager, which tests and benchmarks drive as the
+        #: engine's scheduler would
+        self.manager: LoadManager = self.runtime.manager
 
     def fill(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
         """Make blocks ``slots`` hold data derived from ``keys``."""

@@ -46,12 +46,19 @@ from p2p_kv.node.manager import JobResult, LoadManager
 from p2p_kv.node.roles import Roles
 from p2p_kv.peer import Pinner
 from p2p_kv.peer.events import (
+    BadConnection,
+    BadFrame,
     Cancel,
     Closed,
     Dial,
+    Hangup,
+    NotSent,
     PostRead,
     PostWrite,
+    RegionKnown,
     RuntimeEvent,
+    SealRefused,
+    Trusted,
 )
 from p2p_kv.ratelog import PeerLog
 from p2p_kv.runtime.frames import Frames
@@ -334,16 +341,14 @@ class TierRuntime:
             m.max_peers,
         )
         for peer in self.transfers.faulted_peers():
-            session = m.session(peer)
-            if session is not None and not session.closed:
-                m.peers.close_session(peer, "its data plane failed")
+            if m.peers.close_session(peer, "its data plane failed"):
                 log.warning(
                     "p2p_kv: closing the session with %s: its data plane "
                     "failed (a READ failed with or stranded on its "
                     "endpoint, or its agent's name was taken)",
                     self.frames.peer_name(peer),
                 )
-        closed: list[str] = []
+        closed: list[tuple[str, Closed]] = []
         # Transfers first: a READ needs nothing from the peer, so it starts
         # the moment the engine asks, ahead of this step's messages.
         posted = self._carry(m.take_events(), closed)
@@ -360,7 +365,9 @@ class TierRuntime:
             self._retire(closed, now)
         m.end_step(now)
 
-    def _carry(self, events: list[tuple[str, RuntimeEvent]], closed: list[str]) -> bool:
+    def _carry(
+        self, events: list[tuple[str, RuntimeEvent]], closed: list[tuple[str, Closed]]
+    ) -> bool:
         """Do what each event asks; True if a transfer reached the data
         plane. Closed sessions are collected for :meth:`_retire`, after
         their last messages (a Goodbye) have left."""
@@ -373,7 +380,15 @@ class TierRuntime:
                     except ValueError as exc:
                         # Its requests recompute; every other peer is dialled.
                         log.warning("p2p_kv: %s", exc)
-                        self.manager.on_disconnected(peer, str(exc), self.clock())
+                        self.manager.connection_lost(peer, str(exc), self.clock())
+                case Trusted():
+                    self.control.trust(peer)
+                case RegionKnown(region):
+                    self.transfers.add_agent(peer, region)
+                case Hangup():
+                    self.control.close_conn(peer)
+                case BadFrame() | BadConnection() | SealRefused() | NotSent():
+                    self.frames.say(peer, event)
                 case PostRead(ref, local, remote):
                     posted |= self.transfers.post(peer, ref, remote, local)
                 case PostWrite(ref, src, dst, notif):
@@ -381,18 +396,18 @@ class TierRuntime:
                 case Cancel(ref):
                     self.transfers.cancel(peer, ref)
                 case Closed():
-                    closed.append(peer)
+                    closed.append((peer, event))
         return posted
 
-    def _retire(self, closed: list[str], now: float) -> None:
+    def _retire(self, closed: list[tuple[str, Closed]], now: float) -> None:
         """Fence closed sessions (:meth:`Transfers.fence`), close their
         connections, say why once, and let the manager retire them (which
         frees their slots: after the fence, so nothing lands in them)."""
-        self.transfers.fence(closed)
-        for peer in closed:
+        self.transfers.fence(peer for peer, _ in closed)
+        for peer, event in closed:
             # Said while the connection is open: an inbound one's line
             # names its far end.
-            self.frames.log_close(peer)
+            self.frames.log_close(peer, event)
             self.control.close_conn(peer)
             self.manager.on_invalidated(peer, now)
 
@@ -508,7 +523,7 @@ class TierRuntime:
         refusal) goes through a full pump, so it too leaves at once."""
         now = self.clock()
         self.manager.submit_load(job_id, req_id, keys, slots, now)
-        closed: list[str] = []
+        closed: list[tuple[str, Closed]] = []
         if self._carry(self.manager.take_events(), closed) and not closed:
             self.transfers.take_completions()
             return

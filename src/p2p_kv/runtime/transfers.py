@@ -7,7 +7,8 @@ own. :class:`Transfers` is the one place that maps between the two, and the
 one place that knows which agent a session's peer is, because a transfer is
 posted to an agent and a closed session's agent decides how its transfers
 are fenced. The runtime's pump hands it the events that concern the data
-plane (``PostRead``, ``PostWrite``, ``Cancel``, a closed session) and it
+plane (``RegionKnown``, ``PostRead``, ``PostWrite``, ``Cancel``, a closed
+session) and it
 reports every end back to the manager; it reads no socket and owns no
 thread, so it runs under the runtime's lock like the rest of the pump.
 """
@@ -142,46 +143,38 @@ class Transfers:
 
     # -- peers' agents ----------------------------------------------------------
 
-    def maybe_add_agent(self, peer: str) -> None:
-        """Load a peer's data-plane region once its session is ready (after
-        a frame of it), or prove a same-host one whose socket is now known.
-        A bad region closes the session."""
-        if peer in self._agents:
-            if peer in self._unproven:
-                conn = self.control.connection_inode(peer)
-                if conn is not None:
-                    # Our connection's CONNECTED event came after its first
-                    # frame: a same-host peer can prove itself now.
-                    self._unproven.discard(peer)
-                    self.data.prove_peer(self._agents[peer], conn)
-            return
-        session = self.manager.session(peer)
-        if session is None or not session.ready or session.peer_region is None:
-            return
-        if is_inbound(peer) and not session.proven_secret:
-            # NIXL hands a peer's metadata to UCX unchecked, and some of it
-            # (a worker address) aborts the process when malformed: it is
-            # loaded only from peers we dialled (named by our own clients)
-            # or that proved the shared secret. A party that dialled us
-            # without one is never written to: it READs what we offer.
-            return
-        # Our outbound connection: a same-host peer proves its pid holds
-        # the far end before we open its region.
+    def add_agent(self, peer: str, region: bytes) -> None:
+        """Load a peer's data-plane region (:class:`RegionKnown`: its
+        session is ready, and the node let it through). A bad region ends
+        the session. Our outbound connection's same-host peer proves its
+        pid holds the far end before we open its region; if our
+        connection's socket is not known yet, it proves itself on its next
+        frame (:meth:`prove_pending`)."""
         conn = self.control.connection_inode(peer)
         try:
-            info = msgspec.msgpack.decode(session.peer_region, type=RegionInfo)
+            info = msgspec.msgpack.decode(region, type=RegionInfo)
             self.data.add_peer(info, conn_inode=conn)
         except (ValueError, msgspec.DecodeError) as exc:
             self._peer_log.warning(
                 "bad_region", peer, "refused: bad data-plane region: %s", exc
             )
-            session.close(f"bad data-plane region: {exc}")
+            self.manager.refuse_region(peer, str(exc))
             return
         self._agents[peer] = info.agent_name
         if conn is None and not is_inbound(peer):
             # Whatever it offers (a shared file, a CUDA IPC handle, or
             # nothing), the data plane decides once the proof can be made.
             self._unproven.add(peer)
+
+    def prove_pending(self, peer: str) -> None:
+        """Our connection's CONNECTED event came after the peer's region: a
+        same-host peer proves itself once our socket is known."""
+        if peer not in self._unproven:
+            return
+        conn = self.control.connection_inode(peer)
+        if conn is not None:
+            self._unproven.discard(peer)
+            self.data.prove_peer(self._agents[peer], conn)
 
     def faulted_peers(self) -> list[str]:
         """Peers whose agent the data plane has found broken since the last
