@@ -255,7 +255,7 @@ def run(counts: Sequence[int], repeats: int) -> tuple[list[Row], dict[str, Any]]
         row.growth = row.per_conn_us / base
     meta = {
         "target_us_per_connection": TARGET_US,
-        "max_inbound_peers": manager().max_inbound,
+        "max_inbound_peers": manager().settings.max_inbound,
         "repeats": repeats,
         "python": platform.python_version(),
         "machine": platform.machine(),

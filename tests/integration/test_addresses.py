@@ -190,7 +190,7 @@ def test_requests_naming_hundreds_of_peers_never_take_the_step_down(
     fast = Timeouts(heartbeat_interval_s=0.2, handshake_s=1.5)
     producer = StandalonePeer(16, BLOCK, engine_id="p-many", timeouts=fast)
     consumer = StandalonePeer(16, BLOCK, engine_id="c-many", timeouts=fast)
-    consumer.manager.max_peers = max_peers
+    consumer.manager.settings.max_peers = max_peers
     keys = [make_key(i) for i in range(2)]
     producer.fill(keys, [1, 2])
     stop = threading.Event()

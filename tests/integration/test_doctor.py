@@ -617,7 +617,7 @@ def engine_like() -> Iterator[tuple[str, str]]:
                 SECRET,
                 "sha256",
             )
-        peer.manager._me = me
+        peer.manager.settings.identity = me
         thread.start()
         lines = [m for m in seen if m.startswith("p2p_kv identity:")]
         assert len(lines) == 1, seen

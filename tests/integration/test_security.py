@@ -483,7 +483,7 @@ def test_connections_past_max_inbound_peers_are_refused_without_locking_out_the_
     against the fleet; a refused connection's later frames are dropped
     unread, counted once."""
     v, _ = victim
-    v.manager.max_inbound = 1
+    v.manager.settings.max_inbound = 1
     v.fill(KEYS[:2], [3, 4])
     first = Raw(v.address)
     second = mallory = None

@@ -293,7 +293,7 @@ def test_soak(peers: tuple[StandalonePeer, list[PeerProc]]) -> None:
         DataFaults(**DATA),
         seed=7,
     )
-    consumer.manager.reconnect_backoff_s = 0.2
+    consumer.manager.settings.reconnect_backoff_s = 0.2
     s = Soak(consumer, [p.address for p in procs], seed=11)
     t0 = time.monotonic()
     warm = min(REQUESTS // 10, 500)

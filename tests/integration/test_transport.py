@@ -1131,7 +1131,7 @@ def test_a_producer_that_dropped_our_session_is_dialled_again(
     prod = StandalonePeer(
         16, 4 * KIB, engine_id=f"dropper-{pid}", timeouts=HB, secret=secret
     )
-    prod.manager.limits = Limits(max_outbox=2)
+    prod.manager.settings.limits = Limits(max_outbox=2)
     cons = StandalonePeer(
         16, 4 * KIB, engine_id=f"dropped-{pid}", timeouts=HB, secret=secret
     )
@@ -1180,7 +1180,7 @@ def test_a_producer_that_dropped_our_session_is_dialled_again(
         assert (first.link.close_reason or "").startswith("peer_down: connection lost")
         for req in ("a", "b", "c"):
             cons.runtime.end_request(req)
-        backoff = time.monotonic() + cons.manager.reconnect_backoff_s
+        backoff = time.monotonic() + cons.manager.settings.reconnect_backoff_s
         while time.monotonic() < backoff:  # a peer that just dropped us
             step_both()
         answers, seconds = ask("after")

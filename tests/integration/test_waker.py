@@ -341,14 +341,14 @@ def test_a_peer_dialling_in_before_our_identity_is_ready_is_answered_after() -> 
     consumer = StandalonePeer(16, 4096, engine_id=f"early-c-{pid}")
     keys = [make_key(1), make_key(2)]
     producer.fill(keys, [1, 2])
-    real, ready = producer.manager.me, threading.Event()
+    real, ready = producer.manager.settings.me, threading.Event()
 
     def identity() -> Any:
         if not ready.is_set():
             raise NameError("name 'NONE_HASH' is not defined")
         return real
 
-    producer.manager._me = identity
+    producer.manager.settings.identity = identity
     rt = producer.runtime
     passes: list[float] = []
     real_sweep = rt.waker.sweep

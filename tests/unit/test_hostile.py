@@ -448,7 +448,7 @@ def test_a_second_hello_ends_the_session_adopting_nothing() -> None:
     assert errors(net, "b") == {"duplicate_hello": 1}
     finish(net, "r1")
     net.run()
-    net.advance(net.engines["b"].manager.reconnect_backoff_s)
+    net.advance(net.engines["b"].manager.settings.reconnect_backoff_s)
     healthy_request(net, "r2", "kv2", [30, 31, 32, 33])
     assert session(net, "b") is not sb
     assert_drained(net)
@@ -538,7 +538,7 @@ def test_all_peers_together_stay_under_the_engine_wide_key_bounds() -> None:
     a.receive_frame(sc.peer, encode(Fetch("p2", 1, 8, KEYS, [5, 6, 7, 8])), net.now)
     assert a.waiting_fetch_keys() == 4
     assert sc.link.counters.protocol_errors["limit_engine_waiting_fetch_keys"] == 1
-    parked_wait = a.timeouts.parked_wait_s + 1.0
+    parked_wait = a.settings.timeouts.parked_wait_s + 1.0
     net.settle(parked_wait, 0.5)
     assert a.waiting_fetch_keys() == 0  # the keys left with the state
     a.receive_frame(sc.peer, encode(Fetch("p3", 1, 9, KEYS, [5, 6, 7, 8])), net.now)

@@ -290,7 +290,7 @@ def test_peers_refused_at_max_peers_reach_the_refusals_counter(
     b = net.engines["b"].manager
     for i in range(refused_before):
         tally(b.refusals, (f"in:#{i}", "auth"), ("other", "auth"))
-    b.max_peers = 1
+    b.settings.max_peers = 1
     b.on_new_request("r1", net.roles("a", "kv1"), net.now)
     b.on_new_request("r2", net.roles("c", "kv2"), net.now)
     b.lookup("r1", key(1))

@@ -58,7 +58,7 @@ def test_disaggregated_prefill_in_both_orders() -> None:
 def test_parked_store_expires_when_nobody_fetches() -> None:
     net = Net()
     a = net.engines["a"]
-    a.manager.parked_ttl_s = 1.0
+    a.manager.settings.parked_ttl_s = 1.0
     a.manager.on_new_request(
         "p1", Roles.parse({"remote_decoder": {"kv_request_id": "kv9"}}), net.now
     )
@@ -257,7 +257,7 @@ def test_a_decoder_reads_parked_stores_so_no_producer_write_reaches_its_slots(
     with ``read_path: false`` offers nothing: it writes, as before."""
     net = Net(reads=reads)
     a, b = net.engines["a"], net.engines["b"]
-    a.manager.reads = producer_reads
+    a.manager.settings.reads = producer_reads
     reads = reads and producer_reads
     job = parked_fetch(net)
     net.hold_writes = True
@@ -374,7 +374,7 @@ def test_a_finished_producer_is_forgotten_at_its_ttl_without_another() -> None:
     a.on_new_request("p1", dec, net.now)
     a.on_request_finished("p1", net.now)
     assert list(a.parked.finished) == ["kv9"]
-    wait(net, a.parked_ttl_s + 0.5, dt=0.5)
+    wait(net, a.settings.parked_ttl_s + 0.5, dt=0.5)
     assert a.parked.finished == {}
 
 
@@ -488,7 +488,7 @@ def test_a_cache_resets_drain_waits_for_no_store_it_released() -> None:
     a.manager.on_new_request("p1", dec, net.now)
     a.store(a.new_job(), "p1", KEYS, [20, 21, 22, 23], net.now)
     a.manager.on_request_finished("p1", net.now)
-    ttl = a.manager.parked_ttl_s  # 60 s: parked, the store is a job till then
+    ttl = a.manager.settings.parked_ttl_s  # 60 s: parked, the store is a job till then
     assert a.manager.drain_deadline(net.now) > net.now + ttl
     a.manager.release_for_reset(net.now)
     assert a.manager.jobs_unended(net.now) == 0
@@ -605,7 +605,9 @@ def test_a_cache_reset_ends_a_fetch_held_for_a_prefill_at_a_fetch_deadline(
         wait(net, 0.25)
         collect_all(net)
     assert not b.results[job][0].success
-    assert net.now - reset <= b.manager.timeouts.fetch_deadline(0.0, 4 * 16) + 0.5
+    assert (
+        net.now - reset <= b.manager.settings.timeouts.fetch_deadline(0.0, 4 * 16) + 0.5
+    )
     b.manager.on_request_finished("d1", net.now)
     wait(net, 1.0)
     collect_all(net)

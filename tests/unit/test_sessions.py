@@ -32,7 +32,7 @@ def test_a_request_refused_a_dial_at_max_peers_is_counted_once() -> None:
     net.run()
     net.cut("b", "c")
     wait(net, 2.0)  # c's session gone, the backoff over
-    b.max_peers = 1
+    b.settings.max_peers = 1
     answers = []
     for i in range(5):
         answers.append(b.lookup("r2", key(100 + i)))
@@ -183,15 +183,15 @@ def test_a_lookup_to_a_peer_that_never_answers_the_handshake_ends_at_its_deadlin
     from .memnet import identity
 
     m = LoadManager(identity("a"), nonces=lambda: os.urandom(16))
-    assert m.timeouts.lookup_s < m.timeouts.handshake_s
+    assert m.settings.timeouts.lookup_s < m.settings.timeouts.handshake_s
     m.on_new_request("r1", Roles(Source("kv1", "10.0.0.9:5800", True)), 0.0)
     k = key(1)
     assert m.lookup("r1", k) is Answer.RETRY
     m.loads.flush(0.0)
     m.end_step(0.0)
-    assert m.next_deadline() == m.timeouts.lookup_s
-    m.tick(m.timeouts.lookup_s)
-    m.end_step(m.timeouts.lookup_s)
+    assert m.next_deadline() == m.settings.timeouts.lookup_s
+    m.tick(m.settings.timeouts.lookup_s)
+    m.end_step(m.settings.timeouts.lookup_s)
     assert m.lookup("r1", k) is Answer.MISS
     (session,) = m.sessions()
     assert session.link.counters.failures == {"lookup_timeout": 1}
@@ -204,7 +204,7 @@ def one_idle_session_at_max_peers() -> tuple[Net, LoadManager]:
     for i, k in enumerate(KEYS):
         net.engines["c"].put(k, 30 + i)
     b = net.engines["b"].manager
-    b.max_peers = 1
+    b.settings.max_peers = 1
     assert probe(net, "r1", "kv1") == [Answer.HIT] * 4
     b.on_request_finished("r1", net.now)
     net.run()
@@ -269,7 +269,7 @@ def test_a_request_naming_a_peer_past_max_peers_recomputes_and_is_counted() -> N
     and the peers already dialled keep serving."""
     net = make_net(names=("a", "b", "c"))
     b = net.engines["b"].manager
-    b.max_peers = 1
+    b.settings.max_peers = 1
     assert probe(net, "r1", "kv1") == [Answer.HIT] * 4
     b.on_new_request("r2", net.roles("c", "kv2"), net.now)
     assert [b.lookup("r2", k) for k in KEYS] == [Answer.MISS] * 4
@@ -287,7 +287,7 @@ def test_a_request_naming_a_peer_past_max_peers_recomputes_and_is_counted() -> N
     assert_drained(net)
     # Inbound sessions are the peers' dials, not ours: they do not count.
     a = net.engines["a"].manager
-    a.max_peers = 1
+    a.settings.max_peers = 1
     assert len([p for p in a.sessions() if p.peer.startswith("in:")]) == 1
     a.on_new_request("r3", net.roles("c", "kv3"), net.now)
     assert a.session("c:1") is not None and a.dials_refused == 0
@@ -339,7 +339,7 @@ def test_a_request_naming_a_source_of_another_layout_recomputes_at_once(
         b.on_request_finished(req, net.now)
     net.run()
     # A prefiller leg (every block is there) before the handshake is over.
-    net.advance(b.reconnect_backoff_s)
+    net.advance(b.settings.reconnect_backoff_s)
     b.tick(net.now)
     b.on_new_request("r3", net.roles("a", "kv3", probe=False), net.now)
     assert [b.lookup("r3", k) for k in KEYS] == [Answer.HIT] * 4

@@ -58,7 +58,7 @@ class Fleet(RuleBasedStateMachine):
         # deadlines and cuts regularly hit a write in flight.
         self.net.hold_writes = True
         for eng in self.net.engines.values():
-            eng.manager.parked_ttl_s = 2.0
+            eng.manager.settings.parked_ttl_s = 2.0
             for i, k in enumerate(KEYS[:4]):
                 eng.put(k, 50 + 2 * i)
         # engine -> req_id -> kv_id, for live consumer requests

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from enum import Enum
-from typing import Protocol
 
 from p2p_kv.node.membership import Membership
 from p2p_kv.node.requests import Consumer, JobTable, RequestTable
 from p2p_kv.node.sessions import Peers
+from p2p_kv.node.settings import NodeSettings
 from p2p_kv.peer import Session
-from p2p_kv.peer.handshake import Identity
 from p2p_kv.peer.records import LoadResult
 from p2p_kv.protocol import MAX_KEYS
 
@@ -30,17 +29,12 @@ class Answer(Enum):
     RETRY = "retry"
 
 
-class Identified(Protocol):
-    @property
-    def me(self) -> Identity: ...
-
-
 class Loads:
     """Lookups and loads of the live requests' consumer legs."""
 
     def __init__(
         self,
-        settings: Identified,
+        settings: NodeSettings,
         requests: RequestTable,
         jobs: JobTable,
         peers: Peers,

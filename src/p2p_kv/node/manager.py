@@ -43,6 +43,7 @@ from p2p_kv.node.requests import Job, JobTable, Request, RequestTable
 from p2p_kv.node.requests import JobResult as JobResult
 from p2p_kv.node.roles import Roles, Source
 from p2p_kv.node.sessions import Peers, SessionWork
+from p2p_kv.node.settings import NodeSettings
 from p2p_kv.node.tallies import FromTallies, LoadObservation, Tallies
 from p2p_kv.peer import (
     Limits,
@@ -114,39 +115,32 @@ class LoadManager:
         max_inbound: int = 512,
         membership: Membership | None = None,
     ) -> None:
-        # The engine's identity may be known only after start-up (vLLM seeds
-        # its block hashes after the tier is built), so it can come lazily.
-        self._me: Identity | Callable[[], Identity] = me
-        self.timeouts = timeouts or Timeouts()
-        self.limits = limits or Limits()
-        self.parked_ttl_s = parked_ttl_s
-        #: One-sided READ of offered blocks (else every load is a Fetch).
-        self.reads = reads
-        self.reconnect_backoff_s = reconnect_backoff_s
-        #: Outbound sessions at once (p2p_kv.runtime.config.TierConfig.max_peers).
-        self.max_peers = max_peers
-        #: Sessions peers open to us at once (TierConfig.max_inbound_peers).
-        self.max_inbound = max_inbound
+        #: what every part reads, shared as one value (never the manager)
+        self.settings = NodeSettings(
+            me,
+            timeouts=timeouts or Timeouts(),
+            limits=limits or Limits(),
+            parked_ttl_s=parked_ttl_s,
+            reconnect_backoff_s=reconnect_backoff_s,
+            reads=reads,
+            max_peers=max_peers,
+            max_inbound=max_inbound,
+        )
+        settings = self.settings
         self.tallies = Tallies()
-        self.peers = Peers(self, self.tallies, nonces, self._touch)
+        self.peers = Peers(settings, self.tallies, nonces, self._touch)
         self.work = SessionWork()
-        self.parked = ParkedRegistry(self, self.peers.sessions.get, self._touch)
+        self.parked = ParkedRegistry(settings, self.peers.sessions.get, self._touch)
         self.requests = RequestTable()
         self.jobs = JobTable()
         #: who may be dialled (the ``peers`` key; without it, anyone)
         self.membership = membership or Membership()
         self.loads = Loads(
-            self, self.requests, self.jobs, self.peers, self._touch, self.membership
+            settings, self.requests, self.jobs, self.peers, self._touch, self.membership
         )
         #: the directory, for requests that name no source: on with a
         #: ``peers`` key (the fleet it covers)
         self.finder = Finder() if self.membership.entries is not None else None
-
-    @property
-    def me(self) -> Identity:
-        if not isinstance(self._me, Identity):
-            self._me = self._me()
-        return self._me
 
     # Counters, read by the runtime, the metrics and tests.
     refusals = FromTallies[dict[tuple[str, str], int]]()
@@ -322,7 +316,7 @@ class LoadManager:
         finder.failed(req.req_id, member, map(fingerprint, stale))
         job = self.jobs.jobs.get(job_id)
         nxt = ""
-        if job is not None and now - job.submitted < self.timeouts.lookup_s:
+        if job is not None and now - job.submitted < self.settings.timeouts.lookup_s:
             nxt = finder.choose(
                 req.req_id, map(fingerprint, keys), self._loads_by_peer()
             )
@@ -365,10 +359,12 @@ class LoadManager:
         kv_id = req.dest_kv_id if req is not None else None
         if kv_id is None:
             if self.finder is not None:
-                self.finder.stored(keys, self.me.num_blocks)
+                self.finder.stored(keys, self.settings.me.num_blocks)
             self.jobs.results.append(StoreResult(job_id, True))
             return False
-        store = ParkedStore(job_id, kv_id, keys, slots, now + self.parked_ttl_s)
+        store = ParkedStore(
+            job_id, kv_id, keys, slots, now + self.settings.parked_ttl_s
+        )
         self.parked.park(store, now)
         return True
 
@@ -680,7 +676,7 @@ class LoadManager:
         (an offered READ's hold grows with its bytes: no fixed bound)."""
         held = self.parked.held_until() + self.work.held_until()
         held += [s.link.latest_deadline() for s in self.peers.sessions.values()]
-        latest = max(held, default=-math.inf) + self.timeouts.abort_ack_s + 5.0
+        latest = max(held, default=-math.inf) + self.settings.timeouts.abort_ack_s + 5.0
         return min(max(now + 30.0, latest), now + MAX_DRAIN_S)
 
     def end_step(self, now: float) -> None:
@@ -708,7 +704,7 @@ class LoadManager:
                         # fleet may find it here too.
                         job = self.jobs.jobs.get(result.job_id)
                         if job is not None and job.keys:
-                            self.finder.stored(job.keys, self.me.num_blocks)
+                            self.finder.stored(job.keys, self.settings.me.num_blocks)
                 case StoreDone(result):
                     self.jobs.results.append(result)
                 case PinJob(job_id):

@@ -15,11 +15,11 @@ import heapq
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from p2p_kv.lifecycle import Event, State
 from p2p_kv.node.indexes import residue_of
-from p2p_kv.peer import ParkedStore, Serve, Session, Timeouts
+from p2p_kv.node.settings import NodeSettings
+from p2p_kv.peer import ParkedStore, Serve, Session
 from p2p_kv.peer.records import StoreResult
 
 #: Finished producer requests remembered (see ``ParkedRegistry.finished``).
@@ -27,17 +27,6 @@ MAX_FINISHED_KV = 65_536
 #: How long a Fetch for such a kv id waits for a new producer request
 #: under the same id (a retry) before it is told nothing was stored.
 LATE_FETCH_GRACE_S = 1.0
-
-
-class ParkedSettings(Protocol):
-    """What the registry reads of its owner's settings, at each use (a
-    caller may change them after start-up)."""
-
-    @property
-    def parked_ttl_s(self) -> float: ...
-
-    @property
-    def timeouts(self) -> Timeouts: ...
 
 
 @dataclass(slots=True, eq=False)
@@ -63,7 +52,7 @@ class ParkedRegistry:
 
     def __init__(
         self,
-        settings: ParkedSettings,
+        settings: NodeSettings,
         session_of: Callable[[str], Session | None],
         touch: Callable[[Session], None],
     ) -> None:

@@ -15,21 +15,19 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Callable, Container, Iterator, Mapping
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 from p2p_kv.lifecycle import Event
 from p2p_kv.node.indexes import residue_of
+from p2p_kv.node.settings import NodeSettings
 from p2p_kv.node.tallies import Tallies
 from p2p_kv.peer import (
     KeyCount,
-    Limits,
     Serve,
     Session,
-    Timeouts,
     is_inbound,
 )
 from p2p_kv.peer.events import RuntimeEvent
-from p2p_kv.peer.handshake import Identity
 from p2p_kv.peer.records import StoreResult
 
 #: Refused inbound connections remembered (their frames dropped unread).
@@ -51,32 +49,6 @@ SESSION_KEYS = (
 )
 
 
-class PeerSettings(Protocol):
-    """What :class:`Peers` reads of its owner's settings, at each use (a
-    caller may change them after start-up)."""
-
-    @property
-    def me(self) -> Identity: ...
-
-    @property
-    def timeouts(self) -> Timeouts: ...
-
-    @property
-    def limits(self) -> Limits: ...
-
-    @property
-    def reads(self) -> bool: ...
-
-    @property
-    def max_peers(self) -> int: ...
-
-    @property
-    def max_inbound(self) -> int: ...
-
-    @property
-    def reconnect_backoff_s(self) -> float: ...
-
-
 class Peers:
     """Sessions by peer, and the bounds on opening them.
 
@@ -87,7 +59,7 @@ class Peers:
 
     def __init__(
         self,
-        settings: PeerSettings,
+        settings: NodeSettings,
         tallies: Tallies,
         nonces: Callable[[], bytes],
         touch: Callable[[Session], None],

@@ -78,7 +78,7 @@ class Frames:
         if self._me_ready:
             return True
         try:
-            self.manager.me  # noqa: B018  (resolves it, once)
+            self.manager.settings.me  # noqa: B018  (resolves it, once)
         except Exception as exc:
             log.debug("p2p_kv: identity not ready yet: %s", exc)
             return False

@@ -338,7 +338,7 @@ class TierRuntime:
             now,
             "p2p_kv: %d requests named a peer past max_peers (%d dialled): "
             "they recompute",
-            m.max_peers,
+            m.settings.max_peers,
         )
         for peer in self.transfers.faulted_peers():
             if m.peers.close_session(peer, "its data plane failed"):
