@@ -8,6 +8,7 @@ import pytest
 
 from p2p_kv.node.manager import Answer
 from p2p_kv.node.roles import Roles
+from p2p_kv.node.timers import LateFetchDue
 from p2p_kv.peer import Timeouts
 from p2p_kv.protocol import Fetch, FetchOffer, decode, encode
 
@@ -122,7 +123,8 @@ def test_each_fetch_after_its_producer_ended_gets_its_own_grace() -> None:
     b.manager.on_new_request("d1", net.roles("a", "kvW", probe=False), net.now)
     load(net, "d1", [1, 2, 3, 4])
     net.run(2)
-    assert len(a.manager.parked.late_fetches) == 1  # d1's Fetch waits at a
+    late = [t for _, t in a.manager.timers.pending() if isinstance(t, LateFetchDue)]
+    assert len(late) == 1  # d1's Fetch waits at a
     start = net.now
     b.manager.on_request_finished("d1", net.now)
     net.run()

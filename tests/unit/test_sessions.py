@@ -189,7 +189,7 @@ def test_a_lookup_to_a_peer_that_never_answers_the_handshake_ends_at_its_deadlin
     assert m.lookup("r1", k) is Answer.RETRY
     m.loads.flush(0.0)
     m.end_step(0.0)
-    assert m.next_deadline() == m.settings.timeouts.lookup_s
+    assert m.timers.next_deadline() == m.settings.timeouts.lookup_s
     m.tick(m.settings.timeouts.lookup_s)
     m.end_step(m.settings.timeouts.lookup_s)
     assert m.lookup("r1", k) is Answer.MISS

@@ -32,6 +32,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 
+from p2p_kv.lifecycle import State
 from p2p_kv.node.consumer_legs import Answer as Answer
 from p2p_kv.node.consumer_legs import Loads
 from p2p_kv.node.directory import fingerprint
@@ -45,6 +46,15 @@ from p2p_kv.node.roles import Roles, Source
 from p2p_kv.node.sessions import Peers, SessionWork
 from p2p_kv.node.settings import NodeSettings
 from p2p_kv.node.tallies import FromTallies, LoadObservation, Tallies
+from p2p_kv.node.timers import (
+    Due,
+    LateFetchDue,
+    OrphanDue,
+    SessionDue,
+    StoreDue,
+    Timers,
+    WaitNoteDue,
+)
 from p2p_kv.peer import (
     Limits,
     ParkedStore,
@@ -129,8 +139,12 @@ class LoadManager:
         settings = self.settings
         self.tallies = Tallies()
         self.peers = Peers(settings, self.tallies, nonces, self._touch)
-        self.work = SessionWork()
-        self.parked = ParkedRegistry(settings, self.peers.sessions.get, self._touch)
+        #: every timer of this layer, fired by :meth:`tick` in deadline order
+        self.timers = Timers()
+        self.work = SessionWork(self.timers)
+        self.parked = ParkedRegistry(
+            settings, self.timers, self.peers.sessions.get, self._touch
+        )
         self.requests = RequestTable()
         self.jobs = JobTable()
         #: who may be dialled (the ``peers`` key; without it, anyone)
@@ -622,15 +636,26 @@ class LoadManager:
     # -- timers and steps --
 
     def tick(self, now: float) -> None:
-        """Fire deadlines that have passed; O(due work), not O(peers)."""
-        self.parked.tick_late_fetches(now)
-        for peer in self.work.due(now):
-            session = self.peers.sessions.get(peer)
-            if session is not None:
-                session.tick(now)
-                self._touch(session)
-        self.jobs.results.extend(self.parked.tick(now))
-        self.jobs.results.extend(self.work.expire_orphans(now))
+        """Fire the timers that are due, earliest first; O(due work), not
+        O(peers)."""
+        results = self.jobs.results
+        for timer in self.timers.due(now):
+            match timer:
+                case SessionDue(peer):
+                    session = self.peers.sessions.get(peer)
+                    if session is not None:
+                        session.tick(now)
+                        self._touch(session)
+                case OrphanDue(serve):
+                    results.extend(self.work.orphan_due(serve))
+                case StoreDue(store):
+                    if (result := self.parked.store_due(store)) is not None:
+                        results.append(result)
+                case LateFetchDue():
+                    self.parked.late_fetch_due(timer, now)
+                case WaitNoteDue(kv_id):
+                    self.parked.note_due(kv_id, now)
+        self.parked.tick(now)
         self.peers.tick(now)
         if self.finder is not None:
             self._tick_finder(now)
@@ -667,14 +692,11 @@ class LoadManager:
             for member in finder.to_dial(targets, self.peers.sessions):
                 self.peers.session_for(member, now, self.requests.by_peer)
 
-    def next_deadline(self) -> float:
-        return min(self.work.next_deadline(), self.parked.next_deadline())
-
     def drain_deadline(self, now: float) -> float:
         """When a cache reset's drain may give up on jobs still running:
         each ends by a deadline armed now or by a cancel's wait after it
         (an offered READ's hold grows with its bytes: no fixed bound)."""
-        held = self.parked.held_until() + self.work.held_until()
+        held = [when for when, timer in self.timers.pending() if _holds(timer)]
         held += [s.link.latest_deadline() for s in self.peers.sessions.values()]
         latest = max(held, default=-math.inf) + self.settings.timeouts.abort_ack_s + 5.0
         return min(max(now + 30.0, latest), now + MAX_DRAIN_S)
@@ -857,3 +879,17 @@ class LoadManager:
         for holder in holders_of(self).values():
             report.update(holder.residue())
         return report
+
+
+def _holds(timer: Due) -> bool:
+    """Whether a timer ends a job the engine still waits on (a drain's
+    bound): a parked store not yet bound, an orphan's offer not yet ended,
+    a late Fetch."""
+    match timer:
+        case StoreDue(store):
+            return store.state is State.STORED
+        case OrphanDue(serve):
+            return not serve.terminal
+        case LateFetchDue():
+            return True
+    return False

@@ -5,20 +5,20 @@ until a decoder's parked Fetch names one of their blocks, a cache reset
 gives them back, or their ``parked_ttl_s`` passes. Fetches that arrive
 before the stores wait here too. None of this belongs to one session (a
 Fetch may come over any session, the stores from the engine), so the
-registry sits beside the sessions, with its own timers, and reaches the
+registry sits beside the sessions, arms its timers in the node's one heap
+(:mod:`p2p_kv.node.timers`; the manager fires them), and reaches the
 sessions only through the lookup and ``touch`` it is given.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from p2p_kv.lifecycle import Event, State
 from p2p_kv.node.indexes import residue_of
 from p2p_kv.node.settings import NodeSettings
+from p2p_kv.node.timers import LateFetchDue, StoreDue, Timers, WaitNoteDue
 from p2p_kv.peer import ParkedStore, Serve, Session
 from p2p_kv.peer.records import StoreResult
 
@@ -39,44 +39,36 @@ class ParkedEntry:
     #: A producer request for this id was seen: once none is live, no more
     #: stores can come and a waiting fetch may be refused at once.
     producer_seen: bool = False
-    #: a FetchWait note for its waiting fetches is in the registry's heap
+    #: a FetchWait note for its waiting fetches is armed
     noted: bool = False
 
 
 class ParkedRegistry:
-    """Entries by kv id, and the timers that end what waits in them.
+    """Entries by kv id, and what ends what waits in them.
 
     An entry lives while it holds stores, waiting Fetches or a live
-    producer request (:meth:`_gc`); every timer entry may be stale (its
-    entry gone or replaced) and is checked when it fires."""
+    producer request (:meth:`_gc`). Its timers (a store's TTL, a late
+    Fetch's grace, a FetchWait note) are armed in ``timers``; each may be
+    stale when it fires (its store bound, its entry gone or replaced) and
+    is checked then."""
 
     def __init__(
         self,
         settings: NodeSettings,
+        timers: Timers,
         session_of: Callable[[str], Session | None],
         touch: Callable[[Session], None],
     ) -> None:
         self._settings = settings
+        self._timers = timers
         self._session_of = session_of
         self._touch = touch
-        self._ids = itertools.count()
         self.entries: dict[str, ParkedEntry] = {}
-        #: (deadline, job id, store): parked stores end by their TTL. Bound
-        #: or released stores stay until then, skipped when they come up.
-        self.expiry: list[tuple[float, int, ParkedStore]] = []
         #: kv ids whose producer requests all ended with nothing parked,
         #: until when a Fetch may still come (``parked_ttl_s``): without
         #: them a late Fetch would wait out its deadline for stores that
         #: cannot come, and keep an idle producer stepping meanwhile.
         self.finished: dict[str, float] = {}
-        #: (when, id, kv id, its entry): Fetches for such an id, refused
-        #: then unless a producer request for it came meanwhile. The entry
-        #: it was armed for, as a later Fetch of the same id makes a new
-        #: one: that one's grace is its own, not cut short by this timer.
-        self.late_fetches: list[tuple[float, int, str, ParkedEntry]] = []
-        #: when to tell the peers whose Fetches wait on a live prefill that
-        #: it is still running (FetchWait): (when, tie, kv id)
-        self.wait_notes: list[tuple[float, int, str]] = []
         #: kv ids with fetches waiting, swept at the end of each step
         self.waiting_kv: set[str] = set()
         #: the latest tick: what ``finished`` may hold is younger than this
@@ -111,7 +103,7 @@ class ParkedRegistry:
     def park(self, store: ParkedStore, now: float) -> None:
         entry = self.entries.setdefault(store.kv_id, ParkedEntry())
         entry.stores.append(store)
-        heapq.heappush(self.expiry, (store.deadline, store.job_id, store))
+        self._timers.arm(store.deadline, StoreDue(store))
         self._feed_waiting(store.kv_id, now)
 
     def release(self) -> list[StoreResult]:
@@ -138,11 +130,10 @@ class ParkedRegistry:
             entry = self.entries[serve.req] = ParkedEntry()
             # Its producer already ended with nothing parked: refused after
             # a short grace (a retry may reuse the id), not at the Fetch's
-            # deadline.
+            # deadline, unless a producer request for it comes meanwhile.
             if self.finished.get(serve.req, 0.0) > now:
-                when = now + LATE_FETCH_GRACE_S
-                item = (when, next(self._ids), serve.req, entry)
-                heapq.heappush(self.late_fetches, item)
+                late = LateFetchDue(serve.req, entry)
+                self._timers.arm(now + LATE_FETCH_GRACE_S, late)
         entry.waiting.append((peer, serve))
         self.waiting_kv.add(serve.req)
         self._feed_waiting(serve.req, now)
@@ -202,7 +193,7 @@ class ParkedRegistry:
         if not entry.noted:
             entry.noted = True
             when = now + self._settings.timeouts.heartbeat_interval_s
-            heapq.heappush(self.wait_notes, (when, next(self._ids), kv_id))
+            self._timers.arm(when, WaitNoteDue(kv_id))
 
     def _gc(self, kv_id: str) -> None:
         entry = self.entries.get(kv_id)
@@ -230,39 +221,38 @@ class ParkedRegistry:
                 self._gc(kv_id)
             self.waiting_kv.discard(kv_id)
 
-    # -- timers -------------------------------------------------------------
+    # -- timers (fired by the manager, from the node's heap) ----------------
 
-    def tick_late_fetches(self, now: float) -> None:
+    def late_fetch_due(self, due: LateFetchDue, now: float) -> None:
         """Refuse the Fetches whose grace passed with no producer back."""
-        while self.late_fetches and self.late_fetches[0][0] <= now:
-            _, _, kv_id, armed = heapq.heappop(self.late_fetches)
-            entry = self.entries.get(kv_id)
-            if entry is armed and entry.live_producers == 0:
-                entry.producer_seen = True  # no producer came: none will
-                self._feed_waiting(kv_id, now)
+        entry = self.entries.get(due.kv_id)
+        if entry is not None and entry is due.entry and entry.live_producers == 0:
+            entry.producer_seen = True  # no producer came: none will
+            self._feed_waiting(due.kv_id, now)
 
-    def tick(self, now: float) -> list[StoreResult]:
-        """Expire stores past their TTL, renew FetchWait notes, forget
-        finished producers; the expired stores' results."""
-        out = []
-        while self.expiry and self.expiry[0][0] <= now:
-            _, _, store = heapq.heappop(self.expiry)
-            if store.state is State.STORED:
-                store.fire(Event.TIMEOUT)
-                entry = self.entries.get(store.kv_id)
-                if entry is not None:
-                    entry.stores.remove(store)
-                    self._gc(store.kv_id)
-                out.append(StoreResult(store.job_id, False, "parked_expired"))
-        while self.wait_notes and self.wait_notes[0][0] <= now:
-            _, _, kv_id = heapq.heappop(self.wait_notes)
-            entry = self.entries.get(kv_id)
-            if entry is not None:
-                entry.noted = False
-                self._note_waiting(kv_id, now)
+    def store_due(self, store: ParkedStore) -> StoreResult | None:
+        """A parked store's TTL passed: it goes back to the engine as
+        failed, unless a Fetch bound it or a reset released it meanwhile."""
+        if store.state is not State.STORED:
+            return None
+        store.fire(Event.TIMEOUT)
+        entry = self.entries.get(store.kv_id)
+        if entry is not None:
+            entry.stores.remove(store)
+            self._gc(store.kv_id)
+        return StoreResult(store.job_id, False, "parked_expired")
+
+    def note_due(self, kv_id: str, now: float) -> None:
+        """Renew the FetchWait note of ``kv_id``'s waiting Fetches."""
+        entry = self.entries.get(kv_id)
+        if entry is not None:
+            entry.noted = False
+            self._note_waiting(kv_id, now)
+
+    def tick(self, now: float) -> None:
+        """Forget finished producers past their TTL."""
         self._forget_finished(now)
         self._ticked = now
-        return out
 
     def _forget_finished(self, now: float) -> None:
         """Drop the finished producers past their TTL, and the oldest past
@@ -271,22 +261,11 @@ class ParkedRegistry:
         while fk and (len(fk) > MAX_FINISHED_KV or next(iter(fk.values())) <= now):
             del fk[next(iter(fk))]
 
-    def next_deadline(self) -> float:
-        heads = (self.late_fetches, self.expiry, self.wait_notes)
-        return min((h[0][0] for h in heads if h), default=float("inf"))
-
-    def held_until(self) -> list[float]:
-        """When each job held here ends at the latest (a drain's bound)."""
-        held = [item[0] for item in self.late_fetches]
-        held += [at for at, _, st in self.expiry if st.state is State.STORED]
-        return held
-
     def residue(self) -> dict[str, int]:
-        """Every index's size, and the stores the entries hold. The timers
-        count only what is overdue: an entry not yet due may be stale (a
-        bound store's expiry, a note for an entry gone) or a memory (a
-        finished producer, inside its TTL a Fetch may still come for)."""
-        timers = ("expiry", "finished", "late_fetches", "wait_notes")
+        """Every index's size, and the stores the entries hold. ``finished``
+        counts only what is overdue: one inside its TTL is a memory (a
+        Fetch may still come for it)."""
+        timers = ("finished",)
         report = residue_of(self, "parked_", timers=timers, ticked=self._ticked)
         report["parked_stores"] = self.store_count()
         return report

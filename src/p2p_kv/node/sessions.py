@@ -12,7 +12,6 @@ need (the peers live requests name) at each call.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from collections.abc import Callable, Container, Iterator, Mapping
 from typing import TypeVar
@@ -21,6 +20,7 @@ from p2p_kv.lifecycle import Event
 from p2p_kv.node.indexes import residue_of
 from p2p_kv.node.settings import NodeSettings
 from p2p_kv.node.tallies import Tallies
+from p2p_kv.node.timers import OrphanDue, SessionDue, Timers
 from p2p_kv.peer import (
     KeyCount,
     Serve,
@@ -286,10 +286,11 @@ class Peers:
 
 
 class SessionWork:
-    """What the sessions hold for the engine's step, and their timers."""
+    """What the sessions hold for the engine's step; their timers are armed
+    in the node's heap (``timers``)."""
 
-    def __init__(self) -> None:
-        self._ids = itertools.count()
+    def __init__(self, timers: Timers) -> None:
+        self._timers = timers
         #: sessions changed since their output was last taken
         self.dirty: set[str] = set()
         #: peers whose sessions hold lookups for our engine to answer
@@ -300,18 +301,6 @@ class SessionWork:
         #: Fetches for parked stores just received (WantsParked), bound
         #: before the message's handling returns
         self.wants: list[tuple[Session, Serve]] = []
-        #: (when, peer): when a session next needs a tick. Re-armed at the
-        #: end of each step it was touched; stale entries are skipped.
-        self.deadlines: list[tuple[float, str]] = []
-        #: Offered pins of sessions that ended, held to their deadline.
-        self.orphans: list[tuple[float, int, Serve]] = []
-        self._ticked = -float("inf")
-
-    def due(self, now: float) -> Iterator[str]:
-        """The peers whose session deadlines passed, each popped once."""
-        deadlines = self.deadlines
-        while deadlines and deadlines[0][0] <= now:
-            yield heapq.heappop(deadlines)[1]
 
     def rearm(self, sessions: Mapping[str, Session]) -> None:
         """Re-arm the deadlines of sessions touched this step, then forget
@@ -326,31 +315,33 @@ class SessionWork:
             if session is not None and not session.link.closed:
                 deadline = session.next_deadline()
                 if deadline != float("inf"):
-                    heapq.heappush(self.deadlines, (deadline, peer))
+                    self._timers.arm(deadline, SessionDue(peer))
         self.dirty = {
             p
             for p in self.dirty
             if (s := sessions.get(p)) is not None and (s.has_output or s.link.closed)
         }
-        # Stale heap entries (a session re-armed several times) are cheap to
-        # skip but must not pile up: rebuild when they dominate.
-        if len(self.deadlines) > 4 * max(16, len(sessions)):
-            self.deadlines = [(s.next_deadline(), p) for p, s in sessions.items()]
-            heapq.heapify(self.deadlines)
+        current = (
+            (s.next_deadline(), p) for p, s in sessions.items() if not s.link.closed
+        )
+        self._timers.compact(current, len(sessions))
 
     def adopt(self, serve: Serve) -> None:
         """An ended session's offered blocks, held until their deadline (a
         peer may still be READing them)."""
-        heapq.heappush(self.orphans, (serve.deadline, next(self._ids), serve))
+        self._timers.arm(serve.deadline, OrphanDue(serve))
 
-    def expire_orphans(self, now: float) -> list[StoreResult]:
-        out: list[StoreResult] = []
-        while self.orphans and self.orphans[0][0] <= now:
-            _, _, serve = heapq.heappop(self.orphans)
-            serve.fire(Event.TIMEOUT)
-            out.extend(serve.let_go(Event.PEER_LOST, False, "peer_down"))
-        self._ticked = now
-        return out
+    @staticmethod
+    def orphan_due(serve: Serve) -> list[StoreResult]:
+        """An ended session's offered blocks reached their deadline."""
+        serve.fire(Event.TIMEOUT)
+        return serve.let_go(Event.PEER_LOST, False, "peer_down")
+
+    def orphans(self) -> Iterator[tuple[float, Serve]]:
+        """The ended sessions' offers still armed, and when each ends."""
+        for when, timer in self._timers.pending():
+            if isinstance(timer, OrphanDue):
+                yield when, timer.serve
 
     def has_output(self, sessions: Mapping[str, Session]) -> bool:
         """Events, or a touched session's messages, for the pump."""
@@ -364,26 +355,13 @@ class SessionWork:
         WRITing a load of ours. No descriptor announces such a transfer,
         yet over UCX's TCP transport it needs our progress."""
         return any(s.peer_transfers for s in sessions.values()) or any(
-            not sv.terminal and sv.exposed for _, _, sv in self.orphans
+            not sv.terminal and sv.exposed for _, sv in self.orphans()
         )
-
-    def next_deadline(self) -> float:
-        heads = (self.deadlines, self.orphans)
-        return min((h[0][0] for h in heads if h), default=float("inf"))
-
-    def held_until(self) -> list[float]:
-        """When each orphan still held ends at the latest (a drain's bound)."""
-        return [at for at, _, sv in self.orphans if not sv.terminal]
 
     def residue(self) -> dict[str, int]:
-        """Lookups left to serve, orphans overdue at the last tick, and the
-        blocks orphans hold. Touched sessions and session timers are
-        per-peer state, not residue."""
-        report = residue_of(
-            self,
-            at_rest=("dirty", "deadlines"),
-            timers=("orphans",),
-            ticked=self._ticked,
-        )
-        report["orphaned_blocks"] = sum(sv.held_blocks for _, _, sv in self.orphans)
+        """Lookups left to serve, and the blocks orphans hold. Touched
+        sessions are per-peer state, not residue; the timers report their
+        own (the node's heap)."""
+        report = residue_of(self, at_rest=("dirty",))
+        report["orphaned_blocks"] = sum(sv.held_blocks for _, sv in self.orphans())
         return report

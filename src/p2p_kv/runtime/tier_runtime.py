@@ -287,7 +287,7 @@ class TierRuntime:
         # every DATA_TICK_S.
         peers_moving = self.manager.peer_transfers()
         while True:
-            due = min(end, self.manager.next_deadline())
+            due = min(end, self.manager.timers.next_deadline())
             if peers_moving or self.transfers:
                 due = min(due, self.clock() + DATA_TICK_S)
             if self._receive(max(0.0, due - self.clock())):
@@ -301,7 +301,7 @@ class TierRuntime:
                 self.transfers.take_completions()
                 if self.manager.results_ready():
                     break
-            if now >= self.manager.next_deadline():
+            if now >= self.manager.timers.next_deadline():
                 # Heartbeats and deadlines need no engine step, unless
                 # they produced something the engine must see.
                 self.pump()

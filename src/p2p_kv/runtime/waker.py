@@ -186,7 +186,7 @@ class Waker:
         m, data = rt.manager, rt.data
         wanted = m.has_lookups_to_serve or m.results_ready()
         fds = rt.control.readiness_fds()
-        due_s = m.next_deadline() - rt.clock()
+        due_s = m.timers.next_deadline() - rt.clock()
         busy = (
             bool(rt.transfers)
             or data.in_flight()
