@@ -212,3 +212,95 @@ def test_the_cycle_finder_finds_a_planted_cycle(
     monkeypatch.setitem(globals(), "graph", lambda: g)
     found = cycles(set(modules()))
     assert any({"p2p_kv.peer.records", "p2p_kv.peer.session"} <= set(c) for c in found)
+
+
+def forwarders(source: str, filename: str = "<src>") -> Iterator[str]:
+    """Methods whose body (past a docstring) only passes their own
+    arguments on, unchanged and in order, to a callee of the same name
+    (``def f(self, a): return self.x.f(a)``), and properties that only
+    read an attribute of the same name below them
+    (``@property def f(self): return self.x.f``): a layer that adds
+    nothing a reader must still walk through. A decorated method adds what
+    its decorator does (the tier's lock) and is not one."""
+    tree = ast.parse(source, filename)
+    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        for fn in cls.body:
+            if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            wraps = [
+                d for d in fn.decorator_list if getattr(d, "id", None) != "property"
+            ]
+            if wraps:
+                continue  # a decorator adds something: a lock, a cache
+            body = fn.body
+            first = body[0] if body else None
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                body = body[1:]  # the docstring
+            if len(body) != 1 or not isinstance(body[0], ast.Return | ast.Expr):
+                continue
+            value = body[0].value
+            params = [a.arg for a in fn.args.args[1:]]
+            if isinstance(value, ast.Call):
+                callee = value.func
+                name = getattr(callee, "attr", getattr(callee, "id", None))
+                passed = [a.id if isinstance(a, ast.Name) else None for a in value.args]
+                passed += [
+                    k.arg
+                    if isinstance(k.value, ast.Name) and k.value.id == k.arg
+                    else None
+                    for k in value.keywords
+                ]
+                if name == fn.name and passed == params:
+                    yield f"{cls.name}.{fn.name}"
+            elif (
+                isinstance(value, ast.Attribute)
+                and value.attr == fn.name
+                and not params
+                and any(getattr(d, "id", None) == "property" for d in fn.decorator_list)
+            ):
+                yield f"{cls.name}.{fn.name}"
+
+
+def test_no_method_only_passes_its_arguments_on_under_the_same_name() -> None:
+    found = [
+        f"{path.relative_to(PACKAGE)}: {name}"
+        for path in modules().values()
+        for name in forwarders(path.read_text(), str(path))
+    ]
+    assert found == [], (
+        "these add a layer that does nothing: call the callee where it "
+        f"lives, or bind it as an attribute: {found}"
+    )
+
+
+def test_the_forwarder_finder_finds_planted_forwarders() -> None:
+    """So the test above can fail: each planted shape is reported, and a
+    method that adds an argument, a lock or a name of its own is not."""
+    planted = '''
+class A:
+    def load(self, job, keys):
+        """Docs."""
+        return self.manager.load(job, keys)
+
+    def close(self):
+        self.runtime.close()
+
+    @property
+    def peer(self):
+        return self.link.peer
+
+    def serve(self, pinner):
+        self.manager.serve(pinner, self.clock())
+
+    def report(self):
+        with self.lock:
+            return self.inner.report()
+
+    def send(self, msg):
+        return self.link.queue(msg)
+
+    @locked
+    def state(self):
+        return self.runtime.state()
+'''
+    assert list(forwarders(planted)) == ["A.load", "A.close", "A.peer"]

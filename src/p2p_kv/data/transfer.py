@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
@@ -88,19 +89,18 @@ class Transfer(Releasable, Protocol):
 class NixlTransfer:
     """A NIXL transfer request as a :class:`Transfer`."""
 
-    __slots__ = ("_agent", "handle")
+    __slots__ = ("_agent", "handle", "release")
 
     detaches: Final = False
 
     def __init__(self, agent: Any, handle: Any) -> None:
         self._agent = agent
         self.handle = handle
+        #: NIXL's own: releasing the handle cancels a transfer still running
+        self.release: Callable[[], None] = handle.release
 
     def state(self, post: bool = True) -> str:
         return str(self._agent.check_xfer_state(self.handle))
-
-    def release(self) -> None:
-        self.handle.release()
 
 
 def release_quietly(handle: Releasable, peer: str | None, plog: PeerLog) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -115,6 +115,8 @@ class StandalonePeer:
             peers_refresh_s=peers_refresh_s,
             resolve=resolve,
         )
+        #: closing the peer is closing its runtime: sockets, agent, region
+        self.close: Callable[[], None] = self.runtime.close
         self.pinner = TablePinner()
         self.results: dict[int, JobResult] = {}
         #: when the last step's finished_jobs returned (perf_counter)
@@ -229,9 +231,6 @@ class StandalonePeer:
             if finish:
                 rt.end_request(req_id)
                 rt.pump()
-
-    def close(self) -> None:
-        self.runtime.close()
 
 
 @dataclass
