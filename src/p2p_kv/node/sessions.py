@@ -291,6 +291,9 @@ class SessionWork:
 
     def __init__(self, timers: Timers) -> None:
         self._timers = timers
+        #: ended sessions' offers armed and not yet due: the heap is
+        #: scanned for them only while there are some (rarely)
+        self.orphaned = 0
         #: sessions changed since their output was last taken
         self.dirty: set[str] = set()
         #: peers whose sessions hold lookups for our engine to answer
@@ -330,15 +333,18 @@ class SessionWork:
         """An ended session's offered blocks, held until their deadline (a
         peer may still be READing them)."""
         self._timers.arm(serve.deadline, OrphanDue(serve))
+        self.orphaned += 1
 
-    @staticmethod
-    def orphan_due(serve: Serve) -> list[StoreResult]:
+    def orphan_due(self, serve: Serve) -> list[StoreResult]:
         """An ended session's offered blocks reached their deadline."""
+        self.orphaned -= 1
         serve.fire(Event.TIMEOUT)
         return serve.let_go(Event.PEER_LOST, False, "peer_down")
 
     def orphans(self) -> Iterator[tuple[float, Serve]]:
         """The ended sessions' offers still armed, and when each ends."""
+        if not self.orphaned:
+            return
         for when, timer in self._timers.pending():
             if isinstance(timer, OrphanDue):
                 yield when, timer.serve
