@@ -29,6 +29,7 @@ BENCHES = (
     "connections",
     "round_trip",
     "fleet",
+    "walk",
 )
 
 

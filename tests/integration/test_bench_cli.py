@@ -470,3 +470,26 @@ def test_the_fleets_spin_diagnostic_changes_only_vllms_queue_readers(
     reader, writer = map(float, out.stdout.split())
     assert (reader, writer) == ((spin_s or 1.0), 0.0)
     assert (SPIN_MARK in out.stderr) == (spin_s is not None), out.stderr[-2000:]
+
+
+def test_the_walk_benchmark_counts_what_a_load_alone_runs(tmp_path: Path) -> None:
+    """``p2p-kv bench walk``: on both paths the load ran, its own files are
+    those it ran and an idle step did not, and they hold the load's
+    decisions (the consumer leg, the session's consumer side, the
+    runtime's transfers), never the idle loop's alone."""
+    result = _bench_json(tmp_path, "walk")
+    assert set(result["paths"]) == {"nixl", "same_host"}
+    for name, r in result["paths"].items():
+        load, idle, own = (set(r[k]["file_names"]) for k in ("load", "idle", "own"))
+        assert own <= load, name
+        assert {
+            "node/consumer_legs.py",
+            "peer/consumer.py",
+            "runtime/transfers.py",
+        } <= own, name
+        assert r["own"]["functions"] < r["load"]["functions"], name
+        assert result["met"][name] == (r["own"]["files"] <= result["goal_files"])
+    nixl, local = (
+        result["paths"][p]["own"]["file_names"] for p in ("nixl", "same_host")
+    )
+    assert "data/staged.py" in nixl and "data/staged.py" not in local
