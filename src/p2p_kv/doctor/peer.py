@@ -172,7 +172,8 @@ def sizes_from_layout(
                     f"--block-bytes {block_bytes} contradicts the layout string, "
                     f"whose blocks are {size} bytes "
                     f"({parsed.worker_bytes_per_block} bytes per KV block x "
-                    f"{parsed.blocks_per_chunk} per chunk, one worker)"
+                    f"{parsed.blocks_per_chunk} per chunk: one worker's, or "
+                    "every worker's in the canonical layout)"
                 )
             derived["block_bytes"] = size
     return (

@@ -202,7 +202,8 @@ FIXES: Final = {
         "(the router's choice): engines of different models share no KV"
     ),
     "layout_dtype": (
-        "set the same --dtype and --kv-cache-dtype on every engine that shares KV"
+        "set the same --dtype and --kv-cache-dtype, and the same canonical_layout "
+        "in kv_connector_extra_config, on every engine that shares KV"
     ),
     "layout_block_size": "set the same --block-size on every engine that shares KV",
     "layout_kv_groups": (
@@ -222,7 +223,8 @@ FIXES: Final = {
     ),
     "layout_kv_bytes": (
         "set the same --kv-cache-dtype and parallelism on every engine that "
-        "shares KV (one worker's bytes per KV block differ)"
+        "shares KV (the bytes a KV block holds differ: one worker's, or in the "
+        "canonical layout every worker's)"
     ),
     "layout_block_bytes": (
         "run the same p2p_kv and vLLM versions and the same "
