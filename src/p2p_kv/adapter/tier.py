@@ -354,7 +354,6 @@ class P2PKVTier(SecondaryTierManager):
                     region.release()
             raise
         self.address = self.runtime.control.address
-        data = self.runtime.data
         plan = poll_plan(RELEASE, offloading_spec)
         if RELEASE.poll_flag is not None:
             setattr(self, RELEASE.poll_flag, plan.polled)
@@ -402,7 +401,7 @@ class P2PKVTier(SecondaryTierManager):
         log.info(
             "p2p_kv tier ready on %s: %d blocks of %d bytes",
             self.address,
-            data.num_blocks,
+            region.nbytes // block_bytes,
             block_bytes,
         )
 
@@ -455,8 +454,7 @@ class P2PKVTier(SecondaryTierManager):
 
     @_locked
     def lookup(self, key: Any, req_context: ReqContext) -> LookupResult:
-        rt = self.runtime
-        return _ANSWER[rt.manager.lookup(req_context.req_id, key)]
+        return _ANSWER[self.runtime.lookup(req_context.req_id, key)]
 
     @_locked
     def submit_load(self, job_metadata: TransferJob) -> None:

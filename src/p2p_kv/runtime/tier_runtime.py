@@ -42,7 +42,7 @@ from typing import Any
 
 from p2p_kv.control.transport import ControlTransport
 from p2p_kv.data import NixlDataTransport
-from p2p_kv.node.manager import JobResult, LoadManager
+from p2p_kv.node.manager import Answer, JobResult, LoadManager
 from p2p_kv.node.roles import Roles
 from p2p_kv.peer import Pinner
 from p2p_kv.peer.events import (
@@ -115,6 +115,9 @@ class TierRuntime:
         resolver: Resolver | None = None,
     ) -> None:
         self.manager = manager
+        #: a lookup is the manager's alone, answered from what it holds
+        #: (no clock, no I/O): the engine's calls meet it here
+        self.lookup: Callable[[str, bytes], Answer] = manager.lookup
         self._control = control
         self._data = data
         if manager.finder is not None:
