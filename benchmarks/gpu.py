@@ -85,6 +85,7 @@ from benchmarks.harness import (  # noqa: E402
     ProducerProcess,
     WorkerPair,
     bench_peer,
+    block_label,
     block_runs,
     median_round,
     met,
@@ -326,7 +327,7 @@ def trace_peer(peer: Any, role: str) -> list[tuple[str, float]]:
     rt = peer.runtime
 
     def on_message(t0: float, t1: float, args: Any, res: Any) -> None:
-        name = type(args[1]).__name__
+        name = type(args[2]).__name__  # (peer, session, message, now)
         if name in ("Fetch", "TransferDone", "LookupResp"):
             events.append((f"{role}.rx_{name}", t0))
 
@@ -337,7 +338,9 @@ def trace_peer(peer: Any, role: str) -> list[tuple[str, float]]:
         if res:
             events.append((f"{role}.xfer_done", t1))
 
-    _wrap(rt.manager, "on_message", on_message)
+    # Each decoded message reaches the manager's one dispatch, past
+    # receive_frame's opening of the frame.
+    _wrap(rt.manager, "_on_message", on_message)
     for method in ("post_write", "post_read"):
         _wrap(rt.data, method, post)
     _wrap(rt.data, "poll_completions", done)
@@ -672,10 +675,6 @@ def _verdicts(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _block(bs: int) -> str:
-    return f"{bs // KIB}K" if bs < MIB else f"{bs // MIB}M"
-
-
 def _header(paths: Sequence[str]) -> str:
     cols = "".join(
         f" | {p + ' e2e':>10} {'us':>8} {'x lim':>5} {'x raw':>5}" for p in paths
@@ -689,7 +688,7 @@ def _header(paths: Sequence[str]) -> str:
 def _line(row: dict[str, Any]) -> str:
     lim, tr, raw = row["limit"], row["torch_runs"], row["raw"]
     line = (
-        f"{_block(row['block_bytes']):>5} {row['num_blocks']:>4} "
+        f"{block_label(row['block_bytes']):>5} {row['num_blocks']:>4} "
         f"{row['bytes'] / MIB:>6.2f} {row['descriptors']:>4} | "
         f"{lim['gbps']:>6.1f} {tr['gbps']:>6.1f} | "
         f"{raw['gbps']:>6.2f} {raw['x_limit']:>5.2f}"
@@ -740,7 +739,7 @@ def _print_tables(result: dict[str, Any]) -> None:
         for path, legs in r["phases_us"].items():
             load = r[f"{path}_load"]
             print(
-                f"{r['mode']}/{r['layout'][:4]} {_block(r['block_bytes'])} x "
+                f"{r['mode']}/{r['layout'][:4]} {block_label(r['block_bytes'])} x "
                 f"{r['num_blocks']} {path}: {load['gbps']:.2f} GB/s "
                 f"({load['x_limit']:.2f} lim), "
                 + ", ".join(f"{k} {v:.0f}" for k, v in legs.items())

@@ -143,6 +143,11 @@ def median_round(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def block_label(block_bytes: int) -> str:
+    """A block size as the tables print it: ``64K``, ``2M``."""
+    return f"{block_bytes // KIB}K" if block_bytes < MIB else f"{block_bytes // MIB}M"
+
+
 def met(ok: bool) -> str:
     """A target's verdict, in the words every table prints."""
     return "met" if ok else "NOT met"

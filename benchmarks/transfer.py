@@ -82,6 +82,7 @@ from benchmarks.harness import (
     WorkerPair,
     bench_peer,
     between_namespaces,
+    block_label,
     key,
     median_round,
     met,
@@ -605,7 +606,7 @@ def _v(cell: dict[str, Any], field: str, width: int, digits: int) -> str:
 
 def _line(row: dict[str, Any]) -> str:
     bs, n = row["block_bytes"], row["num_blocks"]
-    block = f"{bs // KIB}K" if bs < MIB else f"{bs // MIB}M"
+    block = block_label(bs)
 
     def gb_us_x(name: str, w: int) -> str:
         c = row[name]
