@@ -539,3 +539,35 @@ def test_the_walk_benchmark_counts_what_a_load_alone_runs(tmp_path: Path) -> Non
         result["paths"][p]["own"]["file_names"] for p in ("nixl", "same_host")
     )
     assert "data/staged.py" in nixl and "data/staged.py" not in local
+
+
+def test_the_gpu_benchmarks_trace_sees_a_loads_messages_and_transfers() -> None:
+    """``bench gpu`` timestamps a load by wrapping the peers' methods
+    (``trace_peer``): it must find each one it wraps, and see the messages
+    and the transfer of a real fetch between two peers, or the benchmark
+    stops at start (as it did once the manager's message entry moved)."""
+    import threading
+
+    from benchmarks.gpu import trace_peer
+
+    from p2p_kv.runtime.standalone import StandalonePeer, make_key
+
+    a = StandalonePeer(8, 4096, engine_id="trace-a")
+    b = StandalonePeer(8, 4096, engine_id="trace-b", same_host=False)
+    keys = [make_key(i) for i in range(2)]
+    a.fill(keys, [1, 2])
+    produced, consumed = trace_peer(a, "p"), trace_peer(b, "c")
+    stop = threading.Event()
+    server = threading.Thread(target=a.serve_until, args=(stop,), daemon=True)
+    server.start()
+    try:
+        outcome = b.fetch(a.address, "kv-trace", keys, [5, 6])
+    finally:
+        stop.set()
+        server.join(5.0)
+        a.close()
+        b.close()
+    assert outcome.ok, outcome
+    names = {name for name, _ in produced + consumed}
+    assert {"c.rx_LookupResp", "c.post_start", "c.post_end", "c.send"} <= names
+    assert "p.send" in names
