@@ -52,6 +52,27 @@ def test_the_manager_and_each_holder_keep_at_most_six_containers() -> None:
         assert len(containers_of(holder)) <= 6, (name, sorted(containers_of(holder)))
 
 
+#: The session work's containers that hold peers, not requests: sessions
+#: touched, peers with lookups to serve, events for the runtime's pump.
+PER_PEER_WORK = {"dirty", "to_serve", "out"}
+
+
+def test_the_node_layer_keeps_at_most_eight_per_request_containers() -> None:
+    """Requests by id and generation, lookups to send, jobs, results,
+    parked entries, finished producers, the timer heap: each one more
+    index to keep in step when a request ends (``docs/architecture.md``,
+    "Where a request's state lives")."""
+    m = drained_net().engines["a"].manager
+    per_request = {
+        f"{name}.{c}"
+        for name in ("requests", "jobs", "parked", "timers", "work")
+        for c in containers_of(getattr(m, name))
+        if not (name == "work" and c in PER_PEER_WORK)
+    }
+    assert len(per_request) <= 8, sorted(per_request)
+    assert not containers_of(m), "the manager holds no container of its own"
+
+
 def test_a_drained_manager_has_no_residue() -> None:
     net = drained_net()
     for eng in net.engines.values():
@@ -62,8 +83,8 @@ def test_a_leaked_record_is_residue_in_every_index_it_stays_in() -> None:
     m = drained_net().engines["b"].manager
     ghost = Request("ghost")
     m.requests.by_id["ghost"] = ghost
-    m.requests.by_peer.setdefault("a", {})["ghost"] = ghost
-    assert residue(m) == {"requests_by_id": 1, "requests_by_peer": 1}
+    m.requests.by_gen[999] = ghost
+    assert residue(m) == {"requests_by_id": 1, "requests_by_gen": 1}
     ghost.failed = True
     assert residue(m)["failed_ids"] == 1
 

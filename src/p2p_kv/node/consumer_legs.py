@@ -55,7 +55,7 @@ class Loads:
         if consumer is None:
             return
         peer = consumer.source.peer
-        if self._peers.session_for(peer, now, self._requests.by_peer) is None:
+        if self._peers.session_for(peer, now, self._requests.named_peers) is None:
             consumer.refused = self._peers.refused_dial(peer, now)
 
     def lookup(self, req_id: str, key: bytes) -> Answer:
@@ -107,7 +107,7 @@ class Loads:
                 consumer.keys.update(dict.fromkeys(keys, False))
                 consumer.asked.difference_update(keys)
                 continue
-            session = self._peers.session_for(peer, now, self._requests.by_peer)
+            session = self._peers.session_for(peer, now, self._requests.named_peers)
             if session is None:
                 # Refused for max_peers, the request is counted once and
                 # misses from now on, not dialled (and counted) each batch.

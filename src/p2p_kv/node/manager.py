@@ -75,6 +75,7 @@ from p2p_kv.peer.events import (
     LoadDone,
     NotSent,
     Orphaned,
+    ParkedFetchEnded,
     PinJob,
     PostRead,
     PostWrite,
@@ -542,7 +543,6 @@ class LoadManager:
         self._touch(session)
         if session.producer.has_lookups_to_serve:
             self.work.to_serve.add(peer)
-        self._bind_parked(now)
 
     def _member_ready(self, session: Session) -> None:
         """A member we dialled is ready: ask what it holds."""
@@ -690,7 +690,7 @@ class LoadManager:
         if finder.member_check_due(now):
             targets = self.membership.dial_targets()
             for member in finder.to_dial(targets, self.peers.sessions):
-                self.peers.session_for(member, now, self.requests.by_peer)
+                self.peers.session_for(member, now, self.requests.named_peers)
 
     def drain_deadline(self, now: float) -> float:
         """When a cache reset's drain may give up on jobs still running:
@@ -703,7 +703,6 @@ class LoadManager:
 
     def end_step(self, now: float) -> None:
         """Re-arm deadlines of sessions touched this step, then forget them."""
-        self.parked.end_step()
         self.work.rearm(self.peers.sessions)
 
     def _touch(self, session: Session) -> None:
@@ -731,8 +730,13 @@ class LoadManager:
                     self.jobs.results.append(result)
                 case PinJob(job_id):
                     self.jobs.register(job_id, "pin", "")
-                case WantsParked(serve):
-                    work.wants.append((session, serve))
+                case WantsParked(serve, at):
+                    # The Fetch is the last thing its message did: binding
+                    # it now (which may touch this session again) keeps
+                    # every event in the order it happened.
+                    self.parked.bind(peer, serve, at)
+                case ParkedFetchEnded(serve):
+                    self.parked.fetch_ended(serve)
                 case Orphaned(serve):
                     work.adopt(serve)
                 case HoldingsHeard(add, drop):
@@ -774,13 +778,6 @@ class LoadManager:
             and req.consumer is not None
             and (req.consumer.found is not None)
         )
-
-    def _bind_parked(self, now: float) -> None:
-        """Register the Fetches for parked stores that arrived (WantsParked)
-        and hand them what is parked."""
-        while self.work.wants:
-            session, serve = self.work.wants.pop()
-            self.parked.bind(session.peer, serve, now)
 
     def release_parked(self, now: float) -> None:
         """Cache reset: parked stores go back to the engine as failed."""

@@ -69,8 +69,6 @@ class ParkedRegistry:
         #: them a late Fetch would wait out its deadline for stores that
         #: cannot come, and keep an idle producer stepping meanwhile.
         self.finished: dict[str, float] = {}
-        #: kv ids with fetches waiting, swept at the end of each step
-        self.waiting_kv: set[str] = set()
         #: the latest tick: what ``finished`` may hold is younger than this
         self._ticked = -float("inf")
 
@@ -135,7 +133,6 @@ class ParkedRegistry:
                 late = LateFetchDue(serve.req, entry)
                 self._timers.arm(now + LATE_FETCH_GRACE_S, late)
         entry.waiting.append((peer, serve))
-        self.waiting_kv.add(serve.req)
         self._feed_waiting(serve.req, now)
 
     def _feed_waiting(self, kv_id: str, now: float) -> None:
@@ -205,21 +202,18 @@ class ParkedRegistry:
         ):
             del self.entries[kv_id]
 
-    def end_step(self) -> None:
-        """Drop the Fetches that stopped waiting this step (answered, timed
-        out, their session gone), and the entries left empty."""
-        for kv_id in list(self.waiting_kv):
-            entry = self.entries.get(kv_id)
-            if entry is not None:
-                entry.waiting = [
-                    (p, sv)
-                    for p, sv in entry.waiting
-                    if sv.state is State.FETCH_WAITING
-                ]
-                if entry.waiting:
-                    continue
-                self._gc(kv_id)
-            self.waiting_kv.discard(kv_id)
+    def fetch_ended(self, serve: Serve) -> None:
+        """A Fetch was released by its session (refused, timed out, aborted,
+        its session lost): it waits no longer, and its entry goes once
+        nothing else is in it. Its session says so as it happens
+        (``ParkedFetchEnded``), so no step sweeps the entries for it. A new
+        list, not a removal in place: :meth:`_feed_waiting` may be walking
+        the old one (it handed this Fetch stores, and the session released
+        it)."""
+        entry = self.entries.get(serve.req)
+        if entry is not None:
+            entry.waiting = [w for w in entry.waiting if w[1] is not serve]
+            self._gc(serve.req)
 
     # -- timers (fired by the manager, from the node's heap) ----------------
 

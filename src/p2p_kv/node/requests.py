@@ -2,8 +2,7 @@
 
 A :class:`Request` is everything the manager keeps for one live engine
 request with a p2p leg; :class:`RequestTable` indexes the records (by id,
-by consumer generation, by the peer a consumer leg names, with lookups to
-flush), so popping a record takes it out of every index at once. A
+by consumer generation, with lookups to flush), so popping a record takes it out of every index at once. A
 :class:`Job` is a submitted job until its one result is handed back:
 jobs outlive their request (a finished request's load still settles), so
 they live in a :class:`JobTable` of their own.
@@ -18,7 +17,7 @@ from dataclasses import dataclass, field
 from p2p_kv.node.indexes import residue_of
 from p2p_kv.node.roles import Source
 from p2p_kv.node.tallies import LoadObservation, Tallies
-from p2p_kv.peer import tally
+from p2p_kv.peer import is_inbound, tally
 from p2p_kv.peer.records import LoadResult, StoreResult
 
 
@@ -86,9 +85,6 @@ class RequestTable:
         #: consumer legs by generation: what probe answers and load
         #: results name
         self.by_gen: dict[int, Request] = {}
-        #: requests by the peer their consumer leg names: what a session's
-        #: end or a dial for room reads, not every request
-        self.by_peer: dict[str, dict[str, Request]] = {}
         #: ids of requests with lookups to flush
         self.unsent: set[str] = set()
 
@@ -97,7 +93,6 @@ class RequestTable:
         if source is not None:
             req.consumer = Consumer(source, next(self._gens))
             self.by_gen[req.consumer.gen] = req
-            self.by_peer.setdefault(source.peer, {})[req_id] = req
         return req
 
     def pop(self, req_id: str) -> Request | None:
@@ -107,11 +102,6 @@ class RequestTable:
         if req is not None and req.consumer is not None:
             self.unsent.discard(req_id)
             del self.by_gen[req.consumer.gen]
-            peer = req.consumer.source.peer
-            named = self.by_peer[peer]
-            del named[req_id]
-            if not named:
-                del self.by_peer[peer]
         return req
 
     def consumer(self, req_id: str) -> Consumer | None:
@@ -122,15 +112,28 @@ class RequestTable:
         """The hits a session answered died with it: the peer pinned them
         for that session, so a load of them through the next one is
         refused (``not pinned``) and recomputes. Asked again instead, as
-        keys never asked are. (Misses stay misses.) Runs once a session,
-        over the live requests that name its peer (none for an inbound
-        one)."""
-        for req in self.by_peer.get(peer, {}).values():
+        keys never asked are. (Misses stay misses.) Runs once a dialled
+        session ends, over the live consumer legs (an engine's batch, not
+        a peer's choosing: no leg names an inbound session, whose end
+        reads nothing)."""
+        if is_inbound(peer):
+            return
+        for req in self.by_gen.values():
             consumer = req.consumer
-            if consumer is None or consumer.fetched:
+            if consumer is None or consumer.fetched or consumer.source.peer != peer:
                 continue
             if consumer.source.probe and any(consumer.keys.values()):
                 consumer.keys = {k: hit for k, hit in consumer.keys.items() if not hit}
+
+    def named_peers(self) -> set[str]:
+        """The peers live consumer legs name (a dial for room closes none
+        of theirs). Read only when ``max_peers`` is reached, so no index
+        is kept for it."""
+        return {
+            r.consumer.source.peer
+            for r in self.by_gen.values()
+            if r.consumer is not None
+        }
 
     def waiting(self, jobs: JobTable) -> int:
         """Live consumer requests blocked on us (an unanswered lookup or a

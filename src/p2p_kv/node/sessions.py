@@ -95,11 +95,12 @@ class Peers:
     # -- dialling -----------------------------------------------------------
 
     def session_for(
-        self, peer: str, now: float, busy: Container[str]
+        self, peer: str, now: float, busy: Callable[[], Container[str]]
     ) -> Session | None:
         """The live session to ``peer``, dialling one if none; None when
         closed, in the backoff, or refused for ``max_peers``. ``busy``: the
-        peers live requests name (never closed for room)."""
+        peers live requests name (never closed for room), asked only when
+        a dial needs room."""
         session = self.sessions.get(peer)
         if session is not None and not session.link.closed:
             session.used_at = now
@@ -108,7 +109,9 @@ class Peers:
             return None  # closed, awaiting invalidation
         if now < self.retry_at.get(peer, 0.0):
             return None
-        if len(self.dialled) >= self._settings.max_peers and not self._make_room(busy):
+        if len(self.dialled) >= self._settings.max_peers and not self._make_room(
+            busy()
+        ):
             # Clients choose the peers; each dial costs sockets the engine
             # cannot run out of. This request recomputes.
             self._tallies.count_limit_refusal("too_many_peers")
@@ -301,9 +304,6 @@ class SessionWork:
         #: what the runtime's next pump carries out, in order (transfers,
         #: closed sessions; see LoadManager.take_events)
         self.out: list[tuple[str, RuntimeEvent]] = []
-        #: Fetches for parked stores just received (WantsParked), bound
-        #: before the message's handling returns
-        self.wants: list[tuple[Session, Serve]] = []
 
     def rearm(self, sessions: Mapping[str, Session]) -> None:
         """Re-arm the deadlines of sessions touched this step, then forget

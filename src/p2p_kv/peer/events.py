@@ -112,6 +112,18 @@ class WantsParked:
     owner binds the stores (``attach_parked``) when they are there."""
 
     serve: Serve
+    #: when it arrived: the owner's grace for a finished producer and the
+    #: write it may start count from then
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class ParkedFetchEnded:
+    """A Fetch for parked stores was released (answered, refused, timed
+    out, aborted, or its session lost): the owner stops keeping it with
+    the stores it waited for."""
+
+    serve: Serve
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,6 +244,7 @@ SessionEvent: TypeAlias = (
     | ProbeAnswered
     | PinJob
     | WantsParked
+    | ParkedFetchEnded
     | Orphaned
     | Closed
     | HoldingsHeard

@@ -15,6 +15,7 @@ from p2p_kv.peer.events import (
     Cancel,
     Direction,
     Orphaned,
+    ParkedFetchEnded,
     PinJob,
     PostWrite,
     StoreDone,
@@ -289,7 +290,7 @@ class ProducerSide:
             self._serves[(msg.req, msg.gen)] = serve
             serve.waiting = self.waiting
             self.waiting.add(cost)
-            self.link.emit(WantsParked(serve))
+            self.link.emit(WantsParked(serve, now))
             return
         if serve.state is State.REVOKING:
             # The consumer had not seen our Revoke yet: the pins are going.
@@ -468,6 +469,8 @@ class ProducerSide:
         if serve.write_id in self._writing:
             del self._writing[serve.write_id]
         self._stores_done(serve.let_go(event, ok, reason))
+        if serve.fetch is not None and serve.fetch.parked:
+            self.link.emit(ParkedFetchEnded(serve))
         # Its timer entry may outlive it (see _arm): not the peer's keys and
         # slots (8 MiB for 60,000 keys, outside every per-peer bound).
         serve.fetch = None
