@@ -81,7 +81,7 @@ def test_a_pair_of_two_layouts_refuses_at_first_contact_and_recomputes_at_once(
         # Well inside the lookup deadline (8 s) it would otherwise wait.
         assert took < 1.0, took
         sink = Sink()
-        MetricsExporter().collect(cons.manager, sink)  # type: ignore[arg-type]
+        cons.runtime.collect_metrics(MetricsExporter(), sink)  # type: ignore[arg-type]
         assert sink.counters[REFUSALS] == {(prod.address, reason): 1}
         lines = [
             r.getMessage()

@@ -140,8 +140,8 @@ def test_a_refused_source_is_exported_as_a_refusal_by_reason() -> None:
     exporter, sink = MetricsExporter(), _Sink()
     for i in range(3):
         m.on_new_request(f"r{i}", _roles("10.6.6.6", 5800), 0.0)
-    exporter.collect(m, sink)
-    exporter.collect(m, sink)  # increments, not totals
+    exporter.collect(m, sink, request_state=0)
+    exporter.collect(m, sink, request_state=0)  # increments, not totals
     assert sink.counters[(REFUSALS, ("unknown", NOT_A_MEMBER))] == 3
 
 

@@ -91,7 +91,9 @@ class Sink:
 
 def collect(exp: MetricsExporter, net: Net, name: str, live: int = 0) -> Sink:
     sink = Sink()
-    exp.collect(net.engines[name].manager, sink, live_requests=live)
+    m = net.engines[name].manager
+    state = sum(m.state_report().values())
+    exp.collect(m, sink, live_requests=live, request_state=state)
     return sink
 
 
@@ -335,13 +337,13 @@ def test_same_host_reads_are_sent_as_increments_of_the_data_planes_count() -> No
     exp = MetricsExporter()
     b = net.engines["b"].manager
     first = Sink()
-    exp.collect(b, first, same_host_reads=3)
+    exp.collect(b, first, same_host_reads=3, request_state=0)
     assert first.counters[SAME_HOST_READS] == {(): 3}
     again = Sink()
-    exp.collect(b, again, same_host_reads=3)
+    exp.collect(b, again, same_host_reads=3, request_state=0)
     assert SAME_HOST_READS not in again.counters
     later = Sink()
-    exp.collect(b, later, same_host_reads=5)
+    exp.collect(b, later, same_host_reads=5, request_state=0)
     assert later.counters[SAME_HOST_READS] == {(): 2}
 
 
@@ -351,10 +353,10 @@ def test_staging_held_gauge_follows_the_data_plane() -> None:
     net = make_net()
     exp = MetricsExporter()
     sink = Sink()
-    exp.collect(net.engines["b"].manager, sink, staging_held=3)
+    exp.collect(net.engines["b"].manager, sink, staging_held=3, request_state=0)
     assert sink.gauges[STAGING_HELD] == {(): 3}
     sink = Sink()
-    exp.collect(net.engines["b"].manager, sink, staging_held=0)
+    exp.collect(net.engines["b"].manager, sink, staging_held=0, request_state=0)
     assert sink.gauges[STAGING_HELD] == {(): 0}
 
 

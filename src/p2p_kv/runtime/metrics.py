@@ -325,14 +325,18 @@ class MetricsExporter:
         manager: LoadManager,
         sink: StatsSink,
         *,
+        request_state: int,
         live_requests: int = 0,
         same_host_reads: int = 0,
         staging_held: int = 0,
-        request_state: int | None = None,
     ) -> None:
         """Add everything new since the last call to ``sink``.
         ``same_host_reads`` and ``staging_held`` are the data plane's (the
-        manager cannot tell a copy from a NIXL READ, nor sees staging)."""
+        manager cannot tell a copy from a NIXL READ, nor sees staging);
+        ``request_state`` is the runtime's state report summed (the
+        manager's containers and the runtime's own), passed in because
+        the runtime takes it at most once a second while requests are
+        live."""
         if same_host_reads > self._same_host_reads:
             sink.increase_counter(
                 SAME_HOST_READS, same_host_reads - self._same_host_reads, ()
@@ -351,8 +355,6 @@ class MetricsExporter:
                 del self._seen[session]
         self._loads(manager, sink)
         self._manager_errors_deltas(manager, sink)
-        if request_state is None:
-            request_state = sum(manager.state_report().values())
         self._gauges_now(
             manager, live, sink, live_requests, staging_held, request_state
         )
