@@ -73,11 +73,7 @@ def _walk(same_host: bool) -> dict[str, Any]:
     try:
         b.open("walk", a.address, "kv-walk")
         end = time.monotonic() + 10.0
-        answers = [Answer.RETRY]
-        while Answer.RETRY in answers and time.monotonic() < end:
-            answers = [b.manager.lookup("walk", k) for k in keys]
-            b.runtime.flush()
-            b.step()
+        answers = b.ask("walk", keys, end)
         if answers != [Answer.HIT] * BLOCKS:
             raise RuntimeError(f"lookup answered {answers}, not {BLOCKS} hits")
 

@@ -181,6 +181,17 @@ class StandalonePeer:
         )
         self.runtime.start_request(req_id, roles)
 
+    def ask(self, req_id: str, keys: Sequence[bytes], end: float) -> list[Answer]:
+        """Look ``keys`` of open request ``req_id`` up until none is
+        RETRY or ``end`` (``time.monotonic()``) passes, as vLLM's
+        scheduler asks each step and sends the lookups at the step's end."""
+        while True:
+            answers = [self.manager.lookup(req_id, k) for k in keys]
+            if Answer.RETRY not in answers or time.monotonic() > end:
+                return answers
+            self.runtime.flush()
+            self.step()
+
     def fetch(
         self,
         peer: str,
@@ -194,19 +205,13 @@ class StandalonePeer:
         finish: bool = True,
     ) -> FetchOutcome:
         """Look ``keys`` up at ``peer`` and load the hits into ``slots``."""
-        m, rt = self.manager, self.runtime
+        rt = self.runtime
         req_id = req_id or f"req-{next(self._jobs)}"
         t0 = time.perf_counter()
         self.open(req_id, peer, kv_id, probe=probe)
         end = time.monotonic() + timeout_s
-        t_lookup = t0
         try:
-            while True:
-                answers = [m.lookup(req_id, k) for k in keys]
-                if Answer.RETRY not in answers or time.monotonic() > end:
-                    break
-                rt.flush()  # send the lookups now, as the scheduler's step end does
-                self.step()
+            answers = self.ask(req_id, keys, end)
             t_lookup = time.perf_counter()
             hit_idx = [i for i, a in enumerate(answers) if a is Answer.HIT]
             outcome = FetchOutcome(hits=len(hit_idx), lookup_s=t_lookup - t0)
