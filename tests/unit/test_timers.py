@@ -16,7 +16,7 @@ def test_timers_of_every_kind_fire_in_deadline_order_ties_in_arm_order() -> None
     timers = Timers()
     timers.arm(3.0, WaitNoteDue("kv3"))
     timers.arm(1.0, SessionDue("b"))
-    timers.arm(2.0, LateFetchDue("kv2", object()))
+    timers.arm(2.0, LateFetchDue("kv2", 1))
     timers.arm(1.0, SessionDue("a"))  # same instant as b, armed later
     timers.arm(9.0, SessionDue("late"))
     assert timers.next_deadline() == 1.0

@@ -12,6 +12,7 @@ sessions only through the lookup and ``touch`` it is given.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -41,6 +42,10 @@ class ParkedEntry:
     producer_seen: bool = False
     #: a FetchWait note for its waiting fetches is armed
     noted: bool = False
+    #: this entry's number among every entry the registry made: a timer
+    #: armed for it names it (an entry gone and made again for the same
+    #: kv id is another one)
+    number: int = 0
 
 
 class ParkedRegistry:
@@ -64,6 +69,7 @@ class ParkedRegistry:
         self._session_of = session_of
         self._touch = touch
         self.entries: dict[str, ParkedEntry] = {}
+        self._numbers = itertools.count(1)
         #: kv ids whose producer requests all ended with nothing parked,
         #: until when a Fetch may still come (``parked_ttl_s``): without
         #: them a late Fetch would wait out its deadline for stores that
@@ -79,7 +85,7 @@ class ParkedRegistry:
         same prefill re-registered under a reused engine id, already
         counted)."""
         self.finished.pop(kv_id, None)
-        entry = self.entries.setdefault(kv_id, ParkedEntry())
+        entry = self._entry(kv_id)
         entry.live_producers += 0 if carried else 1
         entry.producer_seen = True
         self._note_waiting(kv_id, now)  # a decoder came first
@@ -99,7 +105,7 @@ class ParkedRegistry:
         self._gc(kv_id)
 
     def park(self, store: ParkedStore, now: float) -> None:
-        entry = self.entries.setdefault(store.kv_id, ParkedEntry())
+        entry = self._entry(store.kv_id)
         entry.stores.append(store)
         self._timers.arm(store.deadline, StoreDue(store))
         self._feed_waiting(store.kv_id, now)
@@ -125,12 +131,12 @@ class ParkedRegistry:
         """A parked Fetch from ``peer`` wants the stores of ``serve.req``."""
         entry = self.entries.get(serve.req)
         if entry is None:
-            entry = self.entries[serve.req] = ParkedEntry()
+            entry = self._entry(serve.req)
             # Its producer already ended with nothing parked: refused after
             # a short grace (a retry may reuse the id), not at the Fetch's
             # deadline, unless a producer request for it comes meanwhile.
             if self.finished.get(serve.req, 0.0) > now:
-                late = LateFetchDue(serve.req, entry)
+                late = LateFetchDue(serve.req, entry.number)
                 self._timers.arm(now + LATE_FETCH_GRACE_S, late)
         entry.waiting.append((peer, serve))
         self._feed_waiting(serve.req, now)
@@ -192,6 +198,13 @@ class ParkedRegistry:
             when = now + self._settings.timeouts.heartbeat_interval_s
             self._timers.arm(when, WaitNoteDue(kv_id))
 
+    def _entry(self, kv_id: str) -> ParkedEntry:
+        """``kv_id``'s entry, made (and numbered) if it has none."""
+        entry = self.entries.get(kv_id)
+        if entry is None:
+            entry = self.entries[kv_id] = ParkedEntry(number=next(self._numbers))
+        return entry
+
     def _gc(self, kv_id: str) -> None:
         entry = self.entries.get(kv_id)
         if (
@@ -220,7 +233,11 @@ class ParkedRegistry:
     def late_fetch_due(self, due: LateFetchDue, now: float) -> None:
         """Refuse the Fetches whose grace passed with no producer back."""
         entry = self.entries.get(due.kv_id)
-        if entry is not None and entry is due.entry and entry.live_producers == 0:
+        if (
+            entry is not None
+            and entry.number == due.entry
+            and entry.live_producers == 0
+        ):
             entry.producer_seen = True  # no producer came: none will
             self._feed_waiting(due.kv_id, now)
 

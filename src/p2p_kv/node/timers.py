@@ -49,14 +49,15 @@ class StoreDue:
     store: ParkedStore
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(frozen=True, slots=True)
 class LateFetchDue:
     """A Fetch that came after its producer ended waited out its grace.
-    ``entry`` is the parked entry it was armed for: a later Fetch of the
-    same id makes a new one, with a grace of its own."""
+    ``entry`` numbers the parked entry it was armed for: a later Fetch of
+    the same id, once that entry is gone, makes a new one, with a grace of
+    its own."""
 
     kv_id: str
-    entry: object
+    entry: int
 
 
 @dataclass(frozen=True, slots=True)
