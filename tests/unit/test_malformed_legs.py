@@ -71,7 +71,7 @@ def test_a_store_of_a_bad_decoder_leg_fails_and_is_counted() -> None:
     m.on_request_finished("r", net.now)
     assert not any(m.state_report().values())
     sink = _Counters()
-    MetricsExporter().collect(m, sink)
+    MetricsExporter().collect(m, sink, request_state=0)
     assert sink.counters == {(PROTOCOL_ERRORS, (UNKNOWN, "bad_remote_decoder")): 2}
 
 
