@@ -251,7 +251,7 @@ def share_both_ways(
     time.sleep(1.0)  # rank 1 stores its blocks at its next steps
     out_b = b.ask(ids, source("kv-dp-rank1", pa + 1), max_tokens=max_tokens)
     assert out_b == out_a
-    text = wait_loaded_past(a, b, pa + 1, 0.0)
+    text = wait_loaded_past(a, b, pa + 1, 0.0, reach=CHUNKS * chunk_bytes)
     assert p2p_metric(text, LOOKUP_HITS, pa + 1) >= CHUNKS, text
     assert loaded_bytes(text, pa + 1) == CHUNKS * chunk_bytes
     # Rank 1 served them (A's per-rank series), rank 0 nothing.

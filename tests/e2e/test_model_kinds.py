@@ -315,6 +315,7 @@ def test_tp2_engines_share_kv_and_a_tp1_engine_is_refused() -> None:
         assert chunks >= 4, text
         # K and V, bf16, 2 layers, a rank's one KV head: one worker's slot
         slot = 2 * 2 * TINY.num_layers * ENGINE_BLOCK * TINY.head_dim
+        text = wait_loaded_past(a, b, pa, 0.0, reach=chunks * 2 * slot)
         assert loaded_bytes(text, pa) == chunks * 2 * slot  # both ranks' slots
         b.close()
         started.remove(b)

@@ -211,20 +211,26 @@ def loaded_bytes(text: str, pa: int) -> float:
     return 0.0
 
 
-def wait_loaded_past(a: Server, b: Server, pa: int, before: float) -> str:
-    """B's /metrics text once its bytes loaded from A exceed ``before``
-    (stats reach the API server every few seconds); else fail saying why."""
+def wait_loaded_past(
+    a: Server, b: Server, pa: int, before: float, reach: float = 0.0
+) -> str:
+    """B's /metrics text once its bytes loaded from A exceed ``before``,
+    and reach ``reach`` if given (stats reach the API server every few
+    seconds, so one request's loads may show in two reports); else fail
+    saying why."""
     deadline = time.monotonic() + 30
     while True:
         text = b.metrics()
-        if loaded_bytes(text, pa) > before:
+        loaded = loaded_bytes(text, pa)
+        if loaded > before and loaded >= reach:
             return text
         if time.monotonic() >= deadline:
             p2p = [
                 ln for ln in text.splitlines() if ln.startswith("vllm:kv_offload_p2p_")
             ]
             raise AssertionError(
-                "B loaded nothing from A; B's p2p metrics:\n"
+                f"B loaded {loaded:.0f} bytes from A (wanted past {before:.0f}"
+                f" and at least {reach:.0f}); B's p2p metrics:\n"
                 + "\n".join(p2p)
                 + f"\n--- A's log tail ---\n{a.tail()}\n--- B's log tail ---\n"
                 + b.tail()
